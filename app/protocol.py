@@ -1,0 +1,182 @@
+"""The voice-session wire protocol, in one place.
+
+One WebSocket per conversation at ``/ws``.
+
+Client -> server
+  * binary frames: microphone audio, mono PCM16 little-endian, at the sample rate
+    declared in ``start`` (16 kHz when no ``start`` is sent). Each frame must hold
+    whole samples and be at most ``MAX_AUDIO_FRAME_BYTES``.
+  * text frames: one JSON object each, see ``ClientMessage``.
+
+Server -> client
+  * binary frames: reply audio, mono PCM16 little-endian at ``Ready.output_sample_rate``.
+  * text frames: one JSON object each, see ``ServerMessage``.
+
+Every error is reported as an ``Error`` event; the session stays open unless the
+error says ``fatal``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+INPUT_SAMPLE_RATE = 16_000
+MAX_AUDIO_FRAME_BYTES = 64 * 1024  # ~2 s of 16 kHz PCM16; a browser sends 20-100 ms
+MAX_TEXT_FRAME_BYTES = 8 * 1024
+MIN_INPUT_SAMPLE_RATE = 8_000
+MAX_INPUT_SAMPLE_RATE = 96_000
+MAX_USER_TEXT_CHARS = 2_000
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------- client -> server
+class Start(_Message):
+    """Optional first message: declares the microphone's sample rate."""
+
+    type: Literal["start"] = "start"
+    sample_rate: int = Field(INPUT_SAMPLE_RATE, ge=MIN_INPUT_SAMPLE_RATE, le=MAX_INPUT_SAMPLE_RATE)
+
+
+class UserText(_Message):
+    """A typed user turn (no audio), answered like a spoken one."""
+
+    type: Literal["text"] = "text"
+    text: str = Field(min_length=1, max_length=MAX_USER_TEXT_CHARS)
+
+
+class Reset(_Message):
+    """Forget the conversation history and cancel any reply in progress."""
+
+    type: Literal["reset"] = "reset"
+
+
+class Playback(_Message):
+    """Client report of how much reply audio it has actually played (for barge-in)."""
+
+    type: Literal["playback"] = "playback"
+    turn_id: int = Field(ge=0)
+    played_ms: float = Field(ge=0)
+
+
+ClientMessage = Annotated[Union[Start, UserText, Reset, Playback], Field(discriminator="type")]
+_client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
+
+
+# ---------------------------------------------------------------- server -> client
+class Ready(_Message):
+    """Sent once on connect and again after each ``start``."""
+
+    type: Literal["ready"] = "ready"
+    protocol: int = PROTOCOL_VERSION
+    input_sample_rate: int
+    output_sample_rate: int
+
+
+class SpeechStarted(_Message):
+    type: Literal["speech_started"] = "speech_started"
+
+
+class SpeechStopped(_Message):
+    type: Literal["speech_stopped"] = "speech_stopped"
+
+
+class Transcript(_Message):
+    """What the user said; ``final`` is false for partials while they speak."""
+
+    type: Literal["transcript"] = "transcript"
+    turn_id: int
+    text: str
+    final: bool
+
+
+class AssistantText(_Message):
+    """A piece of the assistant's reply, as the LLM streams it."""
+
+    type: Literal["assistant_text"] = "assistant_text"
+    turn_id: int
+    delta: str
+
+
+class AudioStart(_Message):
+    """Binary reply audio for ``turn_id`` follows."""
+
+    type: Literal["audio_start"] = "audio_start"
+    turn_id: int
+    sample_rate: int
+
+
+class Interrupt(_Message):
+    """Barge-in: stop playing the reply of ``turn_id`` now and drop its queued audio."""
+
+    type: Literal["interrupt"] = "interrupt"
+    turn_id: int
+
+
+class TurnDone(_Message):
+    """The reply of ``turn_id`` is complete (or was cut short: ``interrupted``)."""
+
+    type: Literal["turn_done"] = "turn_done"
+    turn_id: int
+    text: str
+    interrupted: bool = False
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class Error(_Message):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    fatal: bool = False
+
+
+ServerMessage = Union[
+    Ready, SpeechStarted, SpeechStopped, Transcript, AssistantText, AudioStart, Interrupt, TurnDone, Error
+]
+
+
+class ProtocolError(Exception):
+    """Bad client input; carries the ``Error`` event to send back."""
+
+    def __init__(self, code: str, message: str, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.event = Error(code=code, message=message, fatal=fatal)
+
+
+def parse_client_text(raw: str) -> Start | UserText | Reset | Playback:
+    """Validate one JSON text frame from the client."""
+    if len(raw.encode("utf-8", "replace")) > MAX_TEXT_FRAME_BYTES:
+        raise ProtocolError("frame_too_large", f"text frame over {MAX_TEXT_FRAME_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError("bad_json", f"message is not valid JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("bad_message", "message must be a JSON object")
+    kind = data.get("type")
+    if kind not in {"start", "text", "reset", "playback"}:
+        raise ProtocolError("unknown_type", f"unknown message type: {kind!r}")
+    try:
+        return _client_adapter.validate_python(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"][1:]) or "message"
+        raise ProtocolError("bad_message", f"invalid {kind!r} message: {where}: {first['msg']}") from None
+
+
+def check_audio_frame(data: bytes) -> None:
+    """Reject binary frames that cannot be PCM16 audio of a sane size."""
+    if len(data) > MAX_AUDIO_FRAME_BYTES:
+        raise ProtocolError("frame_too_large", f"audio frame of {len(data)} bytes is over {MAX_AUDIO_FRAME_BYTES}")
+    if len(data) % 2:
+        raise ProtocolError("bad_audio", "audio frame must hold whole PCM16 samples (even byte count)")
+
+
+def encode(message: _Message) -> str:
+    return message.model_dump_json()

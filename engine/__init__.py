@@ -1,0 +1,1 @@
+"""Parley's LLM serving engine. Must not import ``app``."""
