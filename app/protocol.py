@@ -65,7 +65,7 @@ class Playback(_Message):
     played_ms: float = Field(ge=0)
 
 
-ClientMessage = Annotated[Union[Start, UserText, Reset, Playback], Field(discriminator="type")]
+ClientMessage = Annotated[Start | UserText | Reset | Playback, Field(discriminator="type")]
 _client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
 
 

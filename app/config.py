@@ -1,0 +1,75 @@
+"""All settings of the voice app in one model: defaults < TOML file < PARLEY_* environment < CLI flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are Parley, a friendly voice assistant. Answer in one or two short, plain sentences. No lists, no markdown."
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PARLEY_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    # ASR
+    asr_model: str = Field("bundled", description="'bundled' (tiny.en) or a CTranslate2 Whisper directory")
+    asr_device: str = "cpu"
+    asr_compute_type: str = "int8"
+    asr_beam_size: int = Field(1, ge=1, le=10)
+    asr_threads: int = Field(2, ge=1)
+
+    # LLM
+    llm_backend: Literal["engine", "transformers", "openai"] = "transformers"
+    llm_model: str = Field("bundled", description="'bundled' (SmolLM2-135M-Instruct), a model dir or a .gguf")
+    llm_url: str | None = Field(None, description="OpenAI-compatible base URL (e.g. http://host:8001/v1)")
+    llm_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    llm_quantization: Literal["none", "int8"] = "none"
+    llm_device: str = "cpu"
+    llm_max_tokens: int = Field(120, ge=1, le=4096)
+    llm_temperature: float = Field(0.0, ge=0.0, le=2.0)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    max_history_messages: int = Field(16, ge=0)
+
+    # TTS
+    tts_backend: Literal["piper"] = "piper"
+    tts_voice: str = Field("bundled", description="'bundled' (en_US joe medium) or a Piper .onnx path")
+
+    # VAD / turn-taking
+    vad_threshold: float = Field(0.5, gt=0.0, lt=1.0)
+    endpoint_silence_ms: int = Field(400, ge=100, le=3000)
+    min_speech_ms: int = Field(96, ge=0)
+    max_utterance_s: float = Field(30.0, gt=0)
+
+    # Limits
+    max_sessions: int = Field(32, ge=1)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml_path = os.environ.get("PARLEY_CONFIG")
+        if toml_path:
+            if not Path(toml_path).is_file():
+                raise FileNotFoundError(f"PARLEY_CONFIG points at {toml_path}, which does not exist")
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+        return tuple(sources)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings with CLI overrides (``None`` values mean "flag not given")."""
+    return Settings(**{key: value for key, value in overrides.items() if value is not None})

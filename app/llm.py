@@ -1,0 +1,114 @@
+"""The one interface the voice app uses to reach an LLM: an async text stream with abort.
+
+Backends: the in-process Parley engine (default), plain transformers ``generate`` (a
+reference), and any OpenAI-compatible server. Stopping iteration (or ``abort``) ends the
+generation and frees its resources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_tokens: int = 120
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+class ChatLLM(Protocol):
+    name: str
+
+    def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
+        """Yield the reply text piece by piece; closing the iterator aborts the request."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TransformersChatLLM:
+    """Reference backend: transformers ``generate`` on a thread, one request at a time."""
+
+    name = "transformers"
+
+    def __init__(self, model: str = "bundled", dtype: str = "bfloat16", settings: GenerationSettings | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from engine.weights import resolve_model
+
+        path = resolve_model(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+        self.settings = settings or GenerationSettings()
+        self._lock = threading.Lock()
+        self._cancel: dict[str, threading.Event] = {}
+
+    async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
+        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+        cancel = self._cancel.setdefault(request_id, threading.Event())
+
+        class _Cancelled(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):  # noqa: ARG002
+                return cancel.is_set()
+
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        ids = ids if hasattr(ids, "shape") else ids["input_ids"]
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=120)
+        sampling = (
+            {"do_sample": True, "temperature": self.settings.temperature, "top_p": self.settings.top_p}
+            if self.settings.temperature > 0
+            else {"do_sample": False}
+        )
+
+        def run() -> None:
+            import torch
+
+            with self._lock, torch.inference_mode():
+                try:
+                    self.model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=self.settings.max_tokens,
+                        streamer=streamer,
+                        stopping_criteria=StoppingCriteriaList([_Cancelled()]),
+                        pad_token_id=self.tokenizer.eos_token_id,
+                        **sampling,
+                    )
+                except Exception:
+                    streamer.end()
+                    raise
+
+        loop = asyncio.get_running_loop()
+        worker = loop.run_in_executor(None, run)
+        iterator = iter(streamer)
+        try:
+            while True:
+                piece = await loop.run_in_executor(None, next, iterator, None)
+                if piece is None:
+                    break
+                if piece:
+                    yield piece
+            await worker
+        finally:
+            cancel.set()
+            self._cancel.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        event = self._cancel.get(request_id)
+        if event:
+            event.set()
+
+    def close(self) -> None:
+        for event in self._cancel.values():
+            event.set()

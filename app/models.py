@@ -1,0 +1,59 @@
+"""Load every model once at start-up and share it across sessions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.asr import Transcriber
+from app.config import Settings
+from app.llm import ChatLLM, GenerationSettings
+from app.tts import PiperSynthesizer, Synthesizer
+from app.vad import SileroVad
+
+
+@dataclass
+class Models:
+    vad: SileroVad
+    asr: Transcriber
+    llm: ChatLLM
+    tts: Synthesizer
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def make_llm(settings: Settings) -> ChatLLM:
+    generation = GenerationSettings(max_tokens=settings.llm_max_tokens, temperature=settings.llm_temperature)
+    if settings.llm_backend == "transformers":
+        from app.llm import TransformersChatLLM
+
+        return TransformersChatLLM(settings.llm_model, dtype=settings.llm_dtype, settings=generation)
+    raise ValueError(f"LLM backend {settings.llm_backend!r} is not available yet")
+
+
+def load_models(settings: Settings, progress: Callable[[str], None] = print) -> Models:
+    """Load VAD, ASR, LLM and TTS, printing one line per model with its load time."""
+
+    def timed(label: str, load: Callable[[], object]):
+        progress(f"loading {label} ...")
+        started = time.perf_counter()
+        model = load()
+        progress(f"loaded {label} in {time.perf_counter() - started:.1f} s")
+        return model
+
+    vad = timed("VAD (Silero v6 ONNX)", SileroVad)
+    asr = timed(
+        f"ASR (faster-whisper {settings.asr_model}, {settings.asr_compute_type})",
+        lambda: Transcriber(
+            settings.asr_model,
+            device=settings.asr_device,
+            compute_type=settings.asr_compute_type,
+            cpu_threads=settings.asr_threads,
+            beam_size=settings.asr_beam_size,
+        ),
+    )
+    llm = timed(f"LLM ({settings.llm_backend}: {settings.llm_url or settings.llm_model})", lambda: make_llm(settings))
+    tts = timed(f"TTS (piper {settings.tts_voice})", lambda: PiperSynthesizer(settings.tts_voice))
+    return Models(vad=vad, asr=asr, llm=llm, tts=tts)

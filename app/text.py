@@ -1,0 +1,64 @@
+"""Turning a stream of LLM text into speakable pieces."""
+
+from __future__ import annotations
+
+import re
+
+_SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*(?=\s)|\n+")
+_CLAUSE_END = re.compile(r"[,;:—–](?=\s)")
+_ABBREVIATIONS = {"mr.", "mrs.", "ms.", "dr.", "st.", "vs.", "e.g.", "i.e.", "etc.", "no.", "jr.", "sr.", "prof."}
+_MARKUP = re.compile(r"[*_#`~>|]+|\[(?:[^\]]*)\]\((?:[^)]*)\)")
+_SPACES = re.compile(r"\s+")
+
+
+def speakable(text: str) -> str:
+    """Strip markdown and symbols a voice should not read out."""
+    return _SPACES.sub(" ", _MARKUP.sub(" ", text)).strip()
+
+
+class SentenceSplitter:
+    """Accumulates streamed text and releases whole sentences as soon as they end.
+
+    ``first_clause_chars``: while nothing has been released yet, also release at a clause
+    break (comma, semicolon, ...) once this many characters are buffered, so the first audio
+    starts early on a long opening sentence. 0 disables it.
+    """
+
+    def __init__(self, min_chars: int = 12, first_clause_chars: int = 0) -> None:
+        self.min_chars = min_chars
+        self.first_clause_chars = first_clause_chars
+        self._buffer = ""
+        self._released = 0
+
+    def push(self, delta: str) -> list[str]:
+        self._buffer += delta
+        pieces: list[str] = []
+        while True:
+            piece = self._next_piece()
+            if piece is None:
+                return pieces
+            pieces.append(piece)
+
+    def flush(self) -> str | None:
+        rest, self._buffer = self._buffer.strip(), ""
+        return rest or None
+
+    def _next_piece(self) -> str | None:
+        for match in _SENTENCE_END.finditer(self._buffer):
+            candidate = self._buffer[: match.end()].strip()
+            if len(candidate) < self.min_chars:
+                continue
+            last_word = candidate.rsplit(None, 1)[-1].lower()
+            if last_word in _ABBREVIATIONS or re.fullmatch(r"\d+\.", last_word):
+                continue  # "Dr." or a list number, not the end of a sentence
+            return self._take(match.end())
+        if self.first_clause_chars and self._released == 0 and len(self._buffer) >= self.first_clause_chars:
+            for match in _CLAUSE_END.finditer(self._buffer):
+                if match.end() >= self.min_chars:
+                    return self._take(match.end())
+        return None
+
+    def _take(self, end: int) -> str:
+        piece, self._buffer = self._buffer[:end].strip(), self._buffer[end:]
+        self._released += 1
+        return piece

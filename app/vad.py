@@ -1,0 +1,112 @@
+"""Streaming voice activity detection with the Silero VAD v6 ONNX model that faster-whisper ships.
+
+The model is loaded once and shared; each session owns a ``VadStream`` holding its
+recurrent state, so no session sees another's audio.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime
+
+WINDOW = 512  # samples per model call at 16 kHz (32 ms)
+CONTEXT = 64  # samples of the previous window the v6 model expects in front
+
+
+def _default_model_path() -> str:
+    from faster_whisper.utils import get_assets_path
+
+    return os.path.join(get_assets_path(), "silero_vad_v6.onnx")
+
+
+class SileroVad:
+    """The shared ONNX session (thread-safe for concurrent ``run`` calls)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        opts = onnxruntime.SessionOptions()
+        opts.inter_op_num_threads = 1
+        opts.intra_op_num_threads = 1
+        opts.log_severity_level = 4
+        self.session = onnxruntime.InferenceSession(
+            path or _default_model_path(), providers=["CPUExecutionProvider"], sess_options=opts
+        )
+
+    def probability(self, window_with_context: np.ndarray, state: tuple[np.ndarray, np.ndarray]):
+        prob, h, c = self.session.run(None, {"input": window_with_context[None, :], "h": state[0], "c": state[1]})
+        return float(prob.reshape(-1)[0]), (h, c)
+
+
+@dataclass(frozen=True)
+class VadEvent:
+    """``kind`` is "start" or "end"; ``sample`` indexes the stream (16 kHz) where speech began or ended."""
+
+    kind: str
+    sample: int
+
+
+@dataclass(frozen=True)
+class VadConfig:
+    threshold: float = 0.5
+    neg_threshold: float = 0.35
+    min_speech_ms: int = 96  # shorter bursts (a click, a cough onset) do not start speech
+    min_silence_ms: int = 300  # silence that ends a speech segment; endpointing may wait longer
+
+
+class VadStream:
+    """Feeds 16 kHz float audio through the model window by window and reports speech start/end."""
+
+    def __init__(self, model: SileroVad, config: VadConfig | None = None) -> None:
+        self.model = model
+        self.config = config or VadConfig()
+        self._pending = np.zeros(0, dtype=np.float32)
+        self._context = np.zeros(CONTEXT, dtype=np.float32)
+        self._state = (np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 128), np.float32))
+        self.samples_seen = 0  # stream position of the next window's first sample
+        self.speaking = False
+        self.last_probability = 0.0
+        self._run_start: int | None = None  # candidate speech start
+        self._silence_start: int | None = None  # candidate speech end
+
+    def reset(self) -> None:
+        self.__init__(self.model, self.config)
+
+    def feed(self, samples: np.ndarray) -> list[VadEvent]:
+        events: list[VadEvent] = []
+        buffer = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
+        usable = len(buffer) - len(buffer) % WINDOW
+        for offset in range(0, usable, WINDOW):
+            window = buffer[offset : offset + WINDOW]
+            prob, self._state = self.model.probability(np.concatenate([self._context, window]), self._state)
+            self._context = window[-CONTEXT:]
+            self.last_probability = prob
+            event = self._decide(prob, self.samples_seen)
+            if event:
+                events.append(event)
+            self.samples_seen += WINDOW
+        self._pending = buffer[usable:].copy()
+        return events
+
+    def _decide(self, prob: float, position: int) -> VadEvent | None:
+        cfg = self.config
+        if not self.speaking:
+            if prob >= cfg.threshold:
+                if self._run_start is None:
+                    self._run_start = position
+                if position + WINDOW - self._run_start >= cfg.min_speech_ms * 16:
+                    self.speaking, self._silence_start = True, None
+                    return VadEvent("start", self._run_start)
+            elif prob < cfg.neg_threshold:
+                self._run_start = None
+            return None
+        if prob < cfg.neg_threshold:
+            if self._silence_start is None:
+                self._silence_start = position
+            if position + WINDOW - self._silence_start >= cfg.min_silence_ms * 16:
+                self.speaking, self._run_start = False, None
+                return VadEvent("end", self._silence_start)
+        elif prob >= cfg.threshold:
+            self._silence_start = None
+        return None
