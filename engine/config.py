@@ -1,0 +1,52 @@
+"""Engine settings in one typed record, so every part (scheduler, cache, runner) reads the same numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class EngineConfig:
+    """What model to serve, in what precision, and how much memory and batching to allow.
+
+    ``kv_cache_bytes`` sizes the paged KV pool from a memory budget; ``num_blocks``
+    overrides it (tests use a tiny pool to force preemption). ``max_model_len``
+    defaults to the model's context length (capped by the pool size).
+    """
+
+    model: str = "bundled"
+    dtype: Dtype = "float32"
+    quantization: Literal["int8"] | None = None
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', not {self.quantization!r}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be cpu, cuda or auto, not {self.device!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be positive")
+
+    def resolved_device(self) -> str:
+        """``auto`` means CUDA when a GPU is visible, else CPU."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

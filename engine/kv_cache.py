@@ -1,0 +1,185 @@
+"""KV cache memory management (no compute): a pool of fixed-size blocks with prefix caching.
+
+Why: contiguous per-request KV buffers fragment memory and cannot be shared. Fixed-size
+blocks with per-request block tables let the engine admit requests by free-block count,
+free them the moment a request ends, and share identical prefixes (system prompt plus
+history re-sent every voice turn) between requests: a full block is identified by a hash
+of its parent block's hash and its own tokens, and freed cached blocks stay reusable
+until the LRU free list hands them out again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.request import Request
+
+_ROOT_HASH = -1
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class BlockPool:
+    """All blocks, the LRU free list (front = evicted first) and the hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no owner (cached-but-free blocks count: they are evictable)."""
+        return len(self._free)
+
+    def get_cached(self, block_hash: int) -> Block | None:
+        return self._cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on (cache-hit) blocks, pulling free ones off the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: list[Block]) -> None:
+        """Drop a reference; blocks reaching zero go to the end of the free list (evicted last)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache(self, block: Block, block_hash: int) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash not in self._cached:  # first writer wins; a duplicate stays private
+            self._cached[block_hash] = block
+            block.block_hash = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+
+
+class KVCacheManager:
+    """Per-request block tables on top of the pool, plus prefix-cache hit accounting."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._tables: dict[str, list[Block]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of each table already hashed
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def _update_hashes(self, req: Request, num_full_blocks: int) -> None:
+        bs = self.block_size
+        hashes = req.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash((parent, tuple(req.token_at(i * bs, (i + 1) * bs)))))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of ``req`` in full blocks, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        # The last token must always be computed to get logits, so never hit the whole prompt.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._update_hashes(req, max_blocks)
+        hits: list[Block] = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.pool.get_cached(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_query_tokens += num_query_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``req`` (after any cache hits); False if no room.
+
+        ``computed_blocks`` are prefix-cache hits for a request that has none yet.
+        """
+        table = self._tables.setdefault(req.request_id, [])
+        computed_blocks = computed_blocks or []
+        bs = self.block_size
+        num_computed = req.num_computed_tokens + len(computed_blocks) * bs
+        total = num_computed + num_new_tokens
+        need = -(-total // bs) - len(table) - len(computed_blocks)
+        hits_on_free_list = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(need, 0) > self.pool.num_free - hits_on_free_list:
+            if not table:
+                del self._tables[req.request_id]
+            return False
+        self.pool.touch(computed_blocks)
+        table.extend(computed_blocks)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        if self.enable_prefix_caching:
+            # Blocks that will be full once this step has run can be shared from now on: the
+            # runner writes all K/V of a layer before any attention of that layer reads it.
+            num_full = total // bs
+            start = max(self._num_cached.get(req.request_id, 0), len(computed_blocks))
+            if num_full > start:
+                self._update_hashes(req, num_full)
+                for i in range(start, num_full):
+                    self.pool.cache(table[i], req.block_hashes[i])
+                self._num_cached[req.request_id] = num_full
+        return True
+
+    def free(self, req: Request) -> None:
+        """Release all blocks of ``req`` (tail first, so shared prefixes are evicted last)."""
+        table = self._tables.pop(req.request_id, None)
+        self._num_cached.pop(req.request_id, None)
+        if table:
+            self.pool.release(list(reversed(table)))

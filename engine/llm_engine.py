@@ -1,0 +1,209 @@
+"""The engine core loop, synchronous: step() = schedule -> run model -> sample -> update.
+
+Why: one place owns the order of a step and the per-request output state (detokenizer,
+seeded generator), so the async front only has to move requests and outputs across a
+thread boundary. Not thread-safe: drive it from one thread (AsyncLLMEngine does).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling import SamplerRow, SamplingParams, make_generator, sample
+from engine.scheduler import RequestRejected, Scheduler
+from engine.weights import resolve_model
+
+log = logging.getLogger(__name__)
+
+_RATE_WINDOW_S = 5.0
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    detok: IncrementalDetokenizer
+    row: SamplerRow
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model(config.model)
+        self.model_path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.runner = ModelRunner(config, path)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_model_len
+        )
+        eos = self.tokenizer.eos_token_id
+        if eos is None and self.runner.model.args.eos_token_ids:
+            eos = self.runner.model.args.eos_token_ids[0]
+        self.eos_token_id = eos
+        self._rng = random.Random(config.seed)
+        self._states: dict[str, _RequestState] = {}
+        self._pending: list[RequestOutput] = []
+        self._rate: deque[tuple[float, int]] = deque()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_aborted_total = 0
+        self.requests_finished_total = 0
+        self._next_id = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    # --- requests --------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None) -> str:
+        """Queue a request. A request that can never fit is finished at once with an error output."""
+        params = params or SamplingParams()
+        if request_id is None:
+            self._next_id += 1
+            request_id = f"req-{self._next_id}"
+        if request_id in self._states:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        req = Request(request_id, self.tokenize(prompt), params, eos_token_id=self.eos_token_id)
+        try:
+            self.scheduler.add_request(req)
+        except RequestRejected as e:
+            self._pending.append(self._final(req, "error", str(e)))
+            self.requests_finished_total += 1
+            return request_id
+        row = SamplerRow(params, make_generator(params, self.runner.device, self._rng.getrandbits(63)))
+        self._states[request_id] = _RequestState(req, IncrementalDetokenizer(self.tokenizer, params.stop), row)
+        self.prompt_tokens_total += req.num_prompt_tokens
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; its stream gets a final 'abort' output."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.finish_request(request_id, "abort")
+        self.requests_aborted_total += 1
+        self._pending.append(self._final(state.request, "abort"))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def _final(self, req: Request, reason: str, error: str | None = None, text: str = "") -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            text_delta=text,
+            token_ids_delta=(),
+            finished=True,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+        )
+
+    # --- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        sample_ids, logits = self.runner.execute(sched)
+        sampled: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        if sample_ids:
+            rows = [self._states[i].row for i in sample_ids]
+            tokens, errs = sample(logits, rows)
+            for rid, tok, err in zip(sample_ids, tokens, errs, strict=True):
+                if err is None:
+                    sampled[rid] = tok
+                else:
+                    errors[rid] = err
+        now = time.monotonic()
+        updates = self.scheduler.update_from_output(sched, sampled, errors, now=now)
+        n_new = 0
+        for u in updates:
+            req = u.request
+            state = self._states.get(req.request_id)
+            if state is None:
+                continue
+            n_new += len(u.new_token_ids)
+            finished = u.finished
+            text, stopped = state.detok.add(u.new_token_ids, finished)
+            if stopped and not finished:
+                self.scheduler.finish_request(req.request_id, "stop")
+                finished = True
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    text_delta=text,
+                    token_ids_delta=tuple(u.new_token_ids),
+                    finished=finished,
+                    finish_reason=req.finish_reason if finished else None,
+                    error=req.error,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    arrival_time=req.arrival_time,
+                    first_token_time=req.first_token_time,
+                )
+            )
+            if finished:
+                del self._states[req.request_id]
+                self.requests_finished_total += 1
+        self.generation_tokens_total += n_new
+        if n_new:
+            self._rate.append((now, n_new))
+        return outputs
+
+    # --- metrics -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        now = time.monotonic()
+        while self._rate and now - self._rate[0][0] > _RATE_WINDOW_S:
+            self._rate.popleft()
+        tokens = sum(n for _, n in self._rate)
+        span = now - self._rate[0][0] if self._rate else 0.0
+        rate = tokens / max(span, 1e-3) if len(self._rate) > 1 else 0.0
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": self.kv.num_used_blocks,
+            "kv_blocks_total": self.kv.num_blocks,
+            "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
+            "generation_tokens_per_s": rate,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "requests_aborted_total": self.requests_aborted_total,
+            "requests_finished_total": self.requests_finished_total,
+            "num_preemptions_total": self.scheduler.num_preemptions,
+        }
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[list[int]]:
+        """Convenience for scripts and tests: run prompts to completion, return output token ids."""
+        ids = [self.add_request(None, p, params) for p in prompts]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.token_ids_delta)
+        return [out[i] for i in ids]

@@ -1,0 +1,311 @@
+"""Our own Llama-family forward (Llama, SmolLM2, Mistral, Qwen2) over the packed tokens of a step.
+
+Why not transformers' model: its per-op Python overhead dominates decode on a small CPU
+model, and it knows nothing of a paged KV cache. Here a step is one flat batch of tokens
+(decodes of running requests and prefill chunks of new ones) with per-token positions;
+each layer runs a handful of fused ops (QKV and gate/up are single matmuls, rotary on q
+and k together), writes K/V into the paged cache through a slot mapping, then reads K/V
+back from the blocks for attention: decodes in one batched SDPA call (query heads of a
+KV group folded into the query length, so no K/V repeat), prefill chunks one call each
+with a causal mask offset by the request's cached context.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ModelArgs:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelArgs:
+        arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg.num_attention_heads
+        eos = cfg.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        sw = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            sliding_window=sw,
+        )
+
+
+def rope_tables(cfg, head_dim: int, max_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_len, head_dim] exactly as transformers computes them (float32, then cast)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scaling = 1.0
+    elif rope_type in ("linear", "llama3", "yarn"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    else:  # dynamic/longrope change with sequence length; not supported by a static table
+        raise ValueError(f"rope_type {rope_type!r} is not supported")
+    pos = torch.arange(max_len, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype).to(device), (emb.sin() * scaling).to(dtype).to(device)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class DenseLinear:
+    """y = x W^T (+ b); weights kept as one contiguous tensor (fused QKV / gate_up)."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by all layers (built once per step by the model runner)."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each token
+    num_decodes: int  # the first num_decodes tokens are single-token requests
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    # prefill chunks: (token_start, token_end, block ids [nb] or None when no cached context, mask [n, L] or None)
+    prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
+    sample_indices: torch.Tensor  # [S] packed token rows whose logits are needed
+
+
+class LlamaModel:
+    """Weights plus a forward over packed tokens; holds no per-request state."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype, device: str, max_model_len: int | None = None) -> None:
+        from transformers import AutoConfig
+
+        path = Path(path)
+        self.config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        self.args = args = ModelArgs.from_config(self.config)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_len = max_model_len or args.max_position_embeddings
+        self.sliding_window = args.sliding_window
+        state = _load_state_dict(path)
+        self._build(state)
+        self.cos, self.sin = rope_tables(self.config, args.head_dim, self.max_len, dtype, self.device)
+
+    def _build(self, sd: dict[str, torch.Tensor]) -> None:
+        a = self.args
+
+        def take(name: str) -> torch.Tensor:
+            return sd.pop(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in sd else None
+
+        self.embed = take("model.embed_tokens.weight")
+        lm_head = sd.pop("lm_head.weight", None)
+        if a.tie_word_embeddings or lm_head is None:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = lm_head.to(device=self.device, dtype=self.dtype).contiguous()
+        self.norm = take("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(a.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+            biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            qkv_bias = torch.cat(biases).contiguous() if all(b is not None for b in biases) else None
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous()
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=DenseLinear(qkv, qkv_bias),
+                    o=DenseLinear(take(p + "self_attn.o_proj.weight")),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=DenseLinear(gate_up),
+                    down=DenseLinear(take(p + "mlp.down_proj.weight")),
+                )
+            )
+        if sd:
+            log.debug("unused weights: %s", sorted(sd)[:10])
+
+    # --- memory accounting -----------------------------------------------------------
+    def linear_weight_bytes(self) -> int:
+        """Bytes held by the transformer-layer linear weights (what quantization shrinks)."""
+        total = 0
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                total += _linear_bytes(lin)
+        return total
+
+    def weight_bytes(self) -> int:
+        """All weight bytes (embeddings counted once when tied)."""
+        total = self.linear_weight_bytes() + self.embed.numel() * self.embed.element_size()
+        if self.lm_head is not self.embed:
+            total += self.lm_head.numel() * self.lm_head.element_size()
+        total += self.norm.numel() * self.norm.element_size()
+        for layer in self.layers:
+            total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
+        return total
+
+    # --- forward -----------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [S, vocab] for ``meta.sample_indices``; K/V of every token written to ``kv_cache``.
+
+        ``kv_cache`` is [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
+        """
+        a = self.args
+        eps = a.rms_norm_eps
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        T = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = D // 2
+        hidden = a.hidden_size
+        for li, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (hidden,), layer.input_norm, eps)
+            qkv = layer.qkv(x)
+            qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
+            rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rot * sin
+            q = qk[:, :H]
+            k = qk[:, H:]
+            v = qkv[:, (H + KV) * D :].view(T, KV, D)
+            cache = kv_cache[li]
+            flat = cache.view(2, KV, -1, D)
+            flat.index_copy_(2, meta.slot_mapping, torch.stack((k, v)).transpose(1, 2))
+            attn = self._attention(q, k, v, cache, meta)
+            h = h + layer.o(attn)
+            x = F.rms_norm(h, (hidden,), layer.post_norm, eps)
+            gu = layer.gate_up(x)
+            g, u = gu.chunk(2, dim=-1)
+            h = h + layer.down(F.silu(g) * u)
+        h = h.index_select(0, meta.sample_indices)
+        h = F.rms_norm(h, (hidden,), self.norm, eps)
+        return F.linear(h, self.lm_head)
+
+    def _attention(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KV, D]
+        v: torch.Tensor,
+        cache: torch.Tensor,  # [2, KV, num_blocks, block_size, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T, H, D = q.shape
+        KV = k.shape[1]
+        G = H // KV
+        B = meta.num_decodes
+        if B == T:  # decode-only step: one batched call, no copies of q/out
+            return self._decode(q, cache, meta).reshape(T, H * D)
+        out = q.new_empty(T, H * D)
+        if B:
+            out[:B] = self._decode(q[:B], cache, meta).reshape(B, H * D)
+        for start, end, block_ids, mask in meta.prefills:
+            n = end - start
+            qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if block_ids is None:  # no cached context: attend within the chunk only
+                kp = k[start:end].transpose(0, 1).unsqueeze(0)
+                vp = v[start:end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=G > 1)
+            else:
+                kv = cache[:, :, block_ids].flatten(2, 3)  # [2, KV, L, D]
+                o = F.scaled_dot_product_attention(
+                    qp, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask, enable_gqa=G > 1
+                )
+            out[start:end] = o[0].transpose(0, 1).reshape(n, H * D)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        B, H, D = q.shape
+        KV = cache.shape[1]
+        qd = q.reshape(B, KV, H // KV, D)  # query heads of one KV head become query rows
+        kv = cache[:, :, meta.decode_block_tables]  # [2, KV, B, nb, bs, D]
+        kv = kv.flatten(3, 4).transpose(1, 2)  # [2, B, KV, L, D]
+        return F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=meta.decode_mask)
+
+
+def _linear_bytes(lin) -> int:
+    if hasattr(lin, "nbytes"):
+        return lin.nbytes()
+    total = lin.weight.numel() * lin.weight.element_size()
+    if lin.bias is not None:
+        total += lin.bias.numel() * lin.bias.element_size()
+    return total
+
+
+def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        sd.update(load_file(str(path / name)))
+    return sd

@@ -1,0 +1,25 @@
+"""The immutable record a request's stream yields, shared by the sync and async fronts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One increment of a request: new text/tokens since the last output, and the final state.
+
+    ``first_token_time`` is the ``time.monotonic()`` at which the first token was sampled
+    (TTFT = first_token_time - arrival_time); ``num_cached_tokens`` is the prefix-cache hit.
+    """
+
+    request_id: str
+    text_delta: str
+    token_ids_delta: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None

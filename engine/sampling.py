@@ -1,0 +1,104 @@
+"""Per-request sampling: parameters, and one batched sampler that turns logits into tokens.
+
+Greedy rows are an argmax over the batch; sampled rows use the request's own seeded
+generator so a seeded request gives the same tokens whatever else is in the batch.
+A row with a NaN/inf logit is reported as an error instead of emitting a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request (temperature 0 means greedy)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists for convenience but store tuples so the record stays hashable/immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class SamplerRow:
+    """One row of the logits to sample: the request's params and its generator (None for greedy)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = field(default=None)
+
+
+def make_generator(params: SamplingParams, device: str | torch.device, fallback_seed: int) -> torch.Generator | None:
+    """A private generator per request; unseeded requests get a fresh seed from the engine's RNG."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed if params.seed is not None else fallback_seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[str | None]]:
+    """Return one token per row, and per row an error message (None when fine).
+
+    ``logits`` is [num_rows, vocab] in any float dtype; it is processed in float32.
+    """
+    logits = logits.float()
+    finite = torch.isfinite(logits).all(dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    ok = finite.tolist()
+    out = tokens.tolist()
+    errors: list[str | None] = [None] * len(rows)
+    for i, row in enumerate(rows):
+        if not ok[i]:
+            errors[i] = "model produced non-finite logits (NaN or inf); request stopped"
+            continue
+        p = row.params
+        if p.greedy:
+            continue
+        out[i] = _sample_row(logits[i], p, row.generator)
+    return out, errors
+
+
+def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, idx = torch.sort(row, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        # Drop tokens once the mass *before* them already reaches top_p (always keep the first).
+        drop = (cum - probs) >= p.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
+    probs = torch.softmax(row, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
