@@ -9,9 +9,9 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are Parley, a friendly voice assistant. Answer in one or two short, plain sentences. No lists, no markdown."
-)
+# Measured on the bundled SmolLM2-135M: longer "voice style" instructions made it answer in
+# broken French; this short prompt near its training prompt answers plain questions best.
+DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named Parley. Keep your answers short."
 
 
 class Settings(BaseSettings):

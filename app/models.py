@@ -56,4 +56,26 @@ def load_models(settings: Settings, progress: Callable[[str], None] = print) -> 
     )
     llm = timed(f"LLM ({settings.llm_backend}: {settings.llm_url or settings.llm_model})", lambda: make_llm(settings))
     tts = timed(f"TTS (piper {settings.tts_voice})", lambda: PiperSynthesizer(settings.tts_voice))
-    return Models(vad=vad, asr=asr, llm=llm, tts=tts)
+    models = Models(vad=vad, asr=asr, llm=llm, tts=tts)
+    timed("warm-up (one pass through ASR, LLM and TTS)", lambda: warm_up(models))
+    return models
+
+
+def warm_up(models: Models) -> None:
+    """Run each model once so the first user does not pay for lazy initialisation."""
+    import asyncio
+
+    import numpy as np
+
+    models.asr.transcribe(np.zeros(16_000, dtype=np.float32))
+    list(models.tts.synthesize("Hello."))
+
+    async def first_tokens() -> None:
+        stream = models.llm.stream([{"role": "user", "content": "Hi"}], "warm-up")
+        try:
+            async for _ in stream:
+                break
+        finally:
+            await stream.aclose()
+
+    asyncio.run(first_tokens())

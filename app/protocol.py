@@ -19,7 +19,7 @@ error says ``fatal``.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -136,9 +136,9 @@ class Error(_Message):
     fatal: bool = False
 
 
-ServerMessage = Union[
-    Ready, SpeechStarted, SpeechStopped, Transcript, AssistantText, AudioStart, Interrupt, TurnDone, Error
-]
+ServerMessage = (
+    Ready | SpeechStarted | SpeechStopped | Transcript | AssistantText | AudioStart | Interrupt | TurnDone | Error
+)
 
 
 class ProtocolError(Exception):

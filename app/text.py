@@ -49,7 +49,7 @@ class SentenceSplitter:
             if len(candidate) < self.min_chars:
                 continue
             last_word = candidate.rsplit(None, 1)[-1].lower()
-            if last_word in _ABBREVIATIONS or re.fullmatch(r"\d+\.", last_word):
+            if last_word in _ABBREVIATIONS or re.fullmatch(r"\d{1,2}\.", last_word):
                 continue  # "Dr." or a list number, not the end of a sentence
             return self._take(match.end())
         if self.first_clause_chars and self._released == 0 and len(self._buffer) >= self.first_clause_chars:
@@ -62,3 +62,8 @@ class SentenceSplitter:
         piece, self._buffer = self._buffer[:end].strip(), self._buffer[end:]
         self._released += 1
         return piece
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words without punctuation, for comparing transcripts."""
+    return re.findall(r"[a-z0-9']+", text.lower().replace("’", "'"))

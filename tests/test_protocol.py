@@ -1,0 +1,66 @@
+import json
+
+import pytest
+
+from app import protocol
+from app.protocol import ProtocolError, check_audio_frame, parse_client_text
+
+
+def error_code(call) -> str:
+    with pytest.raises(ProtocolError) as info:
+        call()
+    assert info.value.event.message  # every error says what was wrong
+    return info.value.event.code
+
+
+def test_valid_messages_parse_to_typed_objects():
+    assert parse_client_text('{"type": "start", "sample_rate": 48000}') == protocol.Start(sample_rate=48000)
+    assert parse_client_text('{"type": "start"}').sample_rate == 16000
+    assert parse_client_text('{"type": "text", "text": "hi"}') == protocol.UserText(text="hi")
+    assert isinstance(parse_client_text('{"type": "reset"}'), protocol.Reset)
+
+
+def test_malformed_json():
+    assert error_code(lambda: parse_client_text("{not json")) == "bad_json"
+
+
+def test_json_that_is_not_an_object():
+    assert error_code(lambda: parse_client_text("[1, 2]")) == "bad_message"
+
+
+def test_unknown_message_type():
+    assert error_code(lambda: parse_client_text('{"type": "dance"}')) == "unknown_type"
+    assert error_code(lambda: parse_client_text('{"text": "no type"}')) == "unknown_type"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "start", "sample_rate": 100},
+        {"type": "start", "sample_rate": "fast"},
+        {"type": "start", "sample_rate": 16000, "extra": 1},
+        {"type": "text", "text": ""},
+        {"type": "text", "text": "x" * (protocol.MAX_USER_TEXT_CHARS + 1)},
+    ],
+)
+def test_invalid_fields(message):
+    assert error_code(lambda: parse_client_text(json.dumps(message))) == "bad_message"
+
+
+def test_oversized_text_frame():
+    big = json.dumps({"type": "text", "text": "a" * protocol.MAX_TEXT_FRAME_BYTES})
+    assert error_code(lambda: parse_client_text(big)) == "frame_too_large"
+
+
+def test_audio_frame_must_hold_whole_samples():
+    check_audio_frame(b"\x00\x01" * 320)
+    assert error_code(lambda: check_audio_frame(b"\x00" * 641)) == "bad_audio"
+
+
+def test_oversized_audio_frame():
+    assert error_code(lambda: check_audio_frame(b"\x00" * (protocol.MAX_AUDIO_FRAME_BYTES + 2))) == "frame_too_large"
+
+
+def test_server_messages_serialize_with_their_type():
+    event = json.loads(protocol.encode(protocol.Transcript(turn_id=3, text="hello", final=True)))
+    assert event == {"type": "transcript", "turn_id": 3, "text": "hello", "final": True}

@@ -1,0 +1,47 @@
+from app.text import SentenceSplitter, speakable, words
+
+
+def stream(splitter: SentenceSplitter, text: str, step: int = 3) -> list[str]:
+    pieces = []
+    for index in range(0, len(text), step):
+        pieces += splitter.push(text[index : index + step])
+    rest = splitter.flush()
+    return pieces + ([rest] if rest else [])
+
+
+def test_sentences_are_released_as_soon_as_they_end():
+    splitter = SentenceSplitter()
+    assert splitter.push("Paris is the capital of France.") == []  # no following space yet: may be "France.5"
+    assert splitter.push(" It is") == ["Paris is the capital of France."]
+    assert splitter.flush() == "It is"
+
+
+def test_abbreviations_numbers_and_short_fragments_do_not_split():
+    text = "Dr. Smith moved there in 1999. It has 2.1 million people! Really? Yes, it is true."
+    assert stream(SentenceSplitter(), text) == [
+        "Dr. Smith moved there in 1999.",
+        "It has 2.1 million people!",
+        "Really? Yes, it is true.",
+    ]
+
+
+def test_newlines_end_a_piece():
+    assert stream(SentenceSplitter(), "First line here\nSecond line here") == ["First line here", "Second line here"]
+
+
+def test_first_clause_released_early_when_enabled():
+    splitter = SentenceSplitter(first_clause_chars=20)
+    text = "Well, the capital of France, as you may know, is Paris. It is big, old and lovely."
+    assert stream(splitter, text) == [
+        "Well, the capital of France,",
+        "as you may know, is Paris.",
+        "It is big, old and lovely.",
+    ]
+
+
+def test_speakable_strips_markdown():
+    assert speakable("**Paris** is the `capital` of [France](http://x).") == "Paris is the capital of ."
+
+
+def test_words_ignore_case_and_punctuation():
+    assert words("What is the capital of France?") == ["what", "is", "the", "capital", "of", "france"]

@@ -1,0 +1,118 @@
+"""End to end through a real `parley serve` (uvicorn) on a loopback port, with the bundled models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+
+import httpx
+import pytest
+import websockets
+
+from app.asr import Transcriber
+from app.audio import resample
+from app.text import words
+from app.voice_client import speak_turn
+
+QUESTION = "What is the capital of France?"
+STOP_WORDS = {"the", "a", "an", "is", "of", "and", "to", "in", "it", "i", "you"}
+
+
+def ws_url(base_url: str) -> str:
+    return base_url.replace("http://", "ws://") + "/ws"
+
+
+async def test_spoken_question_gets_a_spoken_answer(live_server, speech, output_dir):
+    result = await speak_turn(ws_url(live_server), speech(QUESTION), trailing_silence_s=1.5)
+
+    assert words(result.final_transcript) == words(QUESTION)
+    reply = result.assistant_text
+    assert words(reply), "assistant text must arrive"
+    assert result.event("audio_start") is not None
+    audio = result.reply_samples
+    assert len(audio) / result.output_sample_rate > 0.5
+
+    heard = Transcriber().transcribe(resample(audio, result.output_sample_rate, 16000)).text
+    shared = (set(words(heard)) & set(words(reply))) - STOP_WORDS
+    assert shared, f"reply audio {heard!r} does not say the reply text {reply!r}"
+    assert result.voice_to_voice_ms is not None and result.voice_to_voice_ms > 0
+    (output_dir / "ws_turn.json").write_text(
+        json.dumps(
+            {
+                "transcript": result.final_transcript,
+                "reply": reply,
+                "heard": heard,
+                "voice_to_voice_ms": result.voice_to_voice_ms,
+                "server_metrics": result.event("turn_done")["metrics"],
+            },
+            indent=2,
+        )
+    )
+
+
+@pytest.mark.slow
+async def test_voice_to_voice_baseline(live_server, speech, output_dir):
+    """Records (does not assert) the first-baseline latency: median of a few turns."""
+    latencies = []
+    for _ in range(3):
+        result = await speak_turn(ws_url(live_server), speech(QUESTION), trailing_silence_s=1.0)
+        latencies.append(result.voice_to_voice_ms)
+    assert all(latency is not None for latency in latencies)
+    (output_dir / "voice_to_voice_baseline.json").write_text(
+        json.dumps({"runs_ms": latencies, "median_ms": statistics.median(latencies)})
+    )
+
+
+async def test_bad_frames_get_errors_and_the_session_still_answers(live_server):
+    async with websockets.connect(ws_url(live_server)) as ws:
+        assert json.loads(await ws.recv())["type"] == "ready"
+        for frame, code in [
+            ("{oops", "bad_json"),
+            ('{"type":"x"}', "unknown_type"),
+            (b"\x00" * 5, "bad_audio"),
+            (b"\x00" * 70_000, "frame_too_large"),
+        ]:
+            await ws.send(frame)
+            event = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert (event["type"], event["code"]) == ("error", code)
+        await ws.send(json.dumps({"type": "text", "text": "Say hello."}))
+        while True:
+            message = await asyncio.wait_for(ws.recv(), 60)
+            if isinstance(message, str) and json.loads(message)["type"] == "turn_done":
+                break
+
+
+async def test_oversized_websocket_message_closes_only_that_session(live_server):
+    async with websockets.connect(ws_url(live_server), max_size=None) as ws:
+        await ws.recv()
+        await ws.send(b"\x00" * (2 << 20))  # over the server's 1 MiB WebSocket limit
+        with pytest.raises(websockets.ConnectionClosed):
+            for _ in range(10):
+                await asyncio.wait_for(ws.recv(), 10)
+    assert httpx.get(live_server + "/healthz").status_code == 200
+
+
+async def test_disconnect_mid_reply_frees_the_session_and_others_are_served(live_server, speech):
+    async with websockets.connect(ws_url(live_server)) as ws:
+        await ws.recv()
+        await ws.send(json.dumps({"type": "text", "text": "Tell me a long story about a dragon."}))
+        while True:
+            message = await asyncio.wait_for(ws.recv(), 60)
+            if isinstance(message, str) and json.loads(message)["type"] == "assistant_text":
+                break
+    # gone mid-reply; the server must drop that session and keep answering others
+    for _ in range(100):
+        if httpx.get(live_server + "/healthz").json()["sessions"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert httpx.get(live_server + "/healthz").json()["sessions"] == 0
+    result = await speak_turn(ws_url(live_server), speech(QUESTION), trailing_silence_s=1.0)
+    assert words(result.final_transcript) == words(QUESTION)
+    assert len(result.reply_samples) > 0
+
+
+def test_healthz_and_page(live_server):
+    assert httpx.get(live_server + "/healthz").json()["status"] == "ok"
+    page = httpx.get(live_server + "/")
+    assert page.status_code == 200 and "<html" in page.text.lower()
