@@ -1,0 +1,321 @@
+"""The web page in a real browser: Debian chromium driven by Playwright.
+
+The fake microphone is fed from a WAV file (chromium loops it), so the page hears a
+real spoken question, the real server answers it, and the page plays the answer.
+Recipe: DESIGN.md, "Testing recipes". Never run `playwright install` here: we drive the
+system chromium.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import json
+import re
+import shutil
+import threading
+import time
+import wave
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+QUESTION = "What is the capital of France?"
+TURN_TIMEOUT_MS = 90_000  # a slow 2-core CPU runs ASR, the LLM and TTS for each turn
+
+BASE_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+FAKE_MIC_ARGS = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
+
+
+@pytest.fixture(scope="module")
+def playwright():
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        yield pw
+
+
+@contextlib.contextmanager
+def browser_page(playwright, profile_dir: Path, args: list[str], permissions: list[str]):
+    """A persistent-context chromium page that records uncaught page errors."""
+    context = playwright.chromium.launch_persistent_context(
+        str(profile_dir),
+        executable_path=str(CHROMIUM),
+        headless=True,
+        args=args,
+        permissions=permissions,
+        viewport={"width": 900, "height": 860},
+    )
+    try:
+        page = context.pages[0] if context.pages else context.new_page()
+        page.page_errors = []  # type: ignore[attr-defined]
+        page.on("pageerror", lambda exc: page.page_errors.append(str(exc)))
+        yield page
+    finally:
+        context.close()
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z']+", text.lower())
+
+
+@pytest.fixture(scope="module")
+def question_wav(speech_wav, tmp_path_factory) -> Path:
+    """0.5 s silence + the spoken question + 6 s silence, mono PCM16 16 kHz.
+
+    Chromium loops the fake-capture file, so the trailing silence is what separates
+    one asking of the question from the next.
+    """
+    with wave.open(str(speech_wav(QUESTION, sample_rate=16000)), "rb") as src:
+        assert (src.getnchannels(), src.getsampwidth()) == (1, 2)
+        rate = src.getframerate()
+        speech = src.readframes(src.getnframes())
+    path = tmp_path_factory.mktemp("browser-audio") / "question.wav"
+    with wave.open(str(path), "wb") as dst:
+        dst.setnchannels(1)
+        dst.setsampwidth(2)
+        dst.setframerate(rate)
+        dst.writeframes(b"\0\0" * (rate // 2) + speech + b"\0\0" * (rate * 6))
+    return path
+
+
+# ---------------------------------------------------------------- the conversation
+def test_spoken_question_is_transcribed_answered_and_played(
+    playwright, live_server, question_wav, output_dir, tmp_path
+):
+    args = [*BASE_ARGS, *FAKE_MIC_ARGS, f"--use-file-for-fake-audio-capture={question_wav}"]
+    timings: dict[str, float] = {}
+    with browser_page(playwright, tmp_path / "profile", args, ["microphone"]) as page:
+        page.goto(f"{live_server}/")
+        page.wait_for_function("window.parley && window.parley.socketState === 'open'", timeout=30_000)
+        assert page.locator("#start").get_attribute("aria-label") == "Start talking"
+
+        t0 = time.monotonic()
+        page.click("#start")
+        page.wait_for_function("window.parley.micOn === true", timeout=10_000)
+        assert page.locator("#start").get_attribute("aria-pressed") == "true"
+
+        # The final transcript: a user bubble that is no longer a growing partial.
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('#log .msg.user:not(.partial)')].some(el => {
+                   const t = el.textContent.toLowerCase();
+                   return t.includes('capital') && t.includes('france') && el.dataset.turn;
+               })""",
+            timeout=TURN_TIMEOUT_MS,
+        )
+        timings["final_transcript_s"] = time.monotonic() - t0
+        # Stop the microphone now: chromium loops the WAV, and a second asking of the
+        # question would (rightly) barge in on the reply this test wants to hear.
+        page.click("#start")
+        page.wait_for_function("window.parley.micOn === false", timeout=10_000)
+
+        user = page.locator("#log .msg.user").first
+        user_text = user.locator(".text").inner_text()
+        turn = user.get_attribute("data-turn")
+        assert words(user_text) == words(QUESTION), user_text
+
+        # The assistant's answer to that turn appears as text and is played as audio.
+        page.wait_for_function(
+            f"""() => {{
+                const el = document.querySelector('#log .msg.assistant[data-turn="{turn}"] .text');
+                return el && el.textContent.trim().length > 0;
+            }}""",
+            timeout=TURN_TIMEOUT_MS,
+        )
+        timings["assistant_text_s"] = time.monotonic() - t0
+        page.wait_for_function("window.parley.playedSamples > 0", timeout=TURN_TIMEOUT_MS)
+        timings["playback_started_s"] = time.monotonic() - t0
+        first = page.evaluate("window.parley.playedSamples")
+        page.wait_for_timeout(400)
+        later = page.evaluate("({played: parley.playedSamples, received: parley.receivedSamples})")
+        # Still playing, or already done; either way the counter may only grow and can
+        # never pass what was received.
+        assert later["played"] >= first > 0
+        assert later["played"] <= later["received"]
+
+        # The turn completes: the whole reply is played and the latency is shown.
+        page.wait_for_function(
+            f"window.parley.events.some(e => e.type === 'turn_done' && e.turn_id === {turn})",
+            timeout=TURN_TIMEOUT_MS,
+        )
+        page.wait_for_function(
+            "window.parley.receivedSamples > 0 && window.parley.playedSamples === window.parley.receivedSamples",
+            timeout=60_000,
+        )
+        timings["reply_played_s"] = time.monotonic() - t0
+        played = page.evaluate("window.parley.playedSamples")
+        rate = page.evaluate(
+            f"window.parley.events.find(e => e.type === 'audio_start' && e.turn_id === {turn}).sample_rate"
+        )
+        metrics = page.evaluate("window.parley.lastMetrics") or {}
+        assistant_text = page.locator(f'#log .msg.assistant[data-turn="{turn}"] .text').inner_text()
+
+        assert page.locator("#error").is_visible() is False, page.locator("#error").inner_text()
+        # With the reply played and the mic off, the status line settles back to ready.
+        page.wait_for_function("window.parley.state === 'ready'", timeout=5_000)
+        assert not page.page_errors, page.page_errors
+        page.screenshot(path=str(output_dir / "browser.png"))
+
+    report = {
+        "question": user_text,
+        "answer": assistant_text,
+        "played_samples": played,
+        "played_seconds": round(played / rate, 2),
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "server_metrics": metrics,
+    }
+    (output_dir / "browser.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+# ---------------------------------------------------------------- failure states
+@pytest.fixture
+def page_only_server(tmp_path):
+    """Serve the page like the app does (`/` and `/static/`) but with no `/ws` behind it."""
+    root = tmp_path / "site"
+    root.mkdir()
+    shutil.copy(WEB_DIR / "index.html", root / "index.html")
+    (root / "static").symlink_to(WEB_DIR, target_is_directory=True)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_unreachable_server_shows_error_and_keeps_reconnecting(playwright, page_only_server, tmp_path):
+    with browser_page(playwright, tmp_path / "profile", [*BASE_ARGS, *FAKE_MIC_ARGS], ["microphone"]) as page:
+        page.goto(f"{page_only_server}/")
+        error = page.locator("#error")
+        error.wait_for(state="visible", timeout=10_000)
+        assert "can't reach the parley server" in error.inner_text().lower()
+        assert "/ws" in error.inner_text()
+        assert page.locator("#conn").get_attribute("data-state") == "reconnecting"
+        # It keeps trying on its own, and says so.
+        page.wait_for_function("/attempt [2-9]/.test(document.getElementById('error').textContent)", timeout=10_000)
+        assert page.locator("#status").inner_text() == "Reconnecting…"
+        assert page.locator("#conn").inner_text().startswith("Reconnecting")
+        assert not page.page_errors, page.page_errors
+
+
+def test_denied_microphone_shows_a_clear_message(playwright, live_server, tmp_path):
+    # No fake-UI flag and no granted permission: chromium denies getUserMedia itself.
+    args = [*BASE_ARGS, "--use-fake-device-for-media-stream"]
+    with browser_page(playwright, tmp_path / "profile", args, []) as page:
+        page.goto(f"{live_server}/")
+        page.wait_for_function("window.parley && window.parley.socketState === 'open'", timeout=30_000)
+        page.click("#start")
+        error = page.locator("#error")
+        error.wait_for(state="visible", timeout=10_000)
+        text = error.inner_text().lower()
+        assert "microphone" in text and "denied" in text, text
+        assert page.evaluate("window.parley.micOn") is False
+        assert page.locator("#start").get_attribute("aria-pressed") == "false"
+        # The typed-question fallback stays usable.
+        assert page.locator("#text").is_enabled()
+        assert not page.page_errors, page.page_errors
+
+
+# ---------------------------------------------------------------- audio building blocks
+WORKLET_PROBE = """async ([freq, rate]) => {
+  // Render one second of a tone at `rate` through the page's capture worklet, offline.
+  const ctx = new OfflineAudioContext(1, rate, rate);
+  await ctx.audioWorklet.addModule('/static/mic-worklet.js');
+  const osc = new OscillatorNode(ctx, {frequency: freq});
+  const gain = new GainNode(ctx, {gain: 0.5});
+  const node = new AudioWorkletNode(ctx, 'parley-mic', {numberOfInputs: 1, numberOfOutputs: 0,
+      channelCount: 1, channelCountMode: 'explicit', processorOptions: {targetRate: 16000, frameMs: 20}});
+  const frames = [];
+  node.port.onmessage = (e) => frames.push(new Int16Array(e.data.pcm));
+  osc.connect(gain).connect(node);
+  osc.start();
+  await ctx.startRendering();
+  await new Promise((r) => setTimeout(r, 300));  // let the last port messages land
+  const all = [];
+  frames.forEach((f) => all.push(...f));
+  const x = all.slice(1600).map((v) => v / 32768);  // skip the filter's warm-up
+  const rms = Math.sqrt(x.reduce((a, v) => a + v * v, 0) / x.length);
+  let crossings = 0;
+  for (let i = 1; i < x.length; i++) if ((x[i - 1] < 0) !== (x[i] < 0)) crossings++;
+  return {sizes: [...new Set(frames.map((f) => f.length))], total: all.length, rms,
+          freq: crossings / 2 / (x.length / 16000)};
+}"""
+
+
+@pytest.mark.parametrize("rate", [16_000, 44_100, 48_000])
+def test_mic_worklet_emits_20ms_pcm16_frames_at_16k(playwright, page_only_server, tmp_path, rate):
+    with browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page:
+        page.goto(f"{page_only_server}/")
+        tone = page.evaluate(WORKLET_PROBE, [1000, rate])
+        assert tone["sizes"] == [320]  # 20 ms at 16 kHz
+        assert abs(tone["total"] - 16_000) <= 320  # one second in, one second out
+        assert tone["rms"] == pytest.approx(0.5 / 2**0.5, rel=0.02)  # a 0.5 sine, undistorted
+        assert tone["freq"] == pytest.approx(1000, rel=0.02)  # same pitch after resampling
+        if rate > 16_000:
+            # 12 kHz cannot exist at 16 kHz: it must be filtered out, not folded to 4 kHz.
+            alias = page.evaluate(WORKLET_PROBE, [12_000, rate])
+            assert alias["rms"] < 0.01
+
+
+PLAYER_PROBE = """async () => {
+  const {Player} = await import('/static/player.js');
+  const p = new Player();
+  p.unlock();
+  await p.ctx.resume();
+  const chunk = (n) => new Int16Array(n).fill(1000).buffer;
+  p.begin(1, 22050);
+  for (let i = 0; i < 8; i++) p.push(chunk(2205));  // 8 x 100 ms
+  const starts = p.chunks.map((c) => c.start), ends = p.chunks.map((c) => c.end);
+  const gaps = starts.slice(1).map((s, i) => s - ends[i]);
+  await new Promise((r) => setTimeout(r, 350));
+  const midway = p.playedSamples, midMs = p.playedMs(1);
+  const heardMs = p.interrupt(1);
+  const afterStop = {playing: p.playing, played: p.playedSamples};
+  p.push(chunk(2205));  // a late frame of the interrupted turn: dropped
+  await new Promise((r) => setTimeout(r, 200));
+  const frozen = p.playedSamples, queued = p.chunks.length;
+  p.begin(2, 16000);  // the next turn plays again, at its own rate
+  p.push(chunk(1600));
+  await new Promise((r) => setTimeout(r, 300));
+  return {gaps, midway, midMs, heardMs, afterStop, frozen, queued,
+          received: p.receivedSamples, final: p.playedSamples, playing: p.playing, turnMs: p.playedMs(2)};
+}"""
+
+
+def test_player_is_gapless_counts_played_samples_and_stops_on_interrupt(playwright, page_only_server, tmp_path):
+    args = [*BASE_ARGS, "--autoplay-policy=no-user-gesture-required"]
+    with browser_page(playwright, tmp_path / "profile", args, []) as page:
+        page.goto(f"{page_only_server}/")
+        r = page.evaluate(PLAYER_PROBE)
+    assert all(abs(g) < 1e-9 for g in r["gaps"]), r["gaps"]  # back to back: no gaps, no overlap
+    assert 0 < r["midway"] < 8 * 2205  # played counter follows the clock while playing
+    assert r["heardMs"] == pytest.approx(r["midMs"], abs=30)
+    assert r["afterStop"]["playing"] is False  # the cut is immediate
+    assert r["frozen"] == r["afterStop"]["played"]  # nothing more plays after the interrupt
+    assert r["queued"] == 0  # and late frames of that turn are dropped
+    assert r["received"] == 8 * 2205 + 1600
+    assert r["final"] == r["frozen"] + 1600 and r["playing"] is False
+    assert r["turnMs"] == pytest.approx(100, abs=1)
