@@ -7,13 +7,38 @@ import logging
 import sys
 
 
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per setting, so flags, PARLEY_* variables and the TOML file name the same things."""
+    from app.config import Settings
+
+    parser.add_argument("--config", metavar="TOML", help="settings file (also PARLEY_CONFIG)")
+    for name, field in Settings.model_fields.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, metavar=name.split("_")[-1].upper(), help=field.description
+        )
+
+
+def settings_from_args(args: argparse.Namespace):
+    import os
+
+    from app.config import Settings, load_settings
+
+    if args.config:
+        os.environ["PARLEY_CONFIG"] = args.config
+    return load_settings(**{name: getattr(args, name) for name in Settings.model_fields})
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
-    from app.config import load_settings
     from app.server import create_app
 
-    settings = load_settings(host=args.host, port=args.port, llm_backend=args.llm_backend, llm_url=args.llm_url)
+    try:
+        settings = settings_from_args(args)
+    except (ValidationError, FileNotFoundError) as error:
+        print(f"parley: bad settings: {error}", file=sys.stderr)
+        return 2
     print(f"starting parley on {settings.host}:{settings.port} (loading models first)", flush=True)
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level, ws_max_size=1 << 20
@@ -22,12 +47,26 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from app.config import load_settings
-
-    settings = load_settings()
+    settings = settings_from_args(args)
     for key, value in settings.model_dump().items():
         print(f"{key} = {value!r}")
     return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from engine.cli import main as engine_main
+
+    return engine_main(args.rest)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "engine":
+        from engine.bench import main as bench_engine
+
+        return bench_engine(args.rest)
+    from app.bench_voice import main as bench_voice
+
+    return bench_voice(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,14 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the voice server (web page at /, WebSocket at /ws)")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
-    serve.add_argument("--llm-backend", choices=["engine", "transformers", "openai"], help="where answers come from")
-    serve.add_argument("--llm-url", help="OpenAI-compatible base URL for --llm-backend openai")
+    add_settings_flags(serve)
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 
+    engine = commands.add_parser("engine", help="the LLM engine alone: `parley engine serve --help`", add_help=False)
+    engine.add_argument("rest", nargs=argparse.REMAINDER)
+    engine.set_defaults(func=_engine)
+
+    bench = commands.add_parser("bench", help="benchmarks: `parley bench engine|voice --help`")
+    bench.add_argument("what", choices=["engine", "voice"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
+
     config = commands.add_parser("config", help="print the effective settings")
+    add_settings_flags(config)
     config.set_defaults(func=_config)
     return parser
 

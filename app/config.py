@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     asr_threads: int = Field(2, ge=1)
 
     # LLM
-    llm_backend: Literal["engine", "transformers", "openai"] = "transformers"
+    llm_backend: Literal["engine", "transformers", "openai"] = "engine"
     llm_model: str = Field("bundled", description="'bundled' (SmolLM2-135M-Instruct), a model dir or a .gguf")
     llm_url: str | None = Field(None, description="OpenAI-compatible base URL (e.g. http://host:8001/v1)")
     llm_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"

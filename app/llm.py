@@ -112,3 +112,111 @@ class TransformersChatLLM:
     def close(self) -> None:
         for event in self._cancel.values():
             event.set()
+
+
+class EngineChatLLM:
+    """The in-process Parley engine (continuous batching, paged KV cache with prefix reuse)."""
+
+    name = "engine"
+
+    def __init__(
+        self,
+        model: str = "bundled",
+        dtype: str = "bfloat16",
+        quantization: str | None = None,
+        device: str = "cpu",
+        settings: GenerationSettings | None = None,
+    ) -> None:
+        from engine import AsyncLLMEngine, EngineConfig
+
+        self.engine = AsyncLLMEngine(EngineConfig(model=model, dtype=dtype, quantization=quantization, device=device))
+        self.settings = settings or GenerationSettings()
+
+    async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
+        from engine import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=self.settings.max_tokens, temperature=self.settings.temperature, top_p=self.settings.top_p
+        )
+        prompt = self.engine.apply_chat_template(messages)
+        outputs = self.engine.generate(prompt, params, request_id=request_id)
+        try:
+            async for output in outputs:
+                if output.error:
+                    raise RuntimeError(f"LLM engine: {output.error}")
+                if output.text_delta:
+                    yield output.text_delta
+        finally:
+            await outputs.aclose()  # aborts the request (and frees its KV blocks) if unfinished
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class OpenAIChatLLM:
+    """Any OpenAI-compatible server (vLLM, TGI, SGLang, ``parley engine serve``) over streamed SSE.
+
+    Closing the stream closes the HTTP response, which such servers treat as an abort.
+    """
+
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str | None = None, settings: GenerationSettings | None = None) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.endswith("/v1"):
+            self.base_url += "/v1"
+        self.settings = settings or GenerationSettings()
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
+        self.model = model if model and model != "bundled" else None
+
+    async def _model_name(self) -> str:
+        if self.model is None:
+            response = await self._client.get(self.base_url + "/models")
+            response.raise_for_status()
+            self.model = response.json()["data"][0]["id"]
+        return self.model
+
+    async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
+        import json
+
+        body = {
+            "model": await self._model_name(),
+            "messages": messages,
+            "stream": True,
+            "max_tokens": self.settings.max_tokens,
+            "temperature": self.settings.temperature,
+            "top_p": self.settings.top_p,
+        }
+        async with self._client.stream(
+            "POST", self.base_url + "/chat/completions", json=body, headers={"X-Request-Id": request_id}
+        ) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:300]
+                raise RuntimeError(f"LLM server answered {response.status_code}: {detail}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"LLM server error: {chunk['error']}")
+                for choice in chunk.get("choices", []):
+                    delta = (choice.get("delta") or {}).get("content")
+                    if delta:
+                        yield delta
+
+    def abort(self, request_id: str) -> None:
+        pass  # closing the stream (the session does) is the abort
+
+    def close(self) -> None:
+        pass

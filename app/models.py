@@ -26,11 +26,22 @@ class Models:
 
 def make_llm(settings: Settings) -> ChatLLM:
     generation = GenerationSettings(max_tokens=settings.llm_max_tokens, temperature=settings.llm_temperature)
+    if settings.llm_backend == "engine":
+        from app.llm import EngineChatLLM
+
+        quantization = None if settings.llm_quantization == "none" else settings.llm_quantization
+        return EngineChatLLM(
+            settings.llm_model, settings.llm_dtype, quantization, settings.llm_device, settings=generation
+        )
     if settings.llm_backend == "transformers":
         from app.llm import TransformersChatLLM
 
         return TransformersChatLLM(settings.llm_model, dtype=settings.llm_dtype, settings=generation)
-    raise ValueError(f"LLM backend {settings.llm_backend!r} is not available yet")
+    if not settings.llm_url:
+        raise ValueError("llm_backend 'openai' needs llm_url (e.g. --llm-url http://127.0.0.1:8001/v1)")
+    from app.llm import OpenAIChatLLM
+
+    return OpenAIChatLLM(settings.llm_url, settings.llm_model, settings=generation)
 
 
 def load_models(settings: Settings, progress: Callable[[str], None] = print) -> Models:
