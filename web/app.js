@@ -60,8 +60,8 @@ const socket = new ParleySocket(defaultSocketUrl(), {
     state.seenTurns.clear();
     if (s === "connecting") ui.setConnection("connecting", "Connecting…");
     else if (s === "reconnecting") {
-      const secs = Math.max(1, Math.round(info.delay / 1000));
-      ui.setConnection("reconnecting", `Reconnecting in ${secs} s`);
+      if (info.delay === undefined) return; // a retry is dialing; the last message still holds
+      ui.setConnection("reconnecting", `Reconnecting in ${Math.max(1, Math.ceil(info.delay / 1000))} s`);
       const msg = info.wasOpen
         ? `Lost the connection to the Parley server. Reconnecting (attempt ${info.attempt})…`
         : `Can't reach the Parley server at ${socket.url}. Is it running? Retrying (attempt ${info.attempt})…`;
@@ -162,9 +162,20 @@ function computeStatus() {
   return state.micOn ? "listening" : "ready";
 }
 
+let wasPlaying = false;
 setInterval(() => {
+  // The moment a reply finishes playing, report its full length (don't wait for the 250 ms tick).
+  const playing = player.playing;
+  if (wasPlaying && !playing && player.turnId !== null && !player.dropped.has(player.turnId)) {
+    report(player.turnId, player.playedMs());
+  }
+  wasPlaying = playing;
   state.status = computeStatus();
   ui.setStatus(state.status);
+  if (socket.state === "reconnecting") {
+    const left = Math.ceil((socket.retryAt - Date.now()) / 1000);
+    ui.setConnection("reconnecting", left > 0 ? `Reconnecting in ${left} s` : "Reconnecting…");
+  }
 }, 100);
 
 // ------------------------------------------------------------------ controls
