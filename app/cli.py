@@ -69,6 +69,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_voice(args.rest)
 
 
+def _mic(args: argparse.Namespace) -> int:
+    from app.mic import main as mic_main
+
+    return mic_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parley", description="A real-time, fully local voice assistant.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["engine", "voice"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
+
+    # prefix_chars="+": every "--flag" is left to app.mic's own parser (REMAINDER alone stops at a leading option)
+    mic = commands.add_parser("mic", help="talk to a server from this computer: `parley mic --help`", prefix_chars="+")
+    mic.add_argument("rest", nargs=argparse.REMAINDER)
+    mic.set_defaults(func=_mic)
 
     config = commands.add_parser("config", help="print the effective settings")
     add_settings_flags(config)

@@ -45,7 +45,16 @@ class Settings(BaseSettings):
 
     # VAD / turn-taking
     vad_threshold: float = Field(0.5, gt=0.0, lt=1.0)
-    endpoint_silence_ms: int = Field(400, ge=100, le=3000)
+    endpoint_silence_ms: int = Field(400, ge=100, le=3000, description="silence that ends a finished sentence")
+    endpoint_unfinished_silence_ms: int = Field(
+        1200, ge=100, le=5000, description="silence that ends a turn whose words end mid-clause"
+    )
+    pause_ms: int = Field(160, ge=64, le=1000, description="silence after which the tail is transcribed")
+    partial_interval_ms: int = Field(400, ge=100, description="how often partial transcripts are made")
+    speculative_reply: bool = Field(True, description="start the reply during the endpoint silence")
+    barge_in_ms: int = Field(400, ge=0, description="speech this long interrupts a reply (a cough does not)")
+    first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
+    asr_window_s: float = Field(10.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
     min_speech_ms: int = Field(96, ge=0)
     max_utterance_s: float = Field(30.0, gt=0)
 

@@ -63,6 +63,7 @@ def load_models(settings: Settings, progress: Callable[[str], None] = print) -> 
             compute_type=settings.asr_compute_type,
             cpu_threads=settings.asr_threads,
             beam_size=settings.asr_beam_size,
+            window_s=settings.asr_window_s,
         ),
     )
     llm = timed(f"LLM ({settings.llm_backend}: {settings.llm_url or settings.llm_model})", lambda: make_llm(settings))

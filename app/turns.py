@@ -1,0 +1,143 @@
+"""Turn-taking policy, kept free of models and I/O so it can be tested alone.
+
+* ``PartialStabilizer``: partial transcripts that only grow (LocalAgreement: words two
+  hypotheses agree on are fixed, so the page never sees text jump backwards).
+* ``looks_unfinished``: the transcript's own cue that the user is mid-sentence.
+* ``Endpointer``: how much silence commits a turn, given that cue.
+* ``ReplyPlayback``: where the client's playback of a reply stands (what was heard, so
+  barge-in can cut the history to it; and whether the stream ran dry: underruns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.text import words
+
+# Words after which an English sentence is almost never over.
+_CONTINUATIONS = frozenset(
+    "and or but so because since although though if when while that which who whose whom where "
+    "the a an to of for with from in on at by about into than as my your his her our their its "
+    "is are was were be been am do does did can could would should will shall may might must "
+    "um uh er like i'm i've it's what's there's let's".split()
+)
+_FILLERS = frozenset("mm mhm hmm hm uh um er ah oh huh mm-hmm uh-huh".split())
+
+
+def looks_unfinished(text: str) -> bool:
+    """True when the words so far end mid-clause ("... and", "... the", trailing comma)."""
+    stripped = text.strip()
+    if not stripped:
+        return False
+    if stripped.endswith((",", "-", "—", "...", "…")):
+        return True
+    spoken = words(stripped)
+    return bool(spoken) and spoken[-1] in _CONTINUATIONS and not stripped.endswith(("?", "!", "."))
+
+
+def is_filler(text: str) -> bool:
+    """A transcript with no content words: noise, "mm", "uh" (never a turn, never a barge-in)."""
+    return all(word in _FILLERS for word in words(text))
+
+
+class PartialStabilizer:
+    """Turns successive ASR hypotheses of a growing utterance into monotonically growing text."""
+
+    def __init__(self) -> None:
+        self._fixed: list[str] = []
+        self._previous: list[str] = []
+        self._shown: list[str] = []
+
+    def update(self, hypothesis: str) -> str | None:
+        """Text to show for this hypothesis, or None when it would not grow what is shown."""
+        tokens = hypothesis.split()
+        agreed = 0
+        limit = min(len(tokens), len(self._previous))
+        while agreed < limit and _same(tokens[agreed], self._previous[agreed]):
+            agreed += 1
+        if agreed > len(self._fixed):
+            self._fixed = tokens[:agreed]
+        self._previous = tokens
+        tail = tokens[len(self._fixed) :] if _prefix_matches(tokens, self._fixed) else []
+        shown = self._fixed + tail
+        if len(shown) <= len(self._shown) or not _prefix_matches(shown, self._shown):
+            return None
+        self._shown = shown
+        return " ".join(shown)
+
+
+def _same(a: str, b: str) -> bool:
+    return words(a) == words(b)
+
+
+def _prefix_matches(tokens: list[str], prefix: list[str]) -> bool:
+    return len(tokens) >= len(prefix) and all(_same(a, b) for a, b in zip(tokens, prefix, strict=False))
+
+
+@dataclass(frozen=True)
+class Endpointer:
+    """Silence needed to commit a turn: short after a finished sentence, longer mid-clause."""
+
+    silence_ms: int = 400
+    unfinished_silence_ms: int = 1200
+
+    def required_silence_ms(self, text: str | None) -> int:
+        return self.unfinished_silence_ms if text is not None and looks_unfinished(text) else self.silence_ms
+
+
+@dataclass
+class ReplyPlayback:
+    """The client's playback of one reply, as the server can reconstruct it.
+
+    The client plays chunks back to back from the first one it gets; a chunk sent after the
+    audio before it would have finished is an underrun. The client may report ``played_ms``;
+    otherwise we assume it plays as audio arrives.
+    """
+
+    sample_rate: int
+    started_at: float | None = None  # wall time the first chunk was sent
+    sent_s: float = 0.0
+    underruns: int = 0
+    reported_played_s: float | None = None
+    pieces: list[tuple[str, float]] = field(default_factory=list)  # (text, audio end in s)
+    _clock_origin: float = 0.0  # started_at, shifted by each underrun's stall
+
+    def on_send(self, samples: int, now: float) -> None:
+        if self.started_at is None:
+            self.started_at = self._clock_origin = now
+        elif now > self._clock_origin + self.sent_s + 0.02:
+            self.underruns += 1
+            self._clock_origin = now - self.sent_s  # the client restarts playback when data arrives
+        self.sent_s += samples / self.sample_rate
+
+    def add_piece(self, text: str) -> None:
+        """Text whose audio ends at the current ``sent_s`` (call after sending it)."""
+        self.pieces.append((text, self.sent_s))
+
+    def played_s(self, now: float) -> float:
+        if self.reported_played_s is not None:
+            return min(self.reported_played_s, self.sent_s)
+        if self.started_at is None:
+            return 0.0
+        return max(0.0, min(self.sent_s, now - self._clock_origin))
+
+    def playing(self, now: float) -> bool:
+        return self.started_at is not None and self.played_s(now) < self.sent_s - 0.05
+
+    def heard_text(self, now: float) -> str:
+        """The reply cut to what was played: whole pieces, then the played share of the current one."""
+        played = self.played_s(now)
+        heard: list[str] = []
+        start = 0.0
+        for text, end in self.pieces:
+            if end <= played + 1e-6:
+                heard.append(text)
+            else:
+                share = (played - start) / max(1e-6, end - start)
+                spoken = text.split()
+                cut = int(len(spoken) * max(0.0, share))
+                if cut:
+                    heard.append(" ".join(spoken[:cut]))
+                break
+            start = end
+        return " ".join(heard)
