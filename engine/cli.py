@@ -1,0 +1,119 @@
+"""``parley engine ...``: run the engine as an OpenAI-compatible HTTP server.
+
+``app/cli.py`` forwards ``parley engine <args>`` here as ``main(args)``; it also runs
+standalone (``python -m engine.cli serve``). The model loads before the socket opens, and
+one line, ``parley engine ready on http://HOST:PORT``, is printed once requests are served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_name(model: str) -> str:
+    """The id ``/v1/models`` reports: the bundled model's name, else the directory / file stem."""
+    if model == "bundled":
+        return BUNDLED_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parley engine", description="Parley's LLM serving engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8001, help="0 picks a free port (the ready line tells which)")
+    serve.add_argument("--model", default="bundled", help="'bundled', a Hugging Face model directory or a .gguf file")
+    serve.add_argument("--served-model-name", default=None, help="model id for /v1/models (default: from --model)")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    serve.add_argument("--quantization", choices=["none", "int8"], default="none")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="cap on requests in the running batch")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    serve.add_argument("--kv-cache-mb", type=int, default=512, help="memory for the paged KV cache")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=None if args.quantization == "none" else args.quantization,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads,
+    )
+
+
+async def _serve(app, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():  # failed to bind, for instance
+            await task
+            return
+        await asyncio.sleep(0.05)
+    bound = port
+    for s in server.servers:
+        for sock in s.sockets:
+            bound = sock.getsockname()[1]
+            break
+    print(f"parley engine ready on http://{host}:{bound}", flush=True)
+    await task
+
+
+def serve(args: argparse.Namespace) -> int:
+    from engine.api_server import create_app
+    from engine.async_engine import AsyncLLMEngine
+
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        print(f"parley engine: {e}", file=sys.stderr)
+        return 2
+    engine = AsyncLLMEngine(config)
+    try:
+        app = create_app(engine, args.served_model_name or served_name(args.model))
+        asyncio.run(_serve(app, args.host, args.port, args.log_level))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # --help or a usage error: argparse has printed why
+        return e.code if isinstance(e.code, int) else 0
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

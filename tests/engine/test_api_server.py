@@ -1,0 +1,235 @@
+"""The OpenAI-compatible HTTP API, served by a real uvicorn on a free loopback port, on the bundled model (fp32)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine.api_server import create_app
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+MODEL = "test-model"
+NUM_BLOCKS = 96  # 1536 tokens: small enough that a long request can never fit
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(fp32_model):
+    import uvicorn
+
+    config = EngineConfig(dtype="float32", device="cpu", num_blocks=NUM_BLOCKS, max_num_seqs=8)
+    engine = AsyncLLMEngine(engine=LLMEngine(config, model=fp32_model))
+    app = create_app(engine, MODEL)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture()
+def client(server):
+    with httpx.Client(base_url=server, timeout=60) as c:
+        yield c
+
+
+def _metrics(client: httpx.Client) -> dict[str, float]:
+    out = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name_labels, value = line.rsplit(" ", 1)
+            out[name_labels.split("{")[0]] = float(value)
+    return out
+
+
+def _sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _chat(client, **kw) -> httpx.Response:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 0} | kw
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_healthz_and_models(client):
+    assert client.get("/healthz").json()["status"] == "ok"
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_chat_completion_non_streamed(client):
+    r = _chat(client)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 10
+    assert 1 <= usage["completion_tokens"] <= 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_streamed_chunks_assemble_to_the_non_streamed_text(client):
+    ask = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 24, "ignore_eos": True}
+    full = _chat(client, **ask).json()
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": MODEL, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}} | ask,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert content == full["choices"][0]["message"]["content"]
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finals == ["length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 24 == full["usage"]["completion_tokens"]
+
+
+def test_completions_endpoint_and_stop_string(client):
+    r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    text = body["choices"][0]["text"]
+    assert "Paris" in text
+    r = client.post(
+        "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": "."}
+    )
+    stopped = r.json()["choices"][0]
+    assert stopped["finish_reason"] == "stop"
+    assert "." not in stopped["text"] and text.startswith(stopped["text"])
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234, "max_tokens": 10}
+    a = _chat(client, **kw).json()["choices"][0]["message"]["content"]
+    b = _chat(client, **kw).json()["choices"][0]["message"]["content"]
+    assert a == b
+
+
+def test_metrics_in_prometheus_format(client):
+    _chat(client, max_tokens=2)
+    text = client.get("/metrics").text
+    assert "# TYPE parley_requests_aborted_total counter" in text
+    m = _metrics(client)
+    for name in (
+        "parley_num_requests_running",
+        "parley_num_requests_waiting",
+        "parley_kv_blocks_used",
+        "parley_kv_blocks_total",
+        "parley_prefix_cache_hit_rate",
+        "parley_generation_tokens_per_s",
+        "parley_prompt_tokens_total",
+        "parley_generation_tokens_total",
+        "parley_requests_aborted_total",
+        "parley_requests_finished_total",
+    ):
+        assert name in m, name
+    assert m["parley_kv_blocks_total"] == NUM_BLOCKS
+    assert m["parley_generation_tokens_total"] >= 2
+    assert 0.0 <= m["parley_prefix_cache_hit_rate"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"model": MODEL}).encode(), 400, "'messages' is required"),
+        (json.dumps({"messages": []}).encode(), 400, "non-empty"),
+        (json.dumps({"messages": QUESTION, "max_tokens": -5}).encode(), 400, "max_tokens"),
+        (json.dumps({"messages": QUESTION, "max_completion_tokens": 0}).encode(), 400, "max_completion_tokens"),
+        (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "role"),
+        (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400, "content"),
+        (json.dumps({"messages": QUESTION, "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"messages": QUESTION, "top_p": 1.5}).encode(), 400, "top_p"),
+        (json.dumps({"messages": QUESTION, "stop": [1]}).encode(), 400, "stop"),
+        (json.dumps({"messages": QUESTION, "n": 2}).encode(), 400, "'n'"),
+        (json.dumps({"messages": QUESTION, "stream": "yes"}).encode(), 400, "stream"),
+        (json.dumps({"messages": QUESTION, "model": "gpt-9"}).encode(), 404, "does not exist"),
+    ],
+)
+def test_bad_requests_get_openai_errors(client, body, status, needle):
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_that_can_never_fit_is_a_400_with_the_engines_message(client, stream):
+    r = _chat(client, max_tokens=NUM_BLOCKS * 16, stream=stream)
+    assert r.status_code == 400, r.text
+    assert "KV blocks" in r.json()["error"]["message"]
+
+
+def _wait_until_idle(client, aborted_before: float) -> dict[str, float]:
+    deadline = time.monotonic() + 30
+    while True:
+        m = _metrics(client)
+        idle = m["parley_kv_blocks_used"] == 0 and m["parley_num_requests_running"] == 0
+        if m["parley_requests_aborted_total"] > aborted_before and idle:
+            return m
+        assert time.monotonic() < deadline, f"request not aborted / blocks not freed: {m}"
+        time.sleep(0.1)
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(client, server):
+    before = _metrics(client)["parley_requests_aborted_total"]
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got >= 3:
+                break  # leaving the block closes the connection mid-stream
+    m = _wait_until_idle(client, before)
+    assert m["parley_kv_blocks_used"] == 0
+
+
+def test_client_disconnect_during_non_streamed_request_aborts(client, server):
+    before = _metrics(client)["parley_requests_aborted_total"]
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1000, "ignore_eos": True}
+    with httpx.Client(base_url=server, timeout=1.0) as c, pytest.raises(httpx.TimeoutException):
+        c.post("/v1/chat/completions", json=body)
+    _wait_until_idle(client, before)
