@@ -288,6 +288,9 @@ class MicClient:
                 if 400 <= status < 500 and status != 429:
                     raise UsageError(f"{self.url} answered HTTP {status}: is this a Parley /ws URL?") from None
                 reason = f"the server answered HTTP {status}"
+            except websockets.ConnectionClosed as error:
+                clean = error.rcvd is not None and error.rcvd.code in (1000, 1001)
+                reason = "the server closed the connection" if clean else f"the connection dropped: {error}"
             except (TimeoutError, OSError, websockets.WebSocketException) as error:
                 reason = (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
             self._reset_reply()
@@ -300,8 +303,8 @@ class MicClient:
         ready = json.loads(await asyncio.wait_for(ws.recv(), 10))
         if ready.get("type") != "ready":
             raise OSError(f"expected 'ready' from the server, got {ready.get('type')!r}")
-        await ws.send(protocol.encode(protocol.Start(sample_rate=SEND_RATE)))
         self.connections += 1
+        await ws.send(protocol.encode(protocol.Start(sample_rate=SEND_RATE)))
         mode = "barge-in" if self.gate.barge_in else "half-duplex"
         if self.gate.push_to_talk:
             mode += ", push-to-talk: press Enter to talk/stop"
