@@ -70,20 +70,21 @@ class Transcriber:
         self._silence_features = extractor(np.zeros(int(MAX_WINDOW_S * SAMPLE_RATE), np.float32))
         self._lock = threading.Lock()
 
-    def transcribe(self, audio: np.ndarray, *, wait: bool = True) -> Transcription | None:
+    def transcribe(self, audio: np.ndarray, *, wait: bool = True, context: str = "") -> Transcription | None:
         """Transcribe 16 kHz float32 mono audio; blocking, so call it off the event loop.
 
         With ``wait=False`` returns None instead of queueing behind another call (for
-        partial transcripts, which are worth less than a final one).
+        partial transcripts, which are worth less than a final one). ``context``: text said
+        just before this audio, given to Whisper as its previous-text prompt.
         """
         if not self._lock.acquire(blocking=wait):
             return None
         try:
-            return self._transcribe(audio)
+            return self._transcribe(audio, context)
         finally:
             self._lock.release()
 
-    def _transcribe(self, audio: np.ndarray) -> Transcription:
+    def _transcribe(self, audio: np.ndarray, context: str = "") -> Transcription:
         import ctranslate2
 
         started = time.perf_counter()
@@ -97,11 +98,15 @@ class Transcriber:
         encoded = self.whisper.model.encode(ctranslate2.StorageView.from_array(padded[None]), to_cpu=False)
         # Whisper speaks ~3 tokens/s of audio; a generous cap stops runaway repetition on noise.
         max_tokens = int(len(audio) / SAMPLE_RATE * 8) + 12
+        prompt = self._prompt
+        if context:
+            previous = self.tokenizer.encode(" " + context.strip())[-100:]
+            prompt = [self.tokenizer.sot_prev, *previous, *self._prompt]
         result = self.whisper.model.generate(
             encoded,
-            [self._prompt],
+            [prompt],
             beam_size=self.beam_size,
-            max_length=len(self._prompt) + max_tokens,
+            max_length=len(prompt) + max_tokens,
             return_no_speech_prob=True,
             suppress_blank=True,
         )[0]

@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     endpoint_unfinished_silence_ms: int = Field(
         1200, ge=100, le=5000, description="silence that ends a turn whose words end mid-clause"
     )
-    pause_ms: int = Field(160, ge=64, le=1000, description="silence after which the tail is transcribed")
+    pause_ms: int = Field(96, ge=64, le=1000, description="silence after which the tail is transcribed")
     partial_interval_ms: int = Field(400, ge=100, description="how often partial transcripts are made")
     speculative_reply: bool = Field(True, description="start the reply during the endpoint silence")
     barge_in_ms: int = Field(400, ge=0, description="speech this long interrupts a reply (a cough does not)")

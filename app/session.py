@@ -45,6 +45,7 @@ SendBytes = Callable[[bytes], Awaitable[None]]
 
 SAMPLES_PER_MS = ASR_SAMPLE_RATE // 1000
 PREROLL_MS = 300  # audio kept before the VAD start so the first phoneme is not clipped
+STABLE_AFTER_S = 6.0  # shorter utterances are re-decoded whole: more accurate, and cheap
 TAIL_PAD_MS = 160  # audio kept after the VAD end (the last phoneme fades)
 AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt drops little
 
@@ -217,7 +218,11 @@ class VoiceSession:
             await self._cancel_speculation()
             if utterance.tail_task is not None and not utterance.tail_task.done():
                 utterance.tail_task.cancel()
-            elif utterance.tail_text is not None:
+            elif (
+                utterance.tail_text is not None
+                and utterance.pause - utterance.start >= STABLE_AFTER_S * ASR_SAMPLE_RATE
+            ):
+                # Long utterance: freeze the text so far, decode only what follows (with it as context).
                 utterance.stable_text = utterance.text()
                 utterance.stable_until = utterance.pause + TAIL_PAD_MS * SAMPLES_PER_MS
             utterance.pause, utterance.tail_task, utterance.tail_text = None, None, None
@@ -235,7 +240,9 @@ class VoiceSession:
 
     async def _transcribe_tail(self, utterance: _Utterance, audio: np.ndarray) -> None:
         started = time.monotonic()
-        result = await asyncio.get_running_loop().run_in_executor(None, self.models.asr.transcribe, audio)
+        result = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.models.asr.transcribe(audio, context=utterance.stable_text)
+        )
         if utterance.pause is None:
             return  # the user went on speaking; a newer tail will be transcribed
         utterance.tail_text = result.text
@@ -261,7 +268,7 @@ class VoiceSession:
     async def _partial(self, utterance: _Utterance, audio: np.ndarray) -> None:
         # wait=False: a partial never queues behind another session's final transcript
         result = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.models.asr.transcribe(audio, wait=False)
+            None, lambda: self.models.asr.transcribe(audio, wait=False, context=utterance.stable_text)
         )
         if result is None or utterance is not self._utterance:
             return
@@ -270,8 +277,8 @@ class VoiceSession:
             await self._send_json(protocol.Transcript(turn_id=utterance.turn_id, text=shown, final=False))
 
     async def _maybe_commit(self, utterance: _Utterance) -> None:
-        if utterance is not self._utterance or utterance.pause is None:
-            return
+        if utterance is not self._utterance or utterance.pause is None or self._vad.speech_pending:
+            return  # (speech_pending: the user may be starting again; wait for the VAD to decide)
         silence_ms = (self._audio_end - utterance.pause) / SAMPLES_PER_MS
         if utterance.tail_text is None:
             if silence_ms >= self.settings.endpoint_unfinished_silence_ms:

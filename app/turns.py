@@ -32,7 +32,8 @@ def looks_unfinished(text: str) -> bool:
     if stripped.endswith((",", "-", "—", "...", "…")):
         return True
     spoken = words(stripped)
-    return bool(spoken) and spoken[-1] in _CONTINUATIONS and not stripped.endswith(("?", "!", "."))
+    # Whisper ends cut-off audio with a period too ("... Paris and."), so only ? and ! overrule.
+    return bool(spoken) and spoken[-1] in _CONTINUATIONS and not stripped.endswith(("?", "!"))
 
 
 def is_filler(text: str) -> bool:
@@ -44,26 +45,25 @@ class PartialStabilizer:
     """Turns successive ASR hypotheses of a growing utterance into monotonically growing text."""
 
     def __init__(self) -> None:
-        self._fixed: list[str] = []
         self._previous: list[str] = []
         self._shown: list[str] = []
 
     def update(self, hypothesis: str) -> str | None:
-        """Text to show for this hypothesis, or None when it would not grow what is shown."""
-        tokens = hypothesis.split()
+        """Text to show for this hypothesis, or None when it would not grow what is shown.
+
+        Shown are the words two successive hypotheses agree on, never counting the earlier
+        one's last word (its audio may have been cut mid-word: "rain|bow").
+        """
+        tokens = hypothesis.rstrip(".… ").split()  # Whisper's "..." where the audio is cut off
         agreed = 0
-        limit = min(len(tokens), len(self._previous))
+        limit = min(len(tokens), len(self._previous) - 1)
         while agreed < limit and _same(tokens[agreed], self._previous[agreed]):
             agreed += 1
-        if agreed > len(self._fixed):
-            self._fixed = tokens[:agreed]
         self._previous = tokens
-        tail = tokens[len(self._fixed) :] if _prefix_matches(tokens, self._fixed) else []
-        shown = self._fixed + tail
-        if len(shown) <= len(self._shown) or not _prefix_matches(shown, self._shown):
+        if agreed <= len(self._shown) or not _prefix_matches(tokens[:agreed], self._shown):
             return None
-        self._shown = shown
-        return " ".join(shown)
+        self._shown = tokens[:agreed]
+        return " ".join(self._shown)
 
 
 def _same(a: str, b: str) -> bool:

@@ -70,6 +70,11 @@ class VadStream:
         self._run_start: int | None = None  # candidate speech start
         self._silence_start: int | None = None  # candidate speech end
 
+    @property
+    def speech_pending(self) -> bool:
+        """Speech-like audio has begun but is not yet long enough to count as a start."""
+        return not self.speaking and self._run_start is not None
+
     def reset(self) -> None:
         self.__init__(self.model, self.config)
 

@@ -1,0 +1,79 @@
+"""Turn-taking policy alone: no models, no audio."""
+
+from app.turns import Endpointer, PartialStabilizer, ReplyPlayback, is_filler, looks_unfinished
+
+
+def test_partials_show_agreed_words_and_only_grow():
+    stabilizer = PartialStabilizer()
+    shown = [
+        stabilizer.update(h)
+        for h in [
+            "What",
+            "What is the",
+            "What is the capital",
+            "What is the capital of",
+            "What is the capital of France?",
+        ]
+    ]
+    assert shown == [None, None, "What is", "What is the", "What is the capital"]
+
+
+def test_a_word_cut_at_the_end_of_the_audio_is_not_fixed():
+    stabilizer = PartialStabilizer()
+    assert stabilizer.update("how a rain") is None
+    assert stabilizer.update("how a rainbow forms") == "how a"
+    assert stabilizer.update("how a rainbow forms in") == "how a rainbow"
+
+
+def test_partial_that_would_shrink_or_change_is_not_shown():
+    stabilizer = PartialStabilizer()
+    stabilizer.update("tell me a story")
+    assert stabilizer.update("tell me a story now") == "tell me a"
+    assert stabilizer.update("tell me") is None
+    assert stabilizer.update("sell me a story now") is None
+
+
+def test_unfinished_clauses():
+    assert looks_unfinished("I want to go to Paris and")
+    assert looks_unfinished("What is the capital of")
+    assert looks_unfinished("Well,")
+    assert looks_unfinished("So I was thinking...")
+    assert looks_unfinished("I want to visit Paris and.")  # Whisper's period on cut-off audio
+    assert not looks_unfinished("What is the capital of France?")
+    assert not looks_unfinished("Tell me a joke")
+    assert not looks_unfinished("")
+
+
+def test_fillers_are_not_turns():
+    assert is_filler("")
+    assert is_filler("Mm.")
+    assert is_filler("Hmm, uh")
+    assert not is_filler("Mm, yes please")
+
+
+def test_endpointer_waits_longer_mid_clause():
+    endpointer = Endpointer(silence_ms=400, unfinished_silence_ms=1200)
+    assert endpointer.required_silence_ms("What time is it?") == 400
+    assert endpointer.required_silence_ms("I need to buy milk and") == 1200
+
+
+def test_playback_heard_text_and_underruns():
+    playback = ReplyPlayback(sample_rate=1000)
+    playback.on_send(1000, now=10.0)  # 1 s of audio at t=10
+    playback.add_piece("One two three four.")
+    playback.on_send(1000, now=10.5)  # in time
+    playback.add_piece("Five six seven eight.")
+    assert playback.underruns == 0
+    assert playback.heard_text(now=11.5) == "One two three four. Five six"
+    assert playback.heard_text(now=13.0) == "One two three four. Five six seven eight."
+    playback.on_send(500, now=14.0)  # 1 s after the audio ran dry
+    assert playback.underruns == 1
+    assert playback.playing(now=14.2) and not playback.playing(now=14.6)
+
+
+def test_client_playback_report_wins_over_the_estimate():
+    playback = ReplyPlayback(sample_rate=1000)
+    playback.on_send(2000, now=0.0)
+    playback.add_piece("A long sentence of eight words right here.")
+    playback.reported_played_s = 0.5
+    assert playback.heard_text(now=5.0) == "A long"
