@@ -9,12 +9,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketState
 
 from app import protocol
 from app.config import Settings
+from app.metrics import VoiceMetrics
 from app.models import Models, load_models
 from app.session import VoiceSession
 
@@ -39,6 +40,7 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
     app = FastAPI(title="Parley", lifespan=lifespan)
     app.state.models = models
     app.state.sessions = set()
+    app.state.metrics = VoiceMetrics()
 
     if WEB_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
@@ -53,6 +55,13 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "sessions": len(app.state.sessions), "llm": app.state.models.llm.name}
+
+    @app.get("/metrics")
+    async def metrics():
+        llm = app.state.models.llm
+        stats = llm.stats() if hasattr(llm, "stats") else None
+        body = app.state.metrics.render(len(app.state.sessions), stats)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.websocket("/ws")
     async def voice(websocket: WebSocket):
@@ -80,6 +89,7 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
                     await websocket.send_bytes(data)
 
         session = VoiceSession(app.state.models, settings, send_json, send_bytes)
+        session.on_turn_metrics = app.state.metrics.observe_turn
         app.state.sessions.add(session)
         try:
             await session.start()
