@@ -545,19 +545,20 @@ async def _run(args: argparse.Namespace, sd) -> int:
     if args.push_to_talk:
         _push_to_talk_thread(gate, console, loop)
     try:
-        await asyncio.wait_for(client.run(), args.exit_after_s)
-    except TimeoutError:
-        if args.max_turns is not None and client.turns_done < args.max_turns:
-            console.say(f"stopped after {args.exit_after_s:g} s with {client.turns_done} of {args.max_turns} turns")
-            return 1
-        console.say(f"stopped after {args.exit_after_s:g} s")
-        return 0
-    finally:
+        try:
+            await asyncio.wait_for(client.run(), args.exit_after_s)
+        except TimeoutError:
+            if args.max_turns is not None and client.turns_done < args.max_turns:
+                console.say(f"stopped after {args.exit_after_s:g} s with {client.turns_done} of {args.max_turns} turns")
+                return 1
+            console.say(f"stopped after {args.exit_after_s:g} s")
+            return 0
         deadline = time.monotonic() + 30
         while player.busy and time.monotonic() < deadline:  # let the last reply finish playing
             await asyncio.sleep(0.05)
+        return 0
+    finally:
         audio.close()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

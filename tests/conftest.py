@@ -2,68 +2,28 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
+import hashlib
 import wave
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
 from app.audio import float_to_pcm16
+from app.launcher import ROOT, ServerProcess
 from app.samples import synthesize_speech
 
-ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_DIR = ROOT / "test-output"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(args: list[str], log_path: Path, ready_path: str = "/healthz", timeout_s: float = 180):
-    """Start a `parley` subprocess and wait until ``ready_path`` answers 200; returns (process, base_url)."""
-    port = free_port()
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process below
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", *args, "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.close()
-            raise RuntimeError(f"server exited early:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(base_url + ready_path, timeout=1).status_code == 200:
-                process.log_file = log  # type: ignore[attr-defined]
-                return process, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    log.close()
-    raise RuntimeError(f"server not ready in {timeout_s} s:\n{log_path.read_text()[-3000:]}")
+    """Start a `parley` subprocess; returns (server, base_url). Stop it with ``stop_server``."""
+    server = ServerProcess(args, log_path, ready_path, timeout_s)
+    return server, server.base_url
 
 
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    process.log_file.close()  # type: ignore[attr-defined]
+def stop_server(server: ServerProcess) -> None:
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +52,8 @@ def speech_wav(output_dir: Path):
 
     def make(text: str, sample_rate: int = 16_000) -> Path:
         audio = synthesize_speech(text, sample_rate=sample_rate)
-        path = output_dir / f"speech-{abs(hash((text, sample_rate))) % 10**10}-{sample_rate}.wav"
+        key = hashlib.sha1(text.encode()).hexdigest()[:12]
+        path = output_dir / f"speech-{key}-{sample_rate}.wav"
         with wave.open(str(path), "wb") as wav:
             wav.setnchannels(1)
             wav.setsampwidth(2)
