@@ -88,3 +88,46 @@ class Harness:
         for index, offset in enumerate(range(0, len(padded), frame)):
             await self.session.handle_audio(float_to_pcm16(padded[offset : offset + frame]))
             await asyncio.sleep(max(0.0, started + (index + 1) * 0.02 - loop.time()) if realtime else 0)
+
+
+async def talk_over_a_long_reply(url: str, question: np.ndarray) -> list[dict]:
+    """Ask for a long story by text; once its audio plays, speak ``question`` over it.
+
+    Returns the events up to the final transcript of the new turn.
+    """
+    import websockets
+
+    events: list[dict] = []
+    async with websockets.connect(url) as ws:
+        await ws.recv()
+        await ws.send(json.dumps({"type": "text", "text": "Tell me a long story about a dragon and a princess."}))
+        while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):
+            pass  # wait for the first reply audio: the assistant is now speaking
+
+        async def talk() -> None:
+            frames = np.concatenate([question, np.zeros(16000 * 3, np.float32)])
+            for index in range(0, len(frames), 320):
+                await ws.send(float_to_pcm16(frames[index : index + 320]))
+                await asyncio.sleep(0.02)
+
+        talking = asyncio.create_task(talk())
+        try:
+            while not any(e["type"] == "transcript" and e["final"] and e["turn_id"] > 1 for e in events):
+                message = await asyncio.wait_for(ws.recv(), 60)
+                if isinstance(message, str):
+                    events.append(json.loads(message))
+        finally:
+            talking.cancel()
+    return events
+
+
+def assert_barged_in(events: list[dict]) -> None:
+    """Turn 1 was interrupted (interrupt + turn_done interrupted) and the new question was heard."""
+    from app.text import words
+
+    kinds = [(e["type"], e.get("turn_id")) for e in events]
+    assert ("interrupt", 1) in kinds, kinds
+    cut = next(e for e in events if e["type"] == "turn_done" and e["turn_id"] == 1)
+    assert cut["interrupted"] is True
+    final = next(e["text"] for e in events if e["type"] == "transcript" and e["final"] and e["turn_id"] > 1)
+    assert "capital" in words(final)

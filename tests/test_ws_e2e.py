@@ -7,12 +7,12 @@ import json
 import statistics
 
 import httpx
-import numpy as np
 import pytest
 import websockets
+from harness import assert_barged_in, talk_over_a_long_reply
 
 from app.asr import Transcriber
-from app.audio import float_to_pcm16, resample
+from app.audio import resample
 from app.text import words
 from app.voice_client import speak_turn
 
@@ -128,33 +128,8 @@ def llm_figure(base_url: str, figure: str) -> float:
 
 async def test_barge_in_aborts_the_engine_request_and_frees_its_blocks(live_server, speech):
     aborted_before = llm_figure(live_server, "requests_aborted_total")
-    question = speech("Wait what is the capital of France?")
-    events: list[dict] = []
-    async with websockets.connect(ws_url(live_server)) as ws:
-        await ws.recv()
-        await ws.send(json.dumps({"type": "text", "text": "Tell me a long story about a dragon and a princess."}))
-        while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):
-            pass  # wait for the first reply audio: the assistant is now speaking
-
-        async def talk_over_it() -> None:
-            frames = np.concatenate([question, np.zeros(16000 * 3, np.float32)])
-            for index in range(0, len(frames), 320):
-                await ws.send(float_to_pcm16(frames[index : index + 320]))
-                await asyncio.sleep(0.02)
-
-        talking = asyncio.create_task(talk_over_it())
-        try:
-            while not any(e["type"] == "transcript" and e["final"] and e["turn_id"] > 1 for e in events):
-                message = await asyncio.wait_for(ws.recv(), 60)
-                if isinstance(message, str):
-                    events.append(json.loads(message))
-        finally:
-            talking.cancel()
-    kinds = [(e["type"], e.get("turn_id")) for e in events]
-    assert ("interrupt", 1) in kinds
-    cut = next(e for e in events if e["type"] == "turn_done" and e["turn_id"] == 1)
-    assert cut["interrupted"] is True
-    assert "capital" in words(next(e["text"] for e in events if e["type"] == "transcript" and e["final"]))
+    events = await talk_over_a_long_reply(ws_url(live_server), speech("Wait what is the capital of France?"))
+    assert_barged_in(events)
     assert llm_figure(live_server, "requests_aborted_total") >= aborted_before + 1
     for _ in range(100):  # the new turn's request ends once the socket is gone
         if llm_figure(live_server, "kv_blocks_used") == 0 and llm_figure(live_server, "running") == 0:

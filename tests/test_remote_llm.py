@@ -1,0 +1,63 @@
+"""The voice server on a remote OpenAI-compatible LLM: `parley engine serve` in another process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from harness import assert_barged_in, talk_over_a_long_reply
+
+from app.launcher import ServerProcess
+from app.text import words
+from app.voice_client import speak_turn
+
+
+@pytest.fixture(scope="module")
+def engine_and_voice(output_dir):
+    engine = ServerProcess(["engine", "serve", "--dtype", "bfloat16"], output_dir / "remote-engine.log")
+    llm_url = engine.base_url + "/v1"
+    try:
+        voice = ServerProcess(
+            ["serve", "--llm-backend", "openai", "--llm-url", llm_url], output_dir / "remote-voice.log"
+        )
+    except Exception:
+        engine.stop()
+        raise
+    yield engine.base_url, voice.base_url.replace("http://", "ws://") + "/ws"
+    voice.stop()
+    engine.stop()
+
+
+def engine_figure(engine_url: str, name: str) -> float:
+    for line in httpx.get(engine_url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in the engine's /metrics")
+
+
+async def test_spoken_question_answered_by_the_remote_engine(engine_and_voice, speech):
+    engine_url, voice_url = engine_and_voice
+    finished_before = engine_figure(engine_url, "parley_requests_finished_total")
+    result = await speak_turn(voice_url, speech("What is the capital of France?"), trailing_silence_s=1.5)
+    assert words(result.final_transcript) == words("What is the capital of France?")
+    assert words(result.assistant_text)
+    assert len(result.reply_samples) > 0
+    assert engine_figure(engine_url, "parley_requests_finished_total") > finished_before
+
+
+async def test_barge_in_closes_the_remote_stream_and_the_engine_aborts(engine_and_voice, speech):
+    engine_url, voice_url = engine_and_voice
+    aborted_before = engine_figure(engine_url, "parley_requests_aborted_total")
+    events = await talk_over_a_long_reply(voice_url, speech("Wait what is the capital of France?"))
+    assert_barged_in(events)
+    for _ in range(100):
+        if engine_figure(engine_url, "parley_requests_aborted_total") > aborted_before:
+            break
+        await asyncio.sleep(0.1)
+    assert engine_figure(engine_url, "parley_requests_aborted_total") >= aborted_before + 1
+    for _ in range(100):
+        if engine_figure(engine_url, "parley_kv_blocks_used") == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert engine_figure(engine_url, "parley_kv_blocks_used") == 0
