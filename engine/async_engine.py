@@ -117,7 +117,7 @@ class AsyncLLMEngine:
                 with self._cond:
                     while not (self._stop or self._adds or self._aborts or eng.has_unfinished()):
                         self._stats = eng.stats()
-                        self._cond.wait()
+                        self._cond.wait(timeout=1.0)  # wake now and then so the idle rate decays
                     if self._stop:
                         break
                     adds, self._adds = self._adds, []

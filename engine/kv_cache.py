@@ -145,10 +145,17 @@ class KVCacheManager:
         self.prefix_query_tokens += num_query_tokens
         self.prefix_hit_tokens += num_hit_tokens
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None) -> bool:
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed_blocks: list[Block] | None = None,
+        reserve: int = 0,
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req`` (after any cache hits); False if no room.
 
-        ``computed_blocks`` are prefix-cache hits for a request that has none yet.
+        ``computed_blocks`` are prefix-cache hits for a request that has none yet; ``reserve``
+        blocks must stay free afterwards (headroom for running requests to keep decoding).
         """
         table = self._tables.setdefault(req.request_id, [])
         computed_blocks = computed_blocks or []
@@ -157,7 +164,7 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         need = -(-total // bs) - len(table) - len(computed_blocks)
         hits_on_free_list = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(need, 0) > self.pool.num_free - hits_on_free_list:
+        if max(need, 0) + reserve > self.pool.num_free - hits_on_free_list:
             if not table:
                 del self._tables[req.request_id]
             return False

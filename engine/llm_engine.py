@@ -18,6 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
+from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -38,7 +39,7 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, model: LlamaModel | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.config = config = config or EngineConfig()
@@ -47,7 +48,7 @@ class LLMEngine:
         path = resolve_model(config.model)
         self.model_path = path
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self.runner = ModelRunner(config, path)
+        self.runner = ModelRunner(config, path, model)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_model_len

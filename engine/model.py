@@ -309,3 +309,27 @@ def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     for name in files:
         sd.update(load_file(str(path / name)))
     return sd
+
+
+@torch.inference_mode()
+def perplexity(model: LlamaModel, token_ids: list[int], block_size: int = 16) -> float:
+    """Perplexity of ``token_ids`` under ``model`` in one prefill (for quantization checks and benchmarks)."""
+    a = model.args
+    T = len(token_ids)
+    nb = -(-T // block_size)
+    cache = torch.zeros(
+        a.num_layers, 2, a.num_kv_heads, nb, block_size, a.head_dim, dtype=model.dtype, device=model.device
+    )
+    idx = torch.arange(T, device=model.device)
+    meta = AttentionMetadata(
+        slot_mapping=idx,
+        num_decodes=0,
+        decode_block_tables=None,
+        decode_mask=None,
+        prefills=[(0, T, None, None)],
+        sample_indices=idx[:-1],
+    )
+    ids = torch.tensor(token_ids, device=model.device)
+    logits = model.forward(ids, idx, meta, cache).float()
+    nll = F.cross_entropy(logits, ids[1:])
+    return float(torch.exp(nll))

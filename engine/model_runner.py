@@ -21,7 +21,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path) -> None:
+    def __init__(self, config: EngineConfig, model_path, model: LlamaModel | None = None) -> None:
         self.config = config
         self.device = config.resolved_device()
         dtype = _DTYPES[config.dtype]
@@ -29,7 +29,10 @@ class ModelRunner:
             # The CPU int8 kernels take 16-bit activations; fp32 activations would be slower.
             dtype = torch.bfloat16
         self.dtype = dtype
-        self.model = LlamaModel(model_path, dtype, self.device, max_model_len=None)
+        if model is not None and (model.dtype != dtype or config.quantization):
+            raise ValueError("a shared model must have the configured dtype and no quantization")
+        # Sharing an already loaded model lets tests build engines with different limits cheaply.
+        self.model = model or LlamaModel(model_path, dtype, self.device)
         a = self.model.args
         limit = a.max_position_embeddings
         if a.sliding_window:

@@ -132,7 +132,9 @@ class Scheduler:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            # Keep a block of headroom per running request, so admitting this one does not
+            # force a preemption on the very next decode step (which would thrash).
+            if not self.kv.allocate_slots(req, n, hits, reserve=len(self.running)):
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # count the lookup once, on first admission
