@@ -169,8 +169,14 @@ class Console:
         self._partial = False
 
     def say(self, line: str) -> None:
-        self._end_partial()
+        self._end_lines()
         print(line, file=self.out, flush=True)
+
+    def _end_lines(self) -> None:
+        self._end_partial()
+        if self._replying_to is not None:  # the reply's line is still open (done, cut short or interrupted)
+            self.out.write("\n")
+            self._replying_to = None
 
     def _end_partial(self) -> None:
         if self._partial:
@@ -183,21 +189,18 @@ class Console:
             if event.get("final"):
                 self.say(f"you: {event['text']}")
             elif self._tty:
-                self._end_partial()
+                self._end_lines()
                 self.out.write(f"you: {event['text']} ...")
                 self.out.flush()
                 self._partial = True
         elif kind == "assistant_text":
             if self._replying_to != event["turn_id"]:
+                self._end_lines()
                 self._replying_to = event["turn_id"]
-                self._end_partial()
                 self.out.write("parley: ")
             self.out.write(event["delta"])
             self.out.flush()
         elif kind == "turn_done":
-            if self._replying_to == event["turn_id"]:
-                self.out.write("\n")
-                self._replying_to = None
             self.say(format_latency(event))
         elif kind == "error":
             self.say(f"server error ({event.get('code')}): {event.get('message')}")
@@ -289,8 +292,10 @@ class MicClient:
                     raise UsageError(f"{self.url} answered HTTP {status}: is this a Parley /ws URL?") from None
                 reason = f"the server answered HTTP {status}"
             except websockets.ConnectionClosed as error:
-                clean = error.rcvd is not None and error.rcvd.code in (1000, 1001)
-                reason = "the server closed the connection" if clean else f"the connection dropped: {error}"
+                code = error.rcvd.code if error.rcvd is not None else None
+                reason = {1000: "the server closed the connection", 1001: "the server is going away"}.get(
+                    code, "the server is restarting" if code == 1012 else f"the connection dropped (code {code})"
+                )
             except (TimeoutError, OSError, websockets.WebSocketException) as error:
                 reason = (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
             self._reset_reply()
@@ -307,8 +312,8 @@ class MicClient:
         await ws.send(protocol.encode(protocol.Start(sample_rate=SEND_RATE)))
         mode = "barge-in" if self.gate.barge_in else "half-duplex"
         if self.gate.push_to_talk:
-            mode += ", push-to-talk: press Enter to talk/stop"
-        self.console.say(f"connected ({mode}); speak now")
+            mode += ", push-to-talk: Enter toggles the mic"
+        self.console.say(f"connected ({mode}); " + ("speak now" if self.gate.talking else "press Enter to talk"))
         while not self.frames.empty():  # audio captured while disconnected is stale
             self.frames.get_nowait()
         tasks = [asyncio.create_task(self._send_loop(ws)), asyncio.create_task(self._receive_loop(ws))]

@@ -197,6 +197,23 @@ def test_console_prints_the_conversation_and_latency():
     ]
 
 
+def test_console_ends_a_reply_line_that_was_cut_short():
+    out = io.StringIO()
+    console = Console(out)
+    console.event({"type": "assistant_text", "turn_id": 1, "delta": "The capital of"})
+    console.say("connection lost (the server is restarting); retrying in 0.5 s")
+    console.event({"type": "assistant_text", "turn_id": 2, "delta": "Hello"})
+    console.event({"type": "assistant_text", "turn_id": 3, "delta": "Hi"})  # turn 2 interrupted: no turn_done
+    console.event({"type": "turn_done", "turn_id": 3, "text": "Hi", "interrupted": False, "metrics": {}})
+    assert out.getvalue().splitlines() == [
+        "parley: The capital of",
+        "connection lost (the server is restarting); retrying in 0.5 s",
+        "parley: Hello",
+        "parley: Hi",
+        "  [turn 3]",
+    ]
+
+
 class FakeServer:
     """A scripted Parley /ws on loopback: ``script(ws, received)`` drives one connection."""
 
