@@ -370,7 +370,7 @@ class MicClient:
             self.player.start_turn(event["turn_id"], event["sample_rate"])
         elif kind == "interrupt":
             self._dropped_turn = event["turn_id"]
-            if self._streaming_turn == event["turn_id"]:
+            if event["turn_id"] in (self._streaming_turn, self.player.turn_id):  # streaming, or queued after turn_done
                 self._reset_reply()
         elif kind == "turn_done":
             if self._streaming_turn == event["turn_id"]:

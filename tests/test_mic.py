@@ -366,6 +366,19 @@ async def test_interrupt_drops_queued_audio_at_once_and_ignores_late_audio():
     assert "interrupted" in out
 
 
+async def test_interrupt_after_turn_done_still_drops_the_audio_being_played():
+    """The server finishes sending long before the client finishes playing: the audio is still queued."""
+    frames: asyncio.Queue = asyncio.Queue()
+    player = Player(22050)
+    client = MicClient("ws://unused", frames, 16000, player, Gate(barge_in=True), Console(io.StringIO()))
+    client._on_event({"type": "audio_start", "turn_id": 4, "sample_rate": 22050})
+    client._on_audio(float_to_pcm16(np.full(22050 * 3, 0.2, np.float32)))
+    client._on_event({"type": "turn_done", "turn_id": 4, "text": "A long answer.", "metrics": {}})
+    assert player.busy and not client._streaming_turn
+    client._on_event({"type": "interrupt", "turn_id": 4})
+    assert not player.busy and np.abs(player.pull(441)).max() == 0
+
+
 async def test_reconnects_with_backoff_when_the_server_drops_the_connection():
     async def script(ws, received, connection) -> None:
         if connection == 1:
