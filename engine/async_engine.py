@@ -68,7 +68,7 @@ class AsyncLLMEngine:
             raise RuntimeError("engine is shut down")
         if self._error is not None:
             raise RuntimeError("engine loop crashed") from self._error
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cond:
             if request_id in self._streams:
@@ -112,6 +112,10 @@ class AsyncLLMEngine:
     # --- engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
+        if self.config.num_threads:
+            import torch
+
+            torch.set_num_threads(self.config.num_threads)  # also in this thread (OpenMP settings are per thread)
         try:
             while True:
                 with self._cond:

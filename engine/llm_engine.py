@@ -38,6 +38,22 @@ class _RequestState:
     row: SamplerRow
 
 
+def _eos_token_ids(path, tokenizer, config_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """End-of-sequence ids as transformers' generate uses them (generation_config first), plus the tokenizer's."""
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(str(path), local_files_only=True).eos_token_id
+        ids += gen if isinstance(gen, list) else ([] if gen is None else [gen])
+    except OSError:  # no generation_config.json
+        pass
+    ids += list(config_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: LlamaModel | None = None) -> None:
         from transformers import AutoTokenizer
@@ -53,10 +69,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_model_len
         )
-        eos = self.tokenizer.eos_token_id
-        if eos is None and self.runner.model.args.eos_token_ids:
-            eos = self.runner.model.args.eos_token_ids[0]
-        self.eos_token_id = eos
+        self.eos_token_ids = _eos_token_ids(path, self.tokenizer, self.runner.model.args.eos_token_ids)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self._rng = random.Random(config.seed)
         self._states: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []
@@ -85,7 +99,7 @@ class LLMEngine:
             request_id = f"req-{self._next_id}"
         if request_id in self._states:
             raise ValueError(f"duplicate request id {request_id!r}")
-        req = Request(request_id, self.tokenize(prompt), params, eos_token_id=self.eos_token_id)
+        req = Request(request_id, self.tokenize(prompt), params, eos_token_ids=self.eos_token_ids)
         try:
             self.scheduler.add_request(req)
         except RequestRejected as e:

@@ -23,7 +23,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # any of these ends the request unless ignore_eos
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

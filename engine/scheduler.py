@@ -201,7 +201,7 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token == req.eos_token_id):
+        if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"

@@ -19,7 +19,9 @@ def make(num_blocks=64, block_size=4, max_num_seqs=16, budget=64, max_model_len=
 
 
 def req(rid: str, n: int, max_tokens: int = 4, first: int = 100, **kw) -> Request:
-    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, **kw), eos_token_id=EOS)
+    return Request(
+        rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, **kw), eos_token_ids=(EOS,)
+    )
 
 
 def fake_step(s: Scheduler, token: int = FAKE_TOKEN, tokens: dict[str, int] | None = None):
@@ -163,10 +165,10 @@ def test_rejects_requests_that_can_never_fit():
 def test_prefix_cache_hits_share_blocks_with_ref_counts():
     s = make(num_blocks=32, block_size=4)
     prefix = list(range(500, 512))  # 3 full blocks
-    a = Request("a", prefix + [1, 2], SamplingParams(max_tokens=20), eos_token_id=EOS)
+    a = Request("a", prefix + [1, 2], SamplingParams(max_tokens=20), eos_token_ids=(EOS,))
     s.add_request(a)
     fake_step(s)
-    b = Request("b", prefix + [3, 4, 5], SamplingParams(max_tokens=20), eos_token_id=EOS)
+    b = Request("b", prefix + [3, 4, 5], SamplingParams(max_tokens=20), eos_token_ids=(EOS,))
     s.add_request(b)
     out, _ = fake_step(s)
     assert b.num_cached_tokens == 12
@@ -180,7 +182,7 @@ def test_prefix_cache_hits_share_blocks_with_ref_counts():
     assert [blk.ref_cnt for blk in shared] == [0, 0, 0]
     assert s.kv.num_used_blocks == 0
     # freed blocks stay cached: a third request still hits them
-    c = Request("c", prefix + [9], SamplingParams(max_tokens=2), eos_token_id=EOS)
+    c = Request("c", prefix + [9], SamplingParams(max_tokens=2), eos_token_ids=(EOS,))
     s.add_request(c)
     fake_step(s)
     assert c.num_cached_tokens == 12
@@ -190,9 +192,9 @@ def test_prefix_cache_hits_share_blocks_with_ref_counts():
 def test_full_prompt_hit_still_computes_last_token():
     s = make(block_size=4)
     p = list(range(300, 308))  # exactly 2 blocks
-    s.add_request(Request("a", p, SamplingParams(max_tokens=1), eos_token_id=EOS))
+    s.add_request(Request("a", p, SamplingParams(max_tokens=1), eos_token_ids=(EOS,)))
     run_all(s)
-    b = Request("b", list(p), SamplingParams(max_tokens=1), eos_token_id=EOS)
+    b = Request("b", list(p), SamplingParams(max_tokens=1), eos_token_ids=(EOS,))
     s.add_request(b)
     out, _ = fake_step(s)
     assert b.num_cached_tokens == 4 and scheduled(out)["b"] == 4
@@ -206,7 +208,7 @@ def test_prefix_of_generated_tokens_is_cached_too():
     s.add_request(a)
     run_all(s)
     history = a.prompt_token_ids + a.output_token_ids  # 16 tokens = 4 blocks, last written at decode
-    b = Request("b", history + [1, 2, 3], SamplingParams(max_tokens=1), eos_token_id=EOS)
+    b = Request("b", history + [1, 2, 3], SamplingParams(max_tokens=1), eos_token_ids=(EOS,))
     s.add_request(b)
     fake_step(s)
     assert b.num_cached_tokens == 12  # the 4th block held the last output, whose K/V was never computed
@@ -214,15 +216,15 @@ def test_prefix_of_generated_tokens_is_cached_too():
 
 def test_lru_eviction_of_cached_free_blocks():
     s = make(num_blocks=4, block_size=4)
-    a = Request("a", list(range(8)) + [99], SamplingParams(max_tokens=1), eos_token_id=EOS)
+    a = Request("a", list(range(8)) + [99], SamplingParams(max_tokens=1), eos_token_ids=(EOS,))
     s.add_request(a)
     run_all(s)
     assert s.kv.num_used_blocks == 0
     # a new request needing all 4 blocks evicts the cached ones
-    b = Request("b", list(range(50, 63)), SamplingParams(max_tokens=3), eos_token_id=EOS)
+    b = Request("b", list(range(50, 63)), SamplingParams(max_tokens=3), eos_token_ids=(EOS,))
     s.add_request(b)
     fake_step(s)
-    c = Request("c", list(range(8)) + [98], SamplingParams(max_tokens=1), eos_token_id=EOS)
+    c = Request("c", list(range(8)) + [98], SamplingParams(max_tokens=1), eos_token_ids=(EOS,))
     s.finish_request("b", "abort")
     s.add_request(c)
     fake_step(s)
@@ -232,9 +234,9 @@ def test_lru_eviction_of_cached_free_blocks():
 def test_no_prefix_caching_when_disabled():
     s = make(caching=False, block_size=4)
     p = list(range(20))
-    s.add_request(Request("a", p, SamplingParams(max_tokens=1), eos_token_id=EOS))
+    s.add_request(Request("a", p, SamplingParams(max_tokens=1), eos_token_ids=(EOS,)))
     run_all(s)
-    b = Request("b", p + [1], SamplingParams(max_tokens=1), eos_token_id=EOS)
+    b = Request("b", p + [1], SamplingParams(max_tokens=1), eos_token_ids=(EOS,))
     s.add_request(b)
     fake_step(s)
     assert b.num_cached_tokens == 0
