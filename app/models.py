@@ -44,6 +44,14 @@ def make_llm(settings: Settings) -> ChatLLM:
     return OpenAIChatLLM(settings.llm_url, settings.llm_model, settings=generation)
 
 
+def make_tts(settings: Settings) -> Synthesizer:
+    if settings.tts_backend == "coqui":
+        from app.tts_coqui import CoquiSynthesizer
+
+        return CoquiSynthesizer.from_settings(settings)
+    return PiperSynthesizer(settings.tts_voice)
+
+
 def load_models(settings: Settings, progress: Callable[[str], None] = print) -> Models:
     """Load VAD, ASR, LLM and TTS, printing one line per model with its load time."""
 
@@ -67,7 +75,7 @@ def load_models(settings: Settings, progress: Callable[[str], None] = print) -> 
         ),
     )
     llm = timed(f"LLM ({settings.llm_backend}: {settings.llm_url or settings.llm_model})", lambda: make_llm(settings))
-    tts = timed(f"TTS (piper {settings.tts_voice})", lambda: PiperSynthesizer(settings.tts_voice))
+    tts = timed(f"TTS ({settings.tts_backend} {settings.tts_voice})", lambda: make_tts(settings))
     models = Models(vad=vad, asr=asr, llm=llm, tts=tts)
     timed("warm-up (one pass through ASR, LLM and TTS)", lambda: warm_up(models))
     return models
