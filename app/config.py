@@ -34,6 +34,7 @@ class Settings(BaseSettings):
     llm_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     llm_quantization: Literal["none", "int8"] = "none"
     llm_device: str = "cpu"
+    llm_threads: int | None = Field(None, ge=1, description="engine CPU threads (default: torch's choice)")
     llm_max_tokens: int = Field(120, ge=1, le=4096)
     llm_temperature: float = Field(0.0, ge=0.0, le=2.0)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT

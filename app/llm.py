@@ -126,10 +126,14 @@ class EngineChatLLM:
         quantization: str | None = None,
         device: str = "cpu",
         settings: GenerationSettings | None = None,
+        num_threads: int | None = None,
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
-        self.engine = AsyncLLMEngine(EngineConfig(model=model, dtype=dtype, quantization=quantization, device=device))
+        config = EngineConfig(
+            model=model, dtype=dtype, quantization=quantization, device=device, num_threads=num_threads
+        )
+        self.engine = AsyncLLMEngine(config)
         self.settings = settings or GenerationSettings()
 
     async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:

@@ -31,7 +31,12 @@ def make_llm(settings: Settings) -> ChatLLM:
 
         quantization = None if settings.llm_quantization == "none" else settings.llm_quantization
         return EngineChatLLM(
-            settings.llm_model, settings.llm_dtype, quantization, settings.llm_device, settings=generation
+            settings.llm_model,
+            settings.llm_dtype,
+            quantization,
+            settings.llm_device,
+            settings=generation,
+            num_threads=settings.llm_threads,
         )
     if settings.llm_backend == "transformers":
         from app.llm import TransformersChatLLM
