@@ -42,6 +42,7 @@ class Settings(BaseSettings):
 
     # TTS
     tts_backend: Literal["piper", "coqui"] = Field("piper", description="coqui needs the [coqui] extra (GPU image)")
+    tts_threads: int | None = Field(None, ge=1, description="Piper CPU threads (default: all cores)")
     tts_voice: str = Field("bundled", description="'bundled' (en_US joe medium) or a Piper .onnx path")
 
     # VAD / turn-taking

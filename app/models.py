@@ -54,7 +54,7 @@ def make_tts(settings: Settings) -> Synthesizer:
         from app.tts_coqui import CoquiSynthesizer
 
         return CoquiSynthesizer.from_settings(settings)
-    return PiperSynthesizer(settings.tts_voice)
+    return PiperSynthesizer(settings.tts_voice, threads=settings.tts_threads)
 
 
 def load_models(settings: Settings, progress: Callable[[str], None] = print) -> Models:

@@ -24,7 +24,9 @@ class Synthesizer(Protocol):
 
 
 class PiperSynthesizer:
-    def __init__(self, voice: str = BUNDLED_VOICE, length_scale: float | None = None) -> None:
+    def __init__(
+        self, voice: str = BUNDLED_VOICE, length_scale: float | None = None, threads: int | None = None
+    ) -> None:
         from piper import PiperVoice, SynthesisConfig
 
         if voice == BUNDLED_VOICE:
@@ -34,6 +36,15 @@ class PiperSynthesizer:
         else:
             model, config = voice, voice + ".json"
         self.voice = PiperVoice.load(str(model), config_path=str(config))
+        if threads:  # Piper's own session uses every core; on a shared CPU that fights ASR and the LLM
+            import onnxruntime
+
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            self.voice.session = onnxruntime.InferenceSession(
+                str(model), sess_options=options, providers=["CPUExecutionProvider"]
+            )
         self.sample_rate: int = self.voice.config.sample_rate
         self._config = SynthesisConfig(length_scale=length_scale) if length_scale else None
         self._lock = threading.Lock()  # one onnxruntime session; avoid oversubscribing 2 cores

@@ -1,0 +1,46 @@
+"""The FastAPI app in-process (Starlette's test client), with real VAD/ASR/TTS and a scripted LLM."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from harness import ScriptedLLM
+
+from app.asr import Transcriber
+from app.config import Settings
+from app.models import Models
+from app.server import create_app
+from app.tts import PiperSynthesizer
+from app.vad import SileroVad
+
+
+@pytest.fixture(scope="module")
+def models():
+    return Models(vad=SileroVad(), asr=Transcriber(), llm=ScriptedLLM(["Hello there."]), tts=PiperSynthesizer())
+
+
+def test_sessions_over_the_limit_get_a_clear_error_and_others_keep_working(models):
+    app = create_app(Settings(max_sessions=1), models=models)
+    with TestClient(app) as client, client.websocket_connect("/ws") as first:
+        assert json.loads(first.receive_text())["type"] == "ready"
+        with client.websocket_connect("/ws") as second:
+            event = json.loads(second.receive_text())
+            assert (event["type"], event["code"], event["fatal"]) == ("error", "overloaded", True)
+        first.send_text(json.dumps({"type": "text", "text": "Hi"}))
+        kinds = []
+        while "turn_done" not in kinds:
+            message = first.receive()
+            if message.get("text"):
+                kinds.append(json.loads(message["text"])["type"])
+        assert "assistant_text" in kinds
+        assert client.get("/healthz").json()["sessions"] == 1
+
+
+def test_page_static_files_and_health(models):
+    with TestClient(create_app(Settings(), models=models)) as client:
+        assert "<html" in client.get("/").text.lower()
+        assert client.get("/static/app.js").status_code == 200
+        assert client.get("/healthz").json() == {"status": "ok", "sessions": 0, "llm": "scripted"}
+        assert "parley_sessions 0.0" in client.get("/metrics").text
