@@ -51,6 +51,9 @@ class ModelRunner:
             from engine.quant import quantize_model
 
             self.quant_info = quantize_model(self.model, self.device)
+        # bf16 on CPU: the remaining dense linears (all of them, or lm_head next to int8 layers)
+        # get their weights reordered for oneDNN once instead of on every call.
+        self.num_packed_linears = self.model.pack_linears()
         log.info(
             "model %s dtype=%s quant=%s device=%s, KV cache %d blocks x %d tokens (%.0f MiB)",
             a.architecture,
@@ -85,11 +88,22 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(c.request_id)
         B = len(decodes)
-        decode_tables = decode_mask = None
-        if B:
+        decode_tables = decode_mask = decode_flat = None
+        decode_ctx_len = None
+        if B == 1:  # one request: its own blocks, cut to its length; no mask
+            nb = -(-ctx_lens[0] // bs)
+            decode_flat = torch.tensor(decodes[0].block_ids[:nb], dtype=torch.long, device=dev)
+            decode_tables = decode_flat.view(1, nb)
+            decode_ctx_len = ctx_lens[0]
+        elif B:
             max_blocks = max(-(-n // bs) for n in ctx_lens)
-            table = [c.block_ids[:max_blocks] + [0] * (max_blocks - min(len(c.block_ids), max_blocks)) for c in decodes]
-            decode_tables = torch.tensor(table, dtype=torch.long, device=dev)
+            table: list[int] = []
+            for c in decodes:
+                row = c.block_ids[:max_blocks]
+                table += row
+                table += [0] * (max_blocks - len(row))
+            decode_flat = torch.tensor(table, dtype=torch.long, device=dev)
+            decode_tables = decode_flat.view(B, max_blocks)
             lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
             L = max_blocks * bs
             decode_mask = (torch.arange(L, device=dev)[None, :] < lens[:, None]).view(B, 1, 1, L)
@@ -127,6 +141,8 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=pre_meta,
             sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            decode_flat_blocks=decode_flat,
+            decode_ctx_len=decode_ctx_len,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         if not sample_rows:
