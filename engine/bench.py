@@ -23,6 +23,7 @@ import gc
 import json
 import logging
 import math
+import os
 import random
 import statistics
 import sys
@@ -494,6 +495,14 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
             + f"; weights {_fmt(r.get('int8_vs_bf16_weight_memory_ratio'), '.3f')}x"
         )
     lines += ["", "targets:", *_target_lines(r), "", f"total bench time {r['bench_wall_s']:.0f} s"]
+    other = r.get("other_cpu_cores")
+    if other is not None:
+        lines[-1] += f"; other processes kept {other:.2f} cores busy on average"
+        if other > 0.25:
+            lines.append(
+                "WARNING: other processes were using the CPU; with 2 torch threads on 2 shared cores the "
+                "figures can be many times off (see other_cpu_cores_by_section). Rerun on an idle machine."
+            )
     return "\n".join(lines)
 
 
@@ -529,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
     t_start = time.monotonic()
+    cpu0 = _cpu_snapshot()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from transformers import AutoTokenizer
@@ -581,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     def section(name: str, fn) -> None:
         nonlocal failed
         t = time.monotonic()
+        snap = _cpu_snapshot()
         print(f"[bench] {name} ...", flush=True)
         try:
             fn()
@@ -589,7 +600,10 @@ def main(argv: list[str] | None = None) -> int:
             r[f"{name}_error"] = f"{type(e).__name__}: {e}"
             print(f"[bench] {name} failed: {e}", flush=True)
             traceback.print_exc()
-        print(f"[bench] {name} done in {time.monotonic() - t:.1f} s", flush=True)
+        other = _other_cores(snap, _cpu_snapshot())
+        r.setdefault("other_cpu_cores_by_section", {})[name] = other
+        busy = f" (other processes kept {other:.2f} cores busy)" if other is not None else ""
+        print(f"[bench] {name} done in {time.monotonic() - t:.1f} s{busy}", flush=True)
 
     shared = {}
 
@@ -677,12 +691,32 @@ def main(argv: list[str] | None = None) -> int:
     ):
         r.setdefault(key, None)
     r["bench_wall_s"] = time.monotonic() - t_start
+    r["other_cpu_cores"] = _other_cores(cpu0, _cpu_snapshot())
     r["targets"] = TARGETS
     print(report(r, runs), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2, default=_json_default) + "\n")
         print(f"wrote {args.json}")
     return 1 if failed else 0
+
+
+def _cpu_snapshot() -> tuple[float, float, float] | None:
+    """(monotonic s, CPU-seconds busy on the whole machine, CPU-seconds of this process), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
+
+
+def _other_cores(a, b) -> float | None:
+    """Average number of cores that other processes kept busy between two snapshots."""
+    if a is None or b is None or b[0] <= a[0]:
+        return None
+    return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / (b[0] - a[0]))
 
 
 def _hf_warm(model, reqs: list[BenchRequest], pad_id: int) -> None:
