@@ -70,11 +70,16 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], lis
 
     ``logits`` is [num_rows, vocab] in any float dtype; it is processed in float32.
     """
-    logits = logits.float()
-    finite = torch.isfinite(logits).all(dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
-    ok = finite.tolist()
-    out = tokens.tolist()
+    # Cheap first: a row whose sum is finite has no NaN/inf (one reduction instead of four
+    # full passes of isfinite().all(); with 49k-entry rows at batch 8 that was ~5 ms a step).
+    # Only rows whose sum is not finite (an overflowing sum included) get the exact check.
+    ok = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).tolist()
+    if not all(ok):
+        ok = torch.isfinite(logits).all(dim=-1).tolist()
+    # argmax needs no float32 copy: widening is monotonic, so the first maximum is the same row entry
+    out = torch.argmax(logits, dim=-1).tolist()
+    if any(not r.params.greedy for r in rows):
+        logits = logits.float()
     errors: list[str | None] = [None] * len(rows)
     for i, row in enumerate(rows):
         if not ok[i]:

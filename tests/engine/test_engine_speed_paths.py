@@ -104,3 +104,25 @@ def test_bf16_engine_packs_linears_and_matches_unpacked(model_path):
     out = eng.generate([ids, ids[:5], ids[:9]], SamplingParams(max_tokens=6))
     assert all(len(o) == 6 for o in out)
     assert out[0] == eng.generate([ids], SamplingParams(max_tokens=6))[0]
+
+
+def test_sampler_fast_finite_check_and_bf16_argmax():
+    from engine.sampling import SamplerRow, sample
+
+    big = torch.full((5,), 3e38)  # finite entries whose sum overflows to inf: still a fine row
+    logits = torch.stack(
+        [
+            torch.tensor([0.0, 1.0, 2.0, 2.0, -1.0]),
+            torch.tensor([0.0, float("nan"), 2.0, 1.0, 0.0]),
+            torch.tensor([0.0, float("inf"), 2.0, 1.0, 0.0]),
+            big,
+        ]
+    )
+    rows = [SamplerRow(SamplingParams())] * 4
+    tokens, errors = sample(logits, rows)
+    assert errors[0] is None and errors[3] is None
+    assert errors[1] is not None and errors[2] is not None
+    assert tokens[0] == 2 and tokens[3] == 0  # first maximum, as torch.argmax
+    lb = torch.randn(6, 1000).to(torch.bfloat16)
+    got, _ = sample(lb, [SamplerRow(SamplingParams())] * 6)
+    assert got == lb.float().argmax(-1).tolist()
