@@ -61,6 +61,10 @@ def _engine(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
+        if any(arg.split("=")[0] in ("--peer", "--peer-url") for arg in args.rest):
+            from engine.bench_peer import main as bench_peer  # side by side with llama.cpp
+
+            return bench_peer(args.rest)
         from engine.bench import main as bench_engine
 
         return bench_engine(args.rest)
