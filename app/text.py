@@ -7,6 +7,9 @@ import re
 _SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*(?=\s)|\n+")
 _CLAUSE_END = re.compile(r"[,;:—–](?=\s)")
 _ABBREVIATIONS = {"mr.", "mrs.", "ms.", "dr.", "st.", "vs.", "e.g.", "i.e.", "etc.", "no.", "jr.", "sr.", "prof."}
+_JOINING_WORDS = frozenset("and but or so that which who because when while with where if than as to".split())
+FIRST_PHRASE_WORDS = 4
+FIRST_PHRASE_MAX_WORDS = 10
 _MARKUP = re.compile(r"[*_#`~>|]+|\[(?:[^\]]*)\]\((?:[^)]*)\)")
 _SPACES = re.compile(r"\s+")
 
@@ -56,6 +59,20 @@ class SentenceSplitter:
             for match in _CLAUSE_END.finditer(self._buffer):
                 if match.end() >= self.min_chars:
                     return self._take(match.end())
+            cut = self._first_phrase_end()
+            if cut is not None:
+                return self._take(cut)
+        return None
+
+    def _first_phrase_end(self) -> int | None:
+        """No punctuation yet: cut the first piece before a joining word ("... is | that they ...")
+        once it has ``FIRST_PHRASE_WORDS`` words, or anywhere after ``FIRST_PHRASE_MAX_WORDS``."""
+        spans = [match.span() for match in re.finditer(r"\S+", self._buffer)]
+        complete = spans[:-1] if not self._buffer[-1:].isspace() else spans  # the last word may still grow
+        for index in range(FIRST_PHRASE_WORDS, len(complete)):
+            word = self._buffer[complete[index][0] : complete[index][1]].lower()
+            if word in _JOINING_WORDS or index >= FIRST_PHRASE_MAX_WORDS:
+                return complete[index - 1][1]
         return None
 
     def _take(self, end: int) -> str:

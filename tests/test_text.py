@@ -45,3 +45,21 @@ def test_speakable_strips_markdown():
 
 def test_words_ignore_case_and_punctuation():
     assert words("What is the capital of France?") == ["what", "is", "the", "capital", "of", "france"]
+
+
+def test_long_first_sentence_without_commas_is_cut_before_a_joining_word():
+    splitter = SentenceSplitter(first_clause_chars=16)
+    text = "The fun fact about dogs is that they are very loyal companions. Dogs love walks and treats."
+    assert stream(splitter, text) == [
+        "The fun fact about dogs is",
+        "that they are very loyal companions.",
+        "Dogs love walks and treats.",  # only the first piece is cut early
+    ]
+
+
+def test_first_piece_is_capped_at_ten_words_when_nothing_joins():
+    words_only = "one two three four five six seven eight nine ten eleven twelve."
+    assert (
+        stream(SentenceSplitter(first_clause_chars=16), words_only)[0]
+        == "one two three four five six seven eight nine ten"
+    )
