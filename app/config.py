@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     llm_model: str = Field("bundled", description="'bundled' (SmolLM2-135M-Instruct), a model dir or a .gguf")
     llm_url: str | None = Field(None, description="OpenAI-compatible base URL (e.g. http://host:8001/v1)")
     llm_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    llm_quantization: Literal["none", "int8"] = "none"
+    llm_quantization: Literal["none", "int8", "int4"] = "none"
     llm_device: str = "cpu"
     # Measured with `parley bench voice` on 2 cores: one thread each for the engine and Piper
     # (ASR keeps 2) gave p50 762 ms vs 1067 ms with every library on all cores.

@@ -49,7 +49,12 @@ TARGETS = {
     "peer_concurrent8_ttft_ratio": (0.25, False),
     "peer_prefill_ratio": (0.3, False),
 }
-PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8")}
+PRECISIONS = {
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
 
 
 @dataclass

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="bundled", help="'bundled', a Hugging Face model directory or a .gguf file")
     serve.add_argument("--served-model-name", default=None, help="model id for /v1/models (default: from --model)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
-    serve.add_argument("--quantization", choices=["none", "int8"], default="none")
+    serve.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="cap on requests in the running batch")
     serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")

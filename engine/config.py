@@ -19,7 +19,7 @@ class EngineConfig:
 
     model: str = "bundled"
     dtype: Dtype = "float32"
-    quantization: Literal["int8"] | None = None
+    quantization: Literal["int8", "int4"] | None = None
     device: Literal["cpu", "cuda", "auto"] = "auto"
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -34,8 +34,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', not {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', not {self.quantization!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, not {self.device!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:

@@ -202,6 +202,8 @@ class LlamaModel:
         else:
             self.lm_head = lm_head.to(device=self.device, dtype=self.dtype).contiguous()
         self.lm_head_linear: Linear = DenseLinear(self.lm_head)
+        # replaced by quantization when the embedding is stored quantized (then self.embed is None)
+        self.embed_lookup: Callable[[torch.Tensor], torch.Tensor] = self._dense_lookup
         self.norm = take("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(a.num_layers):
@@ -223,6 +225,9 @@ class LlamaModel:
         if sd:
             log.debug("unused weights: %s", sorted(sd)[:10])
 
+    def _dense_lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
     def pack_linears(self) -> int:
         """Pre-reorder every remaining 16-bit dense linear (and lm_head) for oneDNN; returns how many.
 
@@ -239,7 +244,7 @@ class LlamaModel:
                 if isinstance(lin, DenseLinear):
                     setattr(layer, name, PackedLinear(lin.weight, lin.bias))
                     n += 1
-        if isinstance(self.lm_head_linear, DenseLinear):
+        if isinstance(self.lm_head_linear, DenseLinear) and self.lm_head is not None:
             # A packed copy (the plain tensor stays for the tied embedding lookup).
             self.lm_head_linear = PackedLinear(self.lm_head)
             n += 1
@@ -255,12 +260,12 @@ class LlamaModel:
         return total
 
     def weight_bytes(self) -> int:
-        """All weight bytes (embeddings counted once when tied)."""
-        total = self.linear_weight_bytes() + self.embed.numel() * self.embed.element_size()
-        if self.lm_head is not self.embed:
-            total += self.lm_head.numel() * self.lm_head.element_size()
-        if isinstance(self.lm_head_linear, PackedLinear):
-            total += self.lm_head_linear.nbytes()  # the packed copy of lm_head
+        """All weight bytes (embeddings counted once when tied; quantized and packed copies counted)."""
+        total = self.linear_weight_bytes()
+        plain = {id(t): t for t in (self.embed, self.lm_head) if t is not None}
+        total += sum(t.numel() * t.element_size() for t in plain.values())
+        if not isinstance(self.lm_head_linear, DenseLinear):
+            total += _linear_bytes(self.lm_head_linear)  # a packed or quantized copy of lm_head
         total += self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
             total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
@@ -282,7 +287,7 @@ class LlamaModel:
         eps = a.rms_norm_eps
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
         T = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_lookup(input_ids)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         half = D // 2

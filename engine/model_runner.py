@@ -25,8 +25,8 @@ class ModelRunner:
         self.config = config
         self.device = config.resolved_device()
         dtype = _DTYPES[config.dtype]
-        if config.quantization == "int8" and dtype == torch.float32:
-            # The int8 kernels take 16-bit activations (int8pack with fp32 input is ~15x slower on CPU).
+        if config.quantization and dtype == torch.float32:
+            # The quantized kernels take 16-bit activations (int8pack with fp32 input is ~15x slower on CPU).
             dtype = torch.bfloat16
         self.dtype = dtype
         if model is not None and (model.dtype != dtype or config.quantization):
@@ -47,10 +47,10 @@ class ModelRunner:
             a.num_layers, 2, a.num_kv_heads, self.num_blocks, bs, a.head_dim, dtype=dtype, device=self.device
         )
         self.quant_info: dict | None = None
-        if config.quantization == "int8":
+        if config.quantization:
             from engine.quant import quantize_model
 
-            self.quant_info = quantize_model(self.model, self.device)
+            self.quant_info = quantize_model(self.model, self.device, config.quantization)
         # bf16 on CPU: the remaining dense linears (all of them, or lm_head next to int8 layers)
         # get their weights reordered for oneDNN once instead of on every call.
         self.num_packed_linears = self.model.pack_linears()
