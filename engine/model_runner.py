@@ -54,6 +54,7 @@ class ModelRunner:
         # bf16 on CPU: the remaining dense linears (all of them, or lm_head next to int8 layers)
         # get their weights reordered for oneDNN once instead of on every call.
         self.num_packed_linears = self.model.pack_linears()
+        self.fused_kernels = config.fused_kernels and self.model.use_fused_kernels()
         log.info(
             "model %s dtype=%s quant=%s device=%s, KV cache %d blocks x %d tokens (%.0f MiB)",
             a.architecture,
@@ -95,6 +96,7 @@ class ModelRunner:
             decode_flat = torch.tensor(decodes[0].block_ids[:nb], dtype=torch.long, device=dev)
             decode_tables = decode_flat.view(1, nb)
             decode_ctx_len = ctx_lens[0]
+            lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         elif B:
             max_blocks = max(-(-n // bs) for n in ctx_lens)
             table: list[int] = []
@@ -143,6 +145,7 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             decode_flat_blocks=decode_flat,
             decode_ctx_len=decode_ctx_len,
+            decode_ctx_lens=lens if B else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         if not sample_rows:
