@@ -234,9 +234,7 @@ def create_app(engine, model_name: str) -> FastAPI:
     # --- informational endpoints -------------------------------------------------------------
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        crashed = getattr(engine, "_error", None) is not None
-        thread = getattr(engine, "_thread", None)
-        if crashed or (thread is not None and not thread.is_alive()):
+        if not engine.is_running():
             return JSONResponse({"status": "error", "detail": "engine loop is not running"}, status_code=503)
         return JSONResponse({"status": "ok", "model": model_name})
 

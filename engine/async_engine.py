@@ -98,6 +98,10 @@ class AsyncLLMEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    def is_running(self) -> bool:
+        """The step loop is alive and has not crashed (what /healthz reports)."""
+        return self._error is None and self._thread.is_alive()
+
     def stats(self) -> dict:
         """Latest engine metrics (a snapshot published by the engine thread after each step)."""
         return dict(self._stats)

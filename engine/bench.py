@@ -10,7 +10,7 @@ What it measures, in one run (all on the CPU, ``--threads`` torch threads, one d
    continuous batching if it is there and works (else null, with the reason), (d) our engine.
 2. Second-turn TTFT with a ~300-token shared history: cold (no prefix cache) vs prefix-cached
    (the history was computed by the previous turn).
-3. fp32 vs bf16 vs int8 in our engine: decode tokens/s at batch 1 and 8 (prefill excluded),
+3. fp32 vs bf16 vs int8 (and int4) in our engine: decode tokens/s at batch 1 and 8 (prefill excluded),
    weight memory, and perplexity of ``bench_data.txt`` computed with the engine's own forward.
 
 ``--json PATH`` writes every figure as one JSON object; ``--quick`` is a small smoke run.
@@ -272,31 +272,11 @@ def decode_tokens_per_s(eng, prompts: list[list[int]], n_tokens: int) -> float:
 
 @torch.inference_mode()
 def engine_perplexity(eng, ids: list[int]) -> float:
-    """Perplexity of ``ids`` with the engine's own model forward (quantized or not), one causal prefill.
+    """Perplexity of ``ids`` with the engine's own model forward (quantized or not), one causal prefill
+    on a private KV buffer (the engine's cache and prefix blocks are not touched)."""
+    from engine.model import perplexity
 
-    The engine's step API only returns logits of the last token of each request, so this calls
-    ``LlamaModel.forward`` with metadata asking for the logits of every position, on a private
-    KV buffer (the engine's cache and prefix blocks are not touched).
-    """
-    from engine.model import AttentionMetadata
-
-    model = eng.runner.model
-    a = model.args
-    bs = eng.config.block_size
-    T = len(ids)
-    nb = -(-T // bs)
-    kv = torch.zeros(a.num_layers, 2, a.num_kv_heads, nb, bs, a.head_dim, dtype=eng.runner.dtype, device="cpu")
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(T),
-        num_decodes=0,
-        decode_block_tables=None,
-        decode_mask=None,
-        prefills=[(0, T, None, None)],
-        sample_indices=torch.arange(T - 1),
-    )
-    logits = model.forward(torch.tensor(ids), torch.arange(T), meta, kv).float()
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
-    return math.exp(nll.item())
+    return perplexity(eng.runner.model, ids, eng.config.block_size)
 
 
 @torch.inference_mode()
@@ -324,17 +304,18 @@ def precision_section(
         ("fp32", {"dtype": "float32"}, None),
         ("bf16", {"dtype": "bfloat16"}, shared_bf16),
         ("int8", {"dtype": "float32", "quantization": "int8"}, None),
+        ("int4", {"dtype": "float32", "quantization": "int4"}, None),
     ]
     engines = {}
     for name, kw, shared in variants:
         try:
             eng = _engine(model_name, kw.pop("dtype"), threads, shared, enable_prefix_caching=False, **kw)
         except Exception as e:
-            if name != "int8":
+            if name not in ("int8", "int4"):
                 raise
             reason = f"{type(e).__name__}: {e}"
-            print(f"int8: not available ({reason})", flush=True)
-            out["int8_error"] = reason
+            print(f"{name}: not available ({reason})", flush=True)
+            out[f"{name}_error"] = reason
             continue
         engines[name] = eng
         model = eng.runner.model
@@ -371,6 +352,10 @@ def precision_section(
     out["int8_linear_weight_memory_ratio"] = ratio("int8_linear_weight_bytes", "fp32_linear_weight_bytes")
     out["int8_vs_bf16_weight_memory_ratio"] = ratio("int8_weight_bytes", "bf16_weight_bytes")
     out["int8_perplexity_ratio"] = ratio("int8_perplexity", "fp32_perplexity")
+    out["int4_weight_memory_ratio"] = ratio("int4_weight_bytes", "fp32_weight_bytes")
+    out["int4_perplexity_ratio"] = ratio("int4_perplexity", "fp32_perplexity")
+    for b in batch_sizes:
+        out[f"int4_decode_speedup_bs{b}"] = ratio(f"int4_decode_tokens_per_s_bs{b}", f"fp32_decode_tokens_per_s_bs{b}")
     out["bf16_perplexity_ratio"] = ratio("bf16_perplexity", "fp32_perplexity")
     out["perplexity_tokens"] = len(ppl_ids)
     return out
@@ -481,7 +466,7 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
     bss = r.get("decode_batch_sizes", [1, 8])
     head = f"{'precision':<11}{'activations':<13}" + "".join(f"{'decode bs' + str(b) + ' tok/s':>20}" for b in bss)
     lines.append(head + f"{'weights MB':>12}{'linear MB':>11}{'perplexity':>12}")
-    for name in ("fp32", "bf16", "int8"):
+    for name in ("fp32", "bf16", "int8", "int4"):
         if f"{name}_weight_bytes" not in r:
             lines.append(f"{name:<11}not available ({r.get(f'{name}_error') or r.get('precision_error') or 'not run'})")
             continue
@@ -512,6 +497,13 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
             "int8 vs bf16: decode "
             + ", ".join(f"bs{b} {_fmt(r.get(f'int8_vs_bf16_decode_speedup_bs{b}'), '.2f')}x" for b in bss)
             + f"; weights {_fmt(r.get('int8_vs_bf16_weight_memory_ratio'), '.3f')}x"
+        )
+    if r.get("int4_weight_bytes"):
+        lines.append(
+            "int4 vs fp32 (layer linears in 4-bit groups of 32, as GGUF Q4_1): decode "
+            + ", ".join(f"bs{b} {_fmt(r.get(f'int4_decode_speedup_bs{b}'), '.2f')}x" for b in bss)
+            + f"; weights {_fmt(r.get('int4_weight_memory_ratio'), '.3f')}x; "
+            f"perplexity {_fmt(r.get('int4_perplexity_ratio'), '.4f')}x"
         )
     lines += ["", "targets:", *_target_lines(r), "", f"total bench time {r['bench_wall_s']:.0f} s"]
     other = r.get("other_cpu_cores")
