@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +32,10 @@ class ChatLLM(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def warm(self, messages: list[Message]) -> None:
+        """Compute (and cache) the KV of ``messages`` as the start of a later prompt; a no-op without a prefix cache."""
+        ...
 
     def close(self) -> None: ...
 
@@ -109,6 +114,9 @@ class TransformersChatLLM:
         if event:
             event.set()
 
+    async def warm(self, messages: list[Message]) -> None:
+        pass  # generate() keeps no cache between calls
+
     def close(self) -> None:
         for event in self._cancel.values():
             event.set()
@@ -155,6 +163,20 @@ class EngineChatLLM:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    async def warm(self, messages: list[Message]) -> None:
+        """Prefill ``messages`` (no generation prompt: the next prompt continues them) for one token, so
+        their full KV blocks are in the prefix cache when the next turn's prompt arrives."""
+        from engine import SamplingParams
+
+        prompt = self.engine.apply_chat_template(messages, add_generation_prompt=False)
+        outputs = self.engine.generate(prompt, SamplingParams(max_tokens=1), request_id=f"warm-{uuid.uuid4().hex}")
+        try:
+            async for output in outputs:
+                if output.error:
+                    raise RuntimeError(f"LLM engine: {output.error}")
+        finally:
+            await outputs.aclose()
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -221,6 +243,9 @@ class OpenAIChatLLM:
 
     def abort(self, request_id: str) -> None:
         pass  # closing the stream (the session does) is the abort
+
+    async def warm(self, messages: list[Message]) -> None:
+        pass  # the server's own prefix cache (vLLM, SGLang) fills on the next turn
 
     def close(self) -> None:
         pass

@@ -35,7 +35,7 @@ from app.config import Settings
 from app.llm import Message
 from app.models import Models
 from app.text import SentenceSplitter, speakable
-from app.turns import Endpointer, PartialStabilizer, ReplyPlayback, is_filler, looks_unfinished
+from app.turns import Endpointer, PartialStabilizer, ReplyPlayback, history_window, is_filler, looks_unfinished
 from app.vad import VadConfig, VadStream
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class VoiceSession:
         self._endpointer = Endpointer(settings.endpoint_silence_ms, settings.endpoint_unfinished_silence_ms)
         self._reply: _Reply | None = None
         self._speculation: _Reply | None = None
+        self._warm_task: asyncio.Task | None = None
         self._utterance: _Utterance | None = None
         self._closed = False
         self.on_turn_metrics: Callable[[dict[str, float]], None] | None = None
@@ -373,10 +374,31 @@ class VoiceSession:
         if reply.finished:
             self._finish_history(reply)
 
-    def _messages(self) -> list[Message]:
-        limit = self.settings.max_history_messages
-        history = self.history[-limit:] if limit else []
-        return [{"role": "system", "content": self.settings.system_prompt}, *history]
+    def _messages(self, history: list[Message] | None = None) -> list[Message]:
+        window = history_window(self.history if history is None else history, self.settings.max_history_messages)
+        return [{"role": "system", "content": self.settings.system_prompt}, *window]
+
+    def _warm_next_prompt(self) -> None:
+        """Prefill what the next turn's prompt will start with, while the user listens.
+
+        The history just changed (a reply, or what of it was heard); computing its KV now,
+        in the gap between turns, takes it off the next turn's critical path. Cheap when
+        the prefix cache already holds most of it.
+        """
+        if self._closed or self.settings.max_history_messages <= 0:
+            return
+        upcoming = self._messages([*self.history, {"role": "user", "content": ""}])[:-1]
+        if self._warm_task is not None:
+            self._warm_task.cancel()
+        self._warm_task = asyncio.create_task(self._warm(upcoming), name="llm-warm")
+
+    async def _warm(self, messages: list[Message]) -> None:
+        try:
+            await self.models.llm.warm(messages)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # only an optimisation: the next turn computes it anyway
+            log.debug("prefix warm-up failed", exc_info=True)
 
     async def _emit(self, reply: _Reply, item: protocol.ServerMessage | bytes) -> None:
         """Send now if the reply is released, else hold it back (speculation)."""
@@ -467,6 +489,7 @@ class VoiceSession:
         text = "".join(reply.text_parts).strip()
         if text:
             self.history.append({"role": "assistant", "content": text})
+            self._warm_next_prompt()
 
     async def _maybe_barge_in(self, utterance: _Utterance) -> None:
         reply = self._reply
@@ -492,6 +515,7 @@ class VoiceSession:
             self.history.pop()  # the full reply was recorded; replace it by what was heard
         if heard:
             self.history.append({"role": "assistant", "content": heard})
+        self._warm_next_prompt()
         if self._closed:
             return
         await self._send_json(protocol.Interrupt(turn_id=reply.turn_id))
@@ -507,6 +531,8 @@ class VoiceSession:
         reply, self._reply = self._reply, None
         if reply is not None and reply.task is not None:
             await _cancel(reply.task)
+        if self._warm_task is not None:
+            await _cancel(self._warm_task)
 
 
 async def _cancel(task: asyncio.Task) -> None:

@@ -23,6 +23,7 @@ class ScriptedLLM:
         self.pieces, self.gate, self.forever = pieces, gate, forever
         self.calls: list[list[dict]] = []
         self.closed: list[str] = []
+        self.warmed: list[list[dict]] = []
         self.gate_was_open_early = False
 
     async def stream(self, messages, request_id):
@@ -41,6 +42,9 @@ class ScriptedLLM:
 
     def abort(self, request_id):
         pass
+
+    async def warm(self, messages):
+        self.warmed.append([dict(m) for m in messages])
 
     def close(self):
         pass

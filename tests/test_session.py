@@ -79,6 +79,25 @@ async def test_history_is_sent_back_each_turn_with_the_system_prompt(shared_mode
     second = llm.calls[1]
     assert second[0]["role"] == "system"
     assert [m["content"] for m in second[1:]] == ["Hi!", "Hello there friend.", "How are you?"]
+    # after each reply, the start of the next prompt was prefilled ahead of time
+    assert llm.warmed[0] == second[:-1]
+
+
+async def test_history_window_keeps_the_prompt_prefix_for_several_turns(shared_models):
+    llm = ScriptedLLM(["Sure."])
+    harness = Harness(shared_models, llm, max_history_messages=8)
+    for i in range(8):
+        harness.events.clear()
+        await harness.session.handle_text(json.dumps({"type": "text", "text": f"Question {i}?"}))
+        done = await harness.wait_for("turn_done")
+        played_ms = done["metrics"]["reply_audio_s"] * 1000
+        await harness.session.handle_text(
+            json.dumps({"type": "playback", "turn_id": done["turn_id"], "played_ms": played_ms})
+        )
+    firsts = [call[1]["content"] for call in llm.calls]
+    # the window (at most 8 messages, 2 per turn) jumps by 4 messages every 2 turns instead of sliding each turn
+    assert firsts == ["Question 0?"] * 4 + ["Question 2?"] * 2 + ["Question 4?"] * 2
+    assert all(len(call) - 1 <= 8 for call in llm.calls)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Turn-taking policy alone: no models, no audio."""
 
-from app.turns import Endpointer, PartialStabilizer, ReplyPlayback, is_filler, looks_unfinished
+from app.turns import Endpointer, PartialStabilizer, ReplyPlayback, history_window, is_filler, looks_unfinished
 
 
 def test_partials_show_agreed_words_and_only_grow():
@@ -77,3 +77,19 @@ def test_client_playback_report_wins_over_the_estimate():
     playback.add_piece("A long sentence of eight words right here.")
     playback.reported_played_s = 0.5
     assert playback.heard_text(now=5.0) == "A long"
+
+
+def _chat(n: int) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": str(i)} for i in range(n)]
+
+
+def test_history_window_jumps_and_starts_at_a_user_message():
+    assert history_window(_chat(5), 0) == []
+    assert history_window(_chat(8), 8) == _chat(8)
+    starts = [history_window(_chat(n), 8)[0]["content"] for n in range(9, 21)]
+    # 9..12 messages keep the start at message 4, 13..16 at 8, 17..20 at 12
+    assert starts == ["4"] * 4 + ["8"] * 4 + ["12"] * 4
+    assert all(len(history_window(_chat(n), 8)) <= 8 for n in range(30))
+    odd = _chat(9)
+    odd.insert(4, {"role": "assistant", "content": "x"})  # an assistant message where the window would start
+    assert history_window(odd, 8)[0]["role"] == "user"

@@ -1,0 +1,37 @@
+"""Prefix warm-up between turns: the engine backend computes the next prompt's start ahead of time."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.llm import EngineChatLLM, GenerationSettings
+
+
+@pytest.fixture(scope="module")
+def llm():
+    backend = EngineChatLLM(num_threads=1, settings=GenerationSettings(max_tokens=3, temperature=0.0))
+    yield backend
+    backend.close()
+
+
+HISTORY = [
+    {"role": "system", "content": "You are a helpful AI assistant named Parley. Keep your answers short."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris, a city known for its art and its food."},
+]
+
+
+async def test_warm_prefix_is_a_prefix_of_the_next_prompt_and_is_reused(llm):
+    engine = llm.engine.engine
+    warm_ids = llm.engine.apply_chat_template(HISTORY, add_generation_prompt=False)
+    nxt = [*HISTORY, {"role": "user", "content": "And the capital of Spain?"}]
+    next_ids = llm.engine.apply_chat_template(nxt)
+    assert next_ids[: len(warm_ids)] == warm_ids  # the template only appends: the cache can match
+
+    await llm.warm(HISTORY)
+    hits_before = engine.kv.prefix_hit_tokens
+    async for _ in llm.stream(nxt, "after-warm"):
+        pass
+    full_blocks = len(warm_ids) // engine.config.block_size * engine.config.block_size
+    assert engine.kv.prefix_hit_tokens - hits_before >= full_blocks
+    assert engine.stats()["kv_blocks_used"] == 0  # neither request holds blocks afterwards
