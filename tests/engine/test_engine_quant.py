@@ -46,13 +46,13 @@ def test_int8_replaces_every_float_weight_matrix(fp32_model):
     assert model.weight_bytes() / fp32_model.weight_bytes() <= 0.35
 
 
-def test_int4_layer_linears_are_4_bit(quant_engine, fp32_model):
-    if quant_engine.config.quantization != "int4":
-        pytest.skip("int4 only")
+def test_layer_linears_use_the_method_kernel(quant_engine, fp32_model):
+    method = quant_engine.config.quantization
+    kind, max_ratio = {"int8": (Int8PackLinear, 0.26), "int4": (Int4PackLinear, 0.16)}[method]
     model = quant_engine.runner.model
-    for lin in (model.layers[1].qkv, model.layers[1].down):
-        assert isinstance(lin, Int4PackLinear)
-    assert model.linear_weight_bytes() / fp32_model.linear_weight_bytes() <= 0.16
+    for lin in (model.layers[1].qkv, model.layers[1].o, model.layers[1].gate_up, model.layers[1].down):
+        assert isinstance(lin, kind), (method, type(lin))
+    assert model.linear_weight_bytes() / fp32_model.linear_weight_bytes() <= max_ratio
 
 
 def test_perplexity_close_to_fp32(quant_engine, fp32_model, story_ids):
