@@ -9,6 +9,7 @@ ATen ops (same results within bf16 rounding, ~1.4x slower decode on a small mode
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -38,8 +39,11 @@ def fused_kernels():
 
             _put_ninja_on_path()
             log.info("loading fused CPU kernels (first build takes about a minute)")
+            # named by the source's hash: checkouts with the same kernels share one build, and
+            # an edited kernel never overwrites the build another checkout is using
+            digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
             _module = load(
-                name="parley_fused_cpu",
+                name=f"parley_fused_cpu_{digest}",
                 sources=[str(_SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
