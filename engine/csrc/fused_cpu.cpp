@@ -221,8 +221,14 @@ at::Tensor paged_decode_attention(at::Tensor qkv, at::Tensor cache, at::Tensor b
   const int64_t B = tables.size(0);
   TORCH_CHECK(qkv.size(0) >= B && lens.numel() == B, "one query row and length per request");
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
+  const int64_t* table_ptr = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= tables.size(1) * cache.size(3), "context length out of its block table");
+    for (int64_t j = 0; j * cache.size(3) < len_ptr[b]; ++j) {
+      const int64_t block = table_ptr[b * tables.size(1) + j];
+      TORCH_CHECK(block >= 0 && block < cache.size(2), "block id out of the KV cache");
+    }
+  }
   auto out = at::empty({B, H, D}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "paged_decode_attention", [&] {
     paged_decode_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.size(1), cache.data_ptr<scalar_t>(),

@@ -85,6 +85,8 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_blocks():
         assert close(got[b], ref.reshape(H, D)), b
     with pytest.raises(RuntimeError, match="context length"):
         fk.paged_decode_attention(qkv, cache, tables, torch.tensor([40, 1, 65]), H, D, D**-0.5)
+    with pytest.raises(RuntimeError, match="block id out of the KV cache"):
+        fk.paged_decode_attention(qkv, cache, tables + 10, lens, H, D, D**-0.5)
 
 
 def test_silu_mul_matches_eager():
