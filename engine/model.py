@@ -349,8 +349,6 @@ class LlamaModel:
         eps = a.rms_norm_eps
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
         T = input_ids.shape[0]
-        B = meta.num_decodes
-        scale = D**-0.5
         h = self.embed_lookup(input_ids)
         delta = None
         for li, layer in enumerate(self.layers):
@@ -358,16 +356,14 @@ class LlamaModel:
             qkv = layer.qkv(x).contiguous()
             cache = kv_cache[li]
             fk.rotary_kv_write(qkv, self.cos, self.sin, positions, cache, meta.slot_mapping, H, KV, D)
-            if B == T:
-                attn = fk.paged_decode_attention(
-                    qkv, cache, meta.decode_block_tables, meta.decode_ctx_lens, H, D, scale
-                )
-                attn = attn.view(T, H * D)
+            decoded = self._fused_decode(qkv, cache, meta)
+            if meta.num_decodes == T:
+                attn = decoded.view(T, H * D)
             else:
                 q = qkv[:, : H * D].view(T, H, D)
                 k = qkv[:, H * D : (H + KV) * D].view(T, KV, D)
                 v = qkv[:, (H + KV) * D :].view(T, KV, D)
-                attn = self._attention(q, k, v, cache, meta, decoded=self._fused_decode(qkv, cache, meta))
+                attn = self._attention(q, k, v, cache, meta, decoded=decoded)
             delta = layer.o(attn)
             h, x = fk.add_rms_norm(h, delta, layer.post_norm, eps)
             delta = layer.down(fk.silu_mul(layer.gate_up(x).contiguous()))

@@ -91,12 +91,12 @@ class ModelRunner:
         B = len(decodes)
         decode_tables = decode_mask = decode_flat = None
         decode_ctx_len = None
+        lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev) if B else None
         if B == 1:  # one request: its own blocks, cut to its length; no mask
             nb = -(-ctx_lens[0] // bs)
             decode_flat = torch.tensor(decodes[0].block_ids[:nb], dtype=torch.long, device=dev)
             decode_tables = decode_flat.view(1, nb)
             decode_ctx_len = ctx_lens[0]
-            lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         elif B:
             max_blocks = max(-(-n // bs) for n in ctx_lens)
             table: list[int] = []
@@ -106,7 +106,6 @@ class ModelRunner:
                 table += [0] * (max_blocks - len(row))
             decode_flat = torch.tensor(table, dtype=torch.long, device=dev)
             decode_tables = decode_flat.view(B, max_blocks)
-            lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
             L = max_blocks * bs
             decode_mask = (torch.arange(L, device=dev)[None, :] < lens[:, None]).view(B, 1, 1, L)
         pre_meta = []
@@ -145,7 +144,7 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             decode_flat_blocks=decode_flat,
             decode_ctx_len=decode_ctx_len,
-            decode_ctx_lens=lens if B else None,
+            decode_ctx_lens=lens,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         if not sample_rows:
