@@ -485,23 +485,27 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
             f"(transformers fp32 perplexity of the same {r.get('perplexity_tokens')} tokens: "
             f"{r['hf_fp32_perplexity']:.3f})"
         )
+
+    def speedups(key: str) -> str:
+        return ", ".join(f"bs{b} {_fmt(r.get(f'{key}_bs{b}'), '.2f')}x" for b in bss)
+
     if r.get("int8_available"):
         lines.append(
             "int8 vs fp32: decode "
-            + ", ".join(f"bs{b} {_fmt(r.get(f'int8_decode_speedup_bs{b}'), '.2f')}x" for b in bss)
+            + speedups("int8_decode_speedup")
             + f"; weights {_fmt(r.get('int8_weight_memory_ratio'), '.3f')}x (linear layers "
             f"{_fmt(r.get('int8_linear_weight_memory_ratio'), '.3f')}x); "
             f"perplexity {_fmt(r.get('int8_perplexity_ratio'), '.4f')}x"
         )
         lines.append(
             "int8 vs bf16: decode "
-            + ", ".join(f"bs{b} {_fmt(r.get(f'int8_vs_bf16_decode_speedup_bs{b}'), '.2f')}x" for b in bss)
+            + speedups("int8_vs_bf16_decode_speedup")
             + f"; weights {_fmt(r.get('int8_vs_bf16_weight_memory_ratio'), '.3f')}x"
         )
     if r.get("int4_weight_bytes"):
         lines.append(
             "int4 vs fp32 (layer linears in 4-bit groups of 32, as GGUF Q4_1): decode "
-            + ", ".join(f"bs{b} {_fmt(r.get(f'int4_decode_speedup_bs{b}'), '.2f')}x" for b in bss)
+            + speedups("int4_decode_speedup")
             + f"; weights {_fmt(r.get('int4_weight_memory_ratio'), '.3f')}x; "
             f"perplexity {_fmt(r.get('int4_perplexity_ratio'), '.4f')}x"
         )
