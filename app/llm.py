@@ -150,7 +150,11 @@ class EngineChatLLM:
         params = SamplingParams(
             max_tokens=self.settings.max_tokens, temperature=self.settings.temperature, top_p=self.settings.top_p
         )
-        prompt = self.engine.apply_chat_template(messages)
+        async for delta in self._text(self.engine.apply_chat_template(messages), params, request_id):
+            yield delta
+
+    async def _text(self, prompt: list[int], params, request_id: str) -> AsyncIterator[str]:
+        """The request's text deltas; an engine error raises, and closing aborts the request."""
         outputs = self.engine.generate(prompt, params, request_id=request_id)
         try:
             async for output in outputs:
@@ -170,13 +174,8 @@ class EngineChatLLM:
         from engine import SamplingParams
 
         prompt = self.engine.apply_chat_template(messages, add_generation_prompt=False)
-        outputs = self.engine.generate(prompt, SamplingParams(max_tokens=1), request_id=f"warm-{uuid.uuid4().hex}")
-        try:
-            async for output in outputs:
-                if output.error:
-                    raise RuntimeError(f"LLM engine: {output.error}")
-        finally:
-            await outputs.aclose()
+        async for _ in self._text(prompt, SamplingParams(max_tokens=1), f"warm-{uuid.uuid4().hex}"):
+            pass
 
     def stats(self) -> dict:
         return self.engine.stats()
