@@ -1,10 +1,10 @@
-"""engine/bench_peer.py plumbing with fake sides (no llama.cpp needed): keys, ratios, report, errors."""
+"""engine/benchmarks/peer.py plumbing with fake sides (no llama.cpp needed): keys, ratios, report, errors."""
 
 from __future__ import annotations
 
 import json
 
-from engine import bench_peer
+from engine.benchmarks import peer as bench_peer
 
 
 class FakePeer:

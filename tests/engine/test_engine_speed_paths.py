@@ -1,7 +1,7 @@
 """The speed paths compute what the plain paths compute: packed oneDNN linears, decode attention
 through precomputed flat block indices (one request without a mask, several with one).
 
-Correctness only; the speed itself is measured by `parley bench engine` and engine/bench_peer.py.
+Correctness only; the speed itself is measured by `parley bench engine` and engine/benchmarks/peer.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 What it measures, in one run (all on the CPU, ``--threads`` torch threads, one dtype):
 
-1. A fixed, seeded workload of chat requests (prompts cut from ``bench_data.txt``, a few
+1. A fixed, seeded workload of chat requests (prompts cut from ``data.txt``, a few
    public-domain English passages, inside the model's chat template; greedy, fixed output
    lengths with EOS ignored), all arriving at t=0. Tokens/s (requested output tokens / wall
    time) and TTFT p50/p95 (from t=0, so queueing counts) for (a) HF ``generate`` one request
@@ -11,7 +11,7 @@ What it measures, in one run (all on the CPU, ``--threads`` torch threads, one d
 2. Second-turn TTFT with a ~300-token shared history: cold (no prefix cache) vs prefix-cached
    (the history was computed by the previous turn).
 3. fp32 vs bf16 vs int8 (and int4) in our engine: decode tokens/s at batch 1 and 8 (prefill excluded),
-   weight memory, and perplexity of ``bench_data.txt`` computed with the engine's own forward.
+   weight memory, and perplexity of ``data.txt`` computed with the engine's own forward.
 
 ``--json PATH`` writes every figure as one JSON object; ``--quick`` is a small smoke run.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_baselines import (
+from engine.benchmarks.baselines import (
     BenchRequest,
     RunResult,
     hf_continuous,
@@ -45,7 +45,7 @@ from engine.bench_baselines import (
 
 log = logging.getLogger(__name__)
 
-DATA_PATH = Path(__file__).with_name("bench_data.txt")
+DATA_PATH = Path(__file__).with_name("data.txt")
 SYSTEM = "You are a helpful assistant."
 _MARK = "\u2063PARLEY_BENCH\u2063"
 QUESTIONS = [

@@ -41,7 +41,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DATA_PATH = Path(__file__).with_name("bench_data.txt")
+DATA_PATH = Path(__file__).with_name("data.txt")
 SYSTEM = "You are a helpful assistant."
 TARGETS = {
     "peer_decode_bs1_ratio": (1.0, True),
