@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 import websockets
 
+from app import protocol
 from app.audio import float_to_pcm16
-from app.mic import Console, Framer, Gate, MicClient, Player, SoundDeviceAudio, UsageError, backoff_delays, pace
-from app.text import words
+from app.clients.core import backoff_delays
+from app.clients.mic import Console, Framer, Gate, MicClient, Player, SoundDeviceAudio, UsageError, pace
+from app.voice.text import words
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"
@@ -184,12 +186,12 @@ def test_framer_resamples_to_exact_20ms_frames():
 def test_console_prints_the_conversation_and_latency():
     out = io.StringIO()
     console = Console(out)
-    console.event({"type": "transcript", "turn_id": 1, "text": "hi", "final": False})  # partials: tty only
-    console.event({"type": "transcript", "turn_id": 1, "text": "Hi there.", "final": True})
+    console.event(protocol.Transcript(turn_id=1, text="hi", final=False))  # partials: tty only
+    console.event(protocol.Transcript(turn_id=1, text="Hi there.", final=True))
     for delta in ["Hello", "! How", " can I help?"]:
-        console.event({"type": "assistant_text", "turn_id": 1, "delta": delta})
-    metrics = {"voice_to_voice_ms": 812.4, "endpoint_ms": 401.0, "asr_final_ms": 120.0, "llm_ttft_ms": 60.0}
-    console.event({"type": "turn_done", "turn_id": 1, "text": "Hello! How can I help?", "metrics": metrics})
+        console.event(protocol.AssistantText(turn_id=1, delta=delta))
+    metrics = protocol.TurnMetrics(voice_to_voice_ms=812.4, endpoint_ms=401.0, asr_final_ms=120.0, llm_ttft_ms=60.0)
+    console.event(protocol.TurnDone(turn_id=1, text="Hello! How can I help?", metrics=metrics))
     assert out.getvalue().splitlines() == [
         "you: Hi there.",
         "parley: Hello! How can I help?",
@@ -200,11 +202,11 @@ def test_console_prints_the_conversation_and_latency():
 def test_console_ends_a_reply_line_that_was_cut_short():
     out = io.StringIO()
     console = Console(out)
-    console.event({"type": "assistant_text", "turn_id": 1, "delta": "The capital of"})
+    console.event(protocol.AssistantText(turn_id=1, delta="The capital of"))
     console.say("connection lost (the server is restarting); retrying in 0.5 s")
-    console.event({"type": "assistant_text", "turn_id": 2, "delta": "Hello"})
-    console.event({"type": "assistant_text", "turn_id": 3, "delta": "Hi"})  # turn 2 interrupted: no turn_done
-    console.event({"type": "turn_done", "turn_id": 3, "text": "Hi", "interrupted": False, "metrics": {}})
+    console.event(protocol.AssistantText(turn_id=2, delta="Hello"))
+    console.event(protocol.AssistantText(turn_id=3, delta="Hi"))  # turn 2 interrupted: no turn_done
+    console.event(protocol.TurnDone(turn_id=3, text="Hi", interrupted=False))
     assert out.getvalue().splitlines() == [
         "parley: The capital of",
         "connection lost (the server is restarting); retrying in 0.5 s",
@@ -371,17 +373,19 @@ async def test_interrupt_after_turn_done_still_drops_the_audio_being_played():
     frames: asyncio.Queue = asyncio.Queue()
     player = Player(22050)
     client = MicClient("ws://unused", frames, 16000, player, Gate(barge_in=True), Console(io.StringIO()))
-    client._on_event({"type": "audio_start", "turn_id": 4, "sample_rate": 22050})
+    client._on_event(protocol.AudioStart(turn_id=4, sample_rate=22050))
     client._on_audio(float_to_pcm16(np.full(22050 * 3, 0.2, np.float32)))
-    client._on_event({"type": "turn_done", "turn_id": 4, "text": "A long answer.", "metrics": {}})
+    client._on_event(protocol.TurnDone(turn_id=4, text="A long answer."))
     assert player.busy and not client._streaming_turn
-    client._on_event({"type": "interrupt", "turn_id": 4})
+    client._on_event(protocol.Interrupt(turn_id=4))
     assert not player.busy and np.abs(player.pull(441)).max() == 0
 
 
 async def test_reconnects_with_backoff_when_the_server_drops_the_connection():
     async def script(ws, received, connection) -> None:
         if connection == 1:
+            while not received:  # the client has said `start`: the session is up
+                await asyncio.sleep(0.01)
             await ws.close()  # a server restart, as the client sees it
             return
         await ws.send(json.dumps({"type": "turn_done", "turn_id": 1, "text": "Hi.", "metrics": {}}))

@@ -1,0 +1,403 @@
+"""The WebSocket client core shared by every Python client of ``/ws``.
+
+``parley mic`` (app/clients/mic.py), the scripted users of ``parley bench voice`` and the
+end-to-end tests all talk to the server through this module:
+
+* ``open_connection`` / ``Connection``: connect, wait for ``ready``, declare the sample rate with
+  ``start``; then send audio frames and typed client messages, and receive typed server events
+  (``protocol.parse_server_message``) or reply audio (``bytes``).
+* ``stay_connected``: the reconnect loop (backoff 0.5 s, 1 s, 2 s, 4 s, 8 s, 8 s, ...) with a
+  one-line reason for every drop.
+* ``VoiceClient`` / ``speak_turn``: a scripted user that streams speech like a microphone and
+  collects one turn (``TurnResult``). Voice-to-voice latency is measured here, on the client
+  side, as DESIGN.md defines it (last speech sample sent -> first reply audio sample received).
+
+No client reads server events as raw dicts: they are the typed models of ``app.protocol``, and
+per-turn figures are ``protocol.TurnMetrics`` fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+import websockets
+
+from app import protocol
+from app.audio import float_to_pcm16
+
+FRAME_MS = 20
+MAX_MESSAGE_BYTES = 1 << 22  # reply audio arrives in chunks far below this
+READY_TIMEOUT_S = 10.0
+
+Received = protocol.ServerMessage | bytes  # a typed event, or reply audio (PCM16 LE)
+ClientMessage = protocol.Start | protocol.UserText | protocol.Reset | protocol.Playback
+Event = TypeVar("Event", bound=protocol.ServerMessage)
+
+# Short labels of the stages on voice-to-voice's critical path, in order (console and tables).
+STAGE_LABELS = {
+    "endpoint_ms": "endpoint",
+    "asr_final_ms": "asr",
+    "llm_ttft_ms": "llm first token",
+    "tts_first_audio_ms": "tts first audio",
+}  # read with getattr(metrics, name): a name TurnMetrics lacks fails loudly (and tests/clients checks them)
+
+
+class ConnectionRefused(Exception):
+    """The server answered the WebSocket upgrade with an HTTP error that a retry will not fix (4xx)."""
+
+
+# ------------------------------------------------------------------ decoding and reconnect policy
+def decode(message: str | bytes) -> Received:
+    """A WebSocket message from the server: binary is reply audio (returned as is), text a typed event.
+
+    Raises ``ValueError`` for text that is not a known server event.
+    """
+    if isinstance(message, bytes):
+        return message
+    return protocol.parse_server_message(message)
+
+
+def backoff_delays(first: float = 0.5, cap: float = 8.0) -> Iterator[float]:
+    """Reconnect delays: 0.5, 1, 2, 4, 8, 8, ... seconds."""
+    delay = first
+    while True:
+        yield delay
+        delay = min(cap, delay * 2)
+
+
+def describe_failure(error: BaseException) -> str:
+    """Why a connection attempt failed or a connection ended, in a few words for the user."""
+    if isinstance(error, websockets.InvalidStatus):
+        return f"the server answered HTTP {error.response.status_code}"
+    if isinstance(error, websockets.ConnectionClosed):
+        code = error.rcvd.code if error.rcvd is not None else None
+        named = {1000: "the server closed the connection", 1001: "the server is going away"}
+        return named.get(code, "the server is restarting" if code == 1012 else f"the connection dropped (code {code})")
+    return (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
+
+
+# ------------------------------------------------------------------ one connection
+class Connection:
+    """An open ``/ws`` session after the handshake: typed events in, audio and typed messages out."""
+
+    def __init__(self, ws, ready: protocol.Ready, sample_rate: int) -> None:
+        self.ws, self.ready, self.sample_rate = ws, ready, sample_rate
+
+    @classmethod
+    async def handshake(
+        cls, ws, sample_rate: int = protocol.INPUT_SAMPLE_RATE, timeout_s: float = READY_TIMEOUT_S
+    ) -> Connection:
+        """Wait for the server's ``ready``, then declare the microphone's rate with ``start``."""
+        try:
+            first = decode(await asyncio.wait_for(ws.recv(), timeout_s))
+        except ValueError as error:
+            raise OSError(f"expected 'ready' from the server: {error}") from None
+        if not isinstance(first, protocol.Ready):
+            kind = "audio" if isinstance(first, bytes) else first.type
+            raise OSError(f"expected 'ready' from the server, got {kind!r}")
+        connection = cls(ws, first, sample_rate)
+        await connection.send(protocol.Start(sample_rate=sample_rate))
+        return connection
+
+    @property
+    def output_sample_rate(self) -> int:
+        return self.ready.output_sample_rate
+
+    async def send(self, message: ClientMessage) -> None:
+        await self.ws.send(protocol.encode(message))
+
+    async def send_audio(self, audio: np.ndarray | bytes) -> None:
+        """One microphone frame: float samples in [-1, 1], or PCM16 LE bytes, at ``sample_rate``."""
+        await self.ws.send(audio if isinstance(audio, bytes) else float_to_pcm16(audio))
+
+    async def send_text(self, text: str) -> None:
+        """A typed user turn."""
+        await self.send(protocol.UserText(text=text))
+
+    async def recv(self, timeout_s: float | None = None) -> Received:
+        return decode(await asyncio.wait_for(self.ws.recv(), timeout_s))
+
+    async def receive(self, on_unknown: Callable[[ValueError], None] | None = None) -> AsyncIterator[Received]:
+        """Everything the server sends until it closes normally.
+
+        A text frame that is not a known event raises ``ValueError``, or, with ``on_unknown``, is
+        reported to it and skipped (a client that should keep going with a newer server).
+        """
+        async for message in self.ws:
+            try:
+                item = decode(message)
+            except ValueError as error:
+                if on_unknown is None:
+                    raise
+                on_unknown(error)
+                continue
+            yield item
+
+    def __aiter__(self) -> AsyncIterator[Received]:
+        return self.receive()
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+def _connect(url: str, open_timeout: float):
+    return websockets.connect(url, max_size=MAX_MESSAGE_BYTES, open_timeout=open_timeout)
+
+
+async def open_connection(
+    url: str, sample_rate: int = protocol.INPUT_SAMPLE_RATE, *, open_timeout: float = 10.0
+) -> Connection:
+    """Connect to ``url`` and do the handshake; close it with ``Connection.close``."""
+    ws = await _connect(url, open_timeout)
+    try:
+        return await Connection.handshake(ws, sample_rate)
+    except BaseException:
+        await ws.close()
+        raise
+
+
+async def stay_connected(
+    url: str,
+    converse: Callable[[Connection], Awaitable[None]],
+    *,
+    sample_rate: int = protocol.INPUT_SAMPLE_RATE,
+    finished: asyncio.Event,
+    say: Callable[[str], None] = print,
+    backoff: Callable[[], Iterator[float]] = backoff_delays,
+    on_lost: Callable[[], None] | None = None,
+    open_timeout: float = 5.0,
+) -> None:
+    """Connect and ``converse``; whenever the connection fails or ends, wait and reconnect.
+
+    Returns once ``finished`` is set (and ``converse`` has returned). Each attempt and each drop is
+    reported through ``say`` ("connecting to ...", "connection lost (why); retrying in 1 s");
+    ``on_lost`` runs before each wait. A fresh ``backoff`` schedule starts after every successful
+    connection. Raises ``ConnectionRefused`` when the server answers HTTP 4xx (other than 429).
+    """
+    delays = backoff()
+    while not finished.is_set():
+        say(f"connecting to {url} ...")
+        connected = False
+        try:
+            async with _connect(url, open_timeout) as ws:
+                connected = True
+                delays = backoff()
+                await converse(await Connection.handshake(ws, sample_rate))
+            if finished.is_set():
+                return
+            reason = "the server closed the connection"
+        except websockets.InvalidStatus as error:
+            status = error.response.status_code
+            if 400 <= status < 500 and status != 429:
+                raise ConnectionRefused(f"{url} answered HTTP {status}: is this a Parley /ws URL?") from None
+            reason = describe_failure(error)
+        except (TimeoutError, OSError, websockets.WebSocketException) as error:
+            reason = describe_failure(error)
+        if on_lost is not None:
+            on_lost()
+        delay = next(delays)
+        what = "connection lost" if connected else "cannot connect"
+        say(f"{what} ({reason}); retrying in {delay:g} s")
+        await asyncio.sleep(delay)
+
+
+# ------------------------------------------------------------------ a scripted user
+@dataclass
+class TurnResult:
+    """Everything one client received for one turn, with arrival times (``time.monotonic``)."""
+
+    events: list[protocol.ServerMessage] = field(default_factory=list)
+    event_times: list[float] = field(default_factory=list)
+    reply_audio: bytearray = field(default_factory=bytearray)
+    output_sample_rate: int = 0
+    speech_end_sent: float | None = None  # when the last speech sample was sent
+    first_audio_received: float | None = None
+    last_audio_received: float | None = None
+    audio_arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, samples)
+
+    def all(self, kind: type[Event]) -> list[Event]:
+        return [event for event in self.events if isinstance(event, kind)]
+
+    def event(self, kind: type[Event]) -> Event | None:
+        """The first event of ``kind`` (e.g. ``protocol.TurnDone``), if any arrived."""
+        return next(iter(self.all(kind)), None)
+
+    @property
+    def final_transcript(self) -> str:
+        return " ".join(event.text for event in self.all(protocol.Transcript) if event.final)
+
+    @property
+    def assistant_text(self) -> str:
+        return "".join(event.delta for event in self.all(protocol.AssistantText))
+
+    @property
+    def turn_done(self) -> protocol.TurnDone | None:
+        return self.event(protocol.TurnDone)
+
+    @property
+    def server_metrics(self) -> protocol.TurnMetrics:
+        """The server's figures for this turn (empty when no ``turn_done`` arrived)."""
+        done = self.turn_done
+        return done.metrics if done is not None else protocol.TurnMetrics()
+
+    @property
+    def voice_to_voice_ms(self) -> float | None:
+        """Last speech sample sent -> first reply audio received, as the user experiences it."""
+        if self.speech_end_sent is None or self.first_audio_received is None:
+            return None
+        return (self.first_audio_received - self.speech_end_sent) * 1000
+
+    @property
+    def reply_samples(self) -> np.ndarray:
+        return np.frombuffer(bytes(self.reply_audio), dtype="<i2").astype(np.float32) / 32768.0
+
+    @property
+    def reply_seconds(self) -> float:
+        return len(self.reply_audio) / 2 / self.output_sample_rate if self.output_sample_rate else 0.0
+
+    @property
+    def underruns(self) -> int:
+        """Chunks that arrived after the audio before them had finished playing (gapless playback)."""
+        count, playing_until = 0, None
+        for arrived, samples in self.audio_arrivals:
+            if playing_until is not None and arrived > playing_until + 0.005:
+                count += 1
+            playing_until = max(playing_until or arrived, arrived) + samples / self.output_sample_rate
+        return count
+
+    def client_metrics(self) -> protocol.TurnMetrics:
+        """The figures measured here, at the client, in the protocol's vocabulary."""
+        return protocol.TurnMetrics(
+            voice_to_voice_ms=self.voice_to_voice_ms, reply_audio_s=self.reply_seconds, underruns=self.underruns
+        )
+
+
+# TurnMetrics fields a client measures itself (the rest only the server knows).
+CLIENT_MEASURED = frozenset(TurnResult().client_metrics().model_fields_set)
+
+
+class VoiceClient:
+    """One conversation over one WebSocket, sending microphone-like audio continuously."""
+
+    def __init__(self, url: str, sample_rate: int = protocol.INPUT_SAMPLE_RATE, realtime: bool = True) -> None:
+        self.url, self.sample_rate, self.realtime = url, sample_rate, realtime
+        self.frame = sample_rate * FRAME_MS // 1000
+        self.connection: Connection | None = None
+        self._receiver: asyncio.Task | None = None
+        self._current: TurnResult | None = None
+        self._done = asyncio.Event()
+        self.output_sample_rate = 0
+        self._clock_start = 0.0
+        self._frames_sent = 0
+
+    async def __aenter__(self) -> VoiceClient:
+        self.connection = await open_connection(self.url, self.sample_rate)
+        self.output_sample_rate = self.connection.output_sample_rate
+        self._receiver = asyncio.create_task(self._receive())
+        self._clock_start = time.monotonic()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._receiver:
+            self._receiver.cancel()
+        await self.connection.close()
+
+    async def _receive(self) -> None:
+        async for item in self.connection:
+            now = time.monotonic()
+            result = self._current
+            if isinstance(item, bytes):
+                if result is not None:
+                    if result.first_audio_received is None:
+                        result.first_audio_received = now
+                    result.last_audio_received = now
+                    result.audio_arrivals.append((now, len(item) // 2))
+                    result.reply_audio.extend(item)
+                continue
+            if isinstance(item, protocol.Ready):
+                self.output_sample_rate = item.output_sample_rate
+            if result is not None:
+                result.events.append(item)
+                result.event_times.append(now)
+                if isinstance(item, protocol.TurnDone) or (isinstance(item, protocol.Error) and item.fatal):
+                    self._done.set()
+
+    def _check_receiver(self) -> None:
+        """Raise what stopped the receiver (a closed socket, an unknown event) instead of waiting on."""
+        if self._receiver is not None and self._receiver.done():
+            self._receiver.result()
+            raise ConnectionError("the server closed the connection")
+
+    async def send_audio(self, audio: np.ndarray, mark_end_at: int | None = None) -> None:
+        """Send ``audio`` in 20 ms frames, paced like a microphone when ``realtime``."""
+        for index in range(0, (len(audio) + self.frame - 1) // self.frame):
+            if self.realtime:
+                delay = self._clock_start + self._frames_sent * FRAME_MS / 1000 - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                elif delay < -0.5:  # we fell behind (a busy machine): do not burst to catch up
+                    self._clock_start -= delay
+            else:
+                await asyncio.sleep(0)  # let the receiver run between frames
+            await self.connection.send_audio(audio[index * self.frame : (index + 1) * self.frame])
+            self._frames_sent += 1
+            if mark_end_at is not None and index == mark_end_at and self._current is not None:
+                self._current.speech_end_sent = time.monotonic()
+
+    async def send_silence(self, seconds: float) -> None:
+        await self.send_audio(np.zeros(int(seconds * self.sample_rate), np.float32))
+
+    async def ask(
+        self,
+        speech: np.ndarray,
+        *,
+        leading_silence_s: float = 0.3,
+        trailing_silence_s: float = 2.0,
+        timeout_s: float = 120.0,
+    ) -> TurnResult:
+        """Say ``speech`` and keep the line open (silence) until the reply is complete."""
+        result = TurnResult(output_sample_rate=self.output_sample_rate)
+        self._current, self._done = result, asyncio.Event()
+        lead = np.zeros(int(leading_silence_s * self.sample_rate), np.float32)
+        trail = np.zeros(int(trailing_silence_s * self.sample_rate), np.float32)
+        audio = np.concatenate([lead, speech.astype(np.float32), trail])
+        speech_end_frame = (len(lead) + len(speech) - 1) // self.frame
+        await self.send_audio(audio, mark_end_at=speech_end_frame)
+        deadline = time.monotonic() + timeout_s
+        while not self._done.is_set():
+            self._check_receiver()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no turn_done within {timeout_s} s; events: {[e.type for e in result.events]}")
+            await self.send_silence(FRAME_MS / 1000)
+        result.output_sample_rate = self.output_sample_rate
+        return result
+
+    async def listen_until_played(self, result: TurnResult, extra_s: float = 0.3) -> None:
+        """Keep sending silence until the reply would have finished playing (as a polite user waits)."""
+        if result.first_audio_received is None:
+            return
+        ends = result.first_audio_received + result.reply_seconds + extra_s
+        while time.monotonic() < ends:
+            await self.send_silence(FRAME_MS / 1000)
+
+
+async def speak_turn(
+    url: str,
+    speech: np.ndarray,
+    sample_rate: int = protocol.INPUT_SAMPLE_RATE,
+    *,
+    leading_silence_s: float = 0.3,
+    trailing_silence_s: float = 2.0,
+    realtime: bool = True,
+    timeout_s: float = 120.0,
+) -> TurnResult:
+    """Connect, say one question, return everything received for it."""
+    async with VoiceClient(url, sample_rate, realtime) as client:
+        return await client.ask(
+            speech, leading_silence_s=leading_silence_s, trailing_silence_s=trailing_silence_s, timeout_s=timeout_s
+        )
