@@ -32,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from app.server import create_app
+    from app.server.app import create_app
 
     try:
         settings = settings_from_args(args)
@@ -62,19 +62,19 @@ def _engine(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
         if any(arg.split("=")[0] in ("--peer", "--peer-url") for arg in args.rest):
-            from engine.bench_peer import main as bench_peer  # side by side with llama.cpp
+            from engine.benchmarks.peer import main as bench_peer  # side by side with llama.cpp
 
             return bench_peer(args.rest)
-        from engine.bench import main as bench_engine
+        from engine.benchmarks.throughput import main as bench_engine
 
         return bench_engine(args.rest)
-    from app.bench_voice import main as bench_voice
+    from app.bench.voice import main as bench_voice
 
     return bench_voice(args.rest)
 
 
 def _mic(args: argparse.Namespace) -> int:
-    from app.mic import main as mic_main
+    from app.clients.mic import main as mic_main
 
     return mic_main(args.rest)
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 
-    # prefix_chars="+": every "--flag" is left to app.mic's own parser (REMAINDER alone stops at a leading option)
+    # prefix_chars="+": every "--flag" is left to app.clients.mic's own parser (REMAINDER alone stops at a leading option)
     mic = commands.add_parser("mic", help="talk to a server from this computer: `parley mic --help`", prefix_chars="+")
     mic.add_argument("rest", nargs=argparse.REMAINDER)
     mic.set_defaults(func=_mic)

@@ -119,6 +119,37 @@ class Interrupt(_Message):
     turn_id: int
 
 
+class TurnMetrics(BaseModel):
+    """Per-turn figures, the one vocabulary of the server, its clients, the page and the benchmarks.
+
+    Latencies are in milliseconds (names end in ``_ms``); a figure a turn did not reach (an
+    interrupted reply has no RTF) is ``None`` and left out of the JSON. Definitions:
+    ``voice_to_voice_ms`` is from the end of the user's speech (as the server's VAD placed
+    it) to the first reply audio sent; the stage figures split it.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    endpoint_ms: float | None = Field(None, description="end of speech to turn committed")
+    asr_final_ms: float | None = Field(None, description="turn committed to final transcript ready")
+    asr_compute_ms: float | None = Field(None, description="Whisper time for the final transcript")
+    llm_ttft_ms: float | None = Field(None, description="LLM request to first token")
+    tts_first_audio_ms: float | None = Field(None, description="first clause to its audio")
+    voice_to_voice_ms: float | None = Field(None, description="end of speech to first reply audio sent")
+    reply_audio_s: float | None = Field(None, description="seconds of reply audio sent")
+    rtf: float | None = Field(None, description="reply audio seconds per wall second spent producing it")
+    underruns: int = Field(0, description="reply audio chunks sent after the previous ones would have played")
+    speculative: bool = Field(False, description="the reply was started before the endpoint and released")
+    barge_in: bool = Field(False, description="the user interrupted the reply")
+
+    def present(self) -> dict[str, float]:
+        """The figures this turn has, as plain numbers (for logs, tables and histograms)."""
+        return {key: float(value) for key, value in self.model_dump(exclude_none=True).items()}
+
+
+LATENCY_FIELDS = tuple(name for name in TurnMetrics.model_fields if name.endswith("_ms"))
+
+
 class TurnDone(_Message):
     """The reply of ``turn_id`` is complete (or was cut short: ``interrupted``)."""
 
@@ -126,7 +157,7 @@ class TurnDone(_Message):
     turn_id: int
     text: str
     interrupted: bool = False
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: TurnMetrics = Field(default_factory=TurnMetrics)
 
 
 class Error(_Message):
@@ -136,9 +167,11 @@ class Error(_Message):
     fatal: bool = False
 
 
-ServerMessage = (
-    Ready | SpeechStarted | SpeechStopped | Transcript | AssistantText | AudioStart | Interrupt | TurnDone | Error
-)
+ServerMessage = Annotated[
+    Ready | SpeechStarted | SpeechStopped | Transcript | AssistantText | AudioStart | Interrupt | TurnDone | Error,
+    Field(discriminator="type"),
+]
+_server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
 
 
 class ProtocolError(Exception):
@@ -179,4 +212,17 @@ def check_audio_frame(data: bytes) -> None:
 
 
 def encode(message: _Message) -> str:
-    return message.model_dump_json()
+    return message.model_dump_json(exclude_none=True)
+
+
+def parse_server_message(raw: str | bytes | dict) -> ServerMessage:
+    """Decode one JSON event from the server into its typed message (for Python clients).
+
+    Raises ``ValueError`` for anything that is not a known server event, so a client never
+    reads a misspelled field by accident.
+    """
+    data = json.loads(raw) if isinstance(raw, str | bytes) else raw
+    try:
+        return _server_adapter.validate_python(data)
+    except ValidationError as exc:
+        raise ValueError(f"not a server event: {exc.errors()[0]['msg']}") from None

@@ -10,8 +10,8 @@ import numpy as np
 from app import protocol
 from app.audio import float_to_pcm16
 from app.config import Settings
-from app.models import Models
-from app.session import VoiceSession
+from app.stages.registry import Models
+from app.voice.session import VoiceSession
 
 
 class ScriptedLLM:
@@ -127,7 +127,7 @@ async def talk_over_a_long_reply(url: str, question: np.ndarray) -> list[dict]:
 
 def assert_barged_in(events: list[dict]) -> None:
     """Turn 1 was interrupted (interrupt + turn_done interrupted) and the new question was heard."""
-    from app.text import words
+    from app.voice.text import words
 
     kinds = [(e["type"], e.get("turn_id")) for e in events]
     assert ("interrupt", 1) in kinds, kinds

@@ -248,7 +248,7 @@ def test_install_steps_in_a_fresh_venv(tmp_path, output_dir):
 
     bin_dir = venv / "bin"
     check = subprocess.run(
-        [bin_dir / "python", "-c", "import torch, app.server, engine; print(torch.__version__)"],
+        [bin_dir / "python", "-c", "import torch, app.server.app, engine; print(torch.__version__)"],
         capture_output=True,
         text=True,
         cwd=tmp_path,  # not the checkout: the import must come from the install

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.llm import EngineChatLLM, GenerationSettings
+from app.stages.llm import EngineChatLLM, GenerationSettings
 
 
 @pytest.fixture(scope="module")

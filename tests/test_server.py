@@ -8,12 +8,12 @@ import pytest
 from fastapi.testclient import TestClient
 from harness import ScriptedLLM
 
-from app.asr import Transcriber
+from app.stages.asr import Transcriber
 from app.config import Settings
-from app.models import Models
-from app.server import create_app
-from app.tts import PiperSynthesizer
-from app.vad import SileroVad
+from app.stages.registry import Models
+from app.server.app import create_app
+from app.stages.tts import PiperSynthesizer
+from app.stages.vad import SileroVad
 
 
 @pytest.fixture(scope="module")

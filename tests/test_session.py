@@ -9,11 +9,11 @@ import pytest
 from harness import Harness, ScriptedLLM
 
 from app import protocol
-from app.asr import Transcriber
+from app.stages.asr import Transcriber
 from app.audio import resample
-from app.text import words
-from app.tts import PiperSynthesizer
-from app.vad import SileroVad
+from app.voice.text import words
+from app.stages.tts import PiperSynthesizer
+from app.stages.vad import SileroVad
 
 QUESTION = "What is the capital of France?"
 
@@ -128,7 +128,7 @@ async def test_close_mid_reply_stops_the_llm_and_the_speaker(shared_models):
     await harness.session.handle_text(json.dumps({"type": "text", "text": "Tell me a story"}))
     await asyncio.wait_for(harness.audio_arrived.wait(), 30)
     await harness.session.close()
-    assert llm.closed == [f"{harness.session.session_id}-1"]  # the LLM stream was closed (request aborted)
+    assert llm.closed == [f"{harness.session.session_id}-1-1"]  # the LLM stream was closed (request aborted)
     sent = len(harness.events), len(harness.audio)
     await asyncio.sleep(0.5)
     assert (len(harness.events), len(harness.audio)) == sent  # nothing more is produced

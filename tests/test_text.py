@@ -1,4 +1,4 @@
-from app.text import SentenceSplitter, speakable, words
+from app.voice.text import SentenceSplitter, speakable, words
 
 
 def stream(splitter: SentenceSplitter, text: str, step: int = 3) -> list[str]:

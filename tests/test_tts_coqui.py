@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from app.tts_coqui import INSTALL_HINT, CoquiSynthesizer, CoquiUnavailable
+from app.stages.tts_coqui import INSTALL_HINT, CoquiSynthesizer, CoquiUnavailable
 
 
 def test_module_imports_without_coqui_and_never_imports_it():
-    code = "import sys, app.tts_coqui; assert 'TTS' not in sys.modules and 'torch' not in sys.modules"
+    code = "import sys, app.stages.tts_coqui; assert 'TTS' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from harness import Harness, ScriptedLLM
 
-from app.asr import Transcriber
-from app.text import words
-from app.tts import PiperSynthesizer
-from app.vad import SileroVad
+from app.stages.asr import Transcriber
+from app.voice.text import words
+from app.stages.tts import PiperSynthesizer
+from app.stages.vad import SileroVad
 
 # No comma: the voice pauses ~380 ms at one, which a 400 ms endpoint may take for the end.
 LONG = "Can you tell me what the weather will be like tomorrow morning in London and whether I need an umbrella?"
@@ -83,7 +83,7 @@ async def test_barge_in_stops_audio_aborts_the_llm_and_cuts_the_history(shared_m
     assert interrupt["turn_id"] == 1
     cut = await harness.wait_for("turn_done", turn_id=1)
     assert cut["interrupted"] is True
-    assert llm.closed[0] == f"{harness.session.session_id}-1"  # the LLM request was ended
+    assert llm.closed[0] == f"{harness.session.session_id}-1-1"  # the LLM request was ended
     full = "".join(e["delta"] for e in harness.events if e["type"] == "assistant_text" and e["turn_id"] == 1)
     heard = harness.session.history[1]
     assert heard["role"] == "assistant"

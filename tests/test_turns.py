@@ -1,6 +1,7 @@
 """Turn-taking policy alone: no models, no audio."""
 
-from app.turns import Endpointer, PartialStabilizer, ReplyPlayback, history_window, is_filler, looks_unfinished
+from app.voice.playback import ReplyPlayback
+from app.voice.turns import Endpointer, PartialStabilizer, history_window, is_filler, looks_unfinished
 
 
 def test_partials_show_agreed_words_and_only_grow():

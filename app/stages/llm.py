@@ -11,33 +11,10 @@ import asyncio
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Protocol
 
-Message = dict[str, str]
+from app.stages.base import ChatLLM, GenerationSettings, Message
 
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    max_tokens: int = 120
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-
-class ChatLLM(Protocol):
-    name: str
-
-    def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
-        """Yield the reply text piece by piece; closing the iterator aborts the request."""
-        ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    async def warm(self, messages: list[Message]) -> None:
-        """Compute (and cache) the KV of ``messages`` as the start of a later prompt; a no-op without a prefix cache."""
-        ...
-
-    def close(self) -> None: ...
+__all__ = ["ChatLLM", "EngineChatLLM", "GenerationSettings", "Message", "OpenAIChatLLM", "TransformersChatLLM"]
 
 
 class TransformersChatLLM:

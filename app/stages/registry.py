@@ -6,19 +6,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.asr import Transcriber
 from app.config import Settings
-from app.llm import ChatLLM, GenerationSettings
-from app.tts import PiperSynthesizer, Synthesizer
-from app.vad import SileroVad
+from app.stages.asr import Transcriber
+from app.stages.base import ChatLLM, GenerationSettings, Synthesizer, VadConfig
+from app.stages.tts import PiperSynthesizer
+from app.stages.vad import SileroVad, VadStream
 
 
 @dataclass
 class Models:
+    """Every model, loaded once and shared by all sessions (a ``base.VoiceStages``)."""
+
     vad: SileroVad
     asr: Transcriber
     llm: ChatLLM
     tts: Synthesizer
+
+    def vad_stream(self, config: VadConfig) -> VadStream:
+        return VadStream(self.vad, config)
 
     def close(self) -> None:
         self.llm.close()
@@ -27,7 +32,7 @@ class Models:
 def make_llm(settings: Settings) -> ChatLLM:
     generation = GenerationSettings(max_tokens=settings.llm_max_tokens, temperature=settings.llm_temperature)
     if settings.llm_backend == "engine":
-        from app.llm import EngineChatLLM
+        from app.stages.llm import EngineChatLLM
 
         quantization = None if settings.llm_quantization == "none" else settings.llm_quantization
         return EngineChatLLM(
@@ -39,19 +44,19 @@ def make_llm(settings: Settings) -> ChatLLM:
             num_threads=settings.llm_threads,
         )
     if settings.llm_backend == "transformers":
-        from app.llm import TransformersChatLLM
+        from app.stages.llm import TransformersChatLLM
 
         return TransformersChatLLM(settings.llm_model, dtype=settings.llm_dtype, settings=generation)
     if not settings.llm_url:
         raise ValueError("llm_backend 'openai' needs llm_url (e.g. --llm-url http://127.0.0.1:8001/v1)")
-    from app.llm import OpenAIChatLLM
+    from app.stages.llm import OpenAIChatLLM
 
     return OpenAIChatLLM(settings.llm_url, settings.llm_model, settings=generation)
 
 
 def make_tts(settings: Settings) -> Synthesizer:
     if settings.tts_backend == "coqui":
-        from app.tts_coqui import CoquiSynthesizer
+        from app.stages.tts_coqui import CoquiSynthesizer
 
         return CoquiSynthesizer.from_settings(settings)
     return PiperSynthesizer(settings.tts_voice, threads=settings.tts_threads)

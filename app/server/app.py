@@ -15,13 +15,13 @@ from starlette.websockets import WebSocketState
 
 from app import protocol
 from app.config import Settings
-from app.metrics import VoiceMetrics
-from app.models import Models, load_models
-from app.session import VoiceSession
+from app.server.metrics import VoiceMetrics
+from app.stages.registry import Models, load_models
+from app.voice.session import VoiceSession
 
 log = logging.getLogger(__name__)
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 
 
 def create_app(settings: Settings, models: Models | None = None) -> FastAPI:

@@ -7,10 +7,11 @@ recurrent state, so no session sees another's audio.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
+from typing import Protocol
 import numpy as np
 import onnxruntime
+
+from app.stages.base import VadConfig, VadEvent
 
 WINDOW = 512  # samples per model call at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous window the v6 model expects in front
@@ -20,6 +21,10 @@ def _default_model_path() -> str:
     from faster_whisper.utils import get_assets_path
 
     return os.path.join(get_assets_path(), "silero_vad_v6.onnx")
+
+
+class VadModel(Protocol):
+    def probability(self, window_with_context: np.ndarray, state: tuple[np.ndarray, np.ndarray]): ...
 
 
 class SileroVad:
@@ -39,26 +44,15 @@ class SileroVad:
         return float(prob.reshape(-1)[0]), (h, c)
 
 
-@dataclass(frozen=True)
-class VadEvent:
-    """``kind`` is "start" or "end"; ``sample`` indexes the stream (16 kHz) where speech began or ended."""
-
-    kind: str
-    sample: int
-
-
-@dataclass(frozen=True)
-class VadConfig:
-    threshold: float = 0.5
-    neg_threshold: float = 0.35
-    min_speech_ms: int = 96  # shorter bursts (a click, a cough onset) do not start speech
-    min_silence_ms: int = 300  # silence that ends a speech segment; endpointing may wait longer
-
-
 class VadStream:
-    """Feeds 16 kHz float audio through the model window by window and reports speech start/end."""
+    """Feeds 16 kHz float audio through the model window by window and reports speech start/end.
 
-    def __init__(self, model: SileroVad, config: VadConfig | None = None) -> None:
+    The decision rule (hysteresis between ``threshold`` and ``neg_threshold``, minimum speech
+    and silence runs) is independent of the model: any ``VadModel`` giving a speech
+    probability per 32 ms window drives it.
+    """
+
+    def __init__(self, model: VadModel, config: VadConfig | None = None) -> None:
         self.model = model
         self.config = config or VadConfig()
         self._pending = np.zeros(0, dtype=np.float32)

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Protocol
 
 import numpy as np
 
+from app.stages.base import Synthesizer
+
+__all__ = ["BUNDLED_VOICE", "PiperSynthesizer", "Synthesizer"]
+
 BUNDLED_VOICE = "bundled"
-
-
-class Synthesizer(Protocol):
-    sample_rate: int
-
-    def synthesize(self, text: str) -> Iterator[np.ndarray]:
-        """Yield float32 mono audio chunks at ``sample_rate`` for ``text`` (blocking; run off the loop)."""
-        ...
 
 
 class PiperSynthesizer:

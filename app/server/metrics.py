@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from app.protocol import TurnMetrics
+
 _LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+# one histogram per latency figure of a turn, named and described by ``TurnMetrics`` itself
 _STAGES = {
-    "voice_to_voice_ms": "first reply audio sent after the end of the user's speech",
-    "endpoint_ms": "end of speech to turn committed",
-    "asr_final_ms": "turn committed to final transcript ready",
-    "llm_ttft_ms": "LLM request to first token",
-    "tts_first_audio_ms": "first clause to its audio",
+    name: TurnMetrics.model_fields[name].description
+    for name in ("voice_to_voice_ms", "endpoint_ms", "asr_final_ms", "llm_ttft_ms", "tts_first_audio_ms")
 }
 
 
@@ -37,16 +37,17 @@ class VoiceMetrics:
             "parley_llm", "LLM engine figures (in-process engine only)", ["figure"], registry=self.registry
         )
 
-    def observe_turn(self, metrics: dict[str, float]) -> None:
+    def observe_turn(self, metrics: TurnMetrics) -> None:
         self.turns.inc()
         for key, histogram in self.stage_seconds.items():
-            if key in metrics:
-                histogram.observe(metrics[key] / 1000)
-        if "rtf" in metrics:
-            self.rtf.observe(metrics["rtf"])
-        if metrics.get("barge_in"):
+            value = getattr(metrics, key)
+            if value is not None:
+                histogram.observe(value / 1000)
+        if metrics.rtf is not None:
+            self.rtf.observe(metrics.rtf)
+        if metrics.barge_in:
             self.barge_ins.inc()
-        self.underruns.inc(metrics.get("underruns", 0))
+        self.underruns.inc(metrics.underruns)
 
     def render(self, sessions: int, llm_stats: dict | None) -> bytes:
         self.sessions.set(sessions)

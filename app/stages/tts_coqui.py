@@ -1,6 +1,6 @@
 """Coqui XTTS-v2 as an optional TTS backend, for the GPU image: ``pip install 'parley[coqui]'``.
 
-Same interface as ``app.tts.Synthesizer``: ``sample_rate`` (24 kHz) and ``synthesize(text)``,
+Same interface as ``app.stages.tts.Synthesizer``: ``sample_rate`` (24 kHz) and ``synthesize(text)``,
 which yields float32 chunks as XTTS streams them (the first after ~20 GPT tokens).
 
 Coqui is imported inside the class, so a CPU install never needs it (on the CPU torch from

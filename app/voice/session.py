@@ -1,0 +1,283 @@
+"""One voice conversation: client messages in, server events and reply audio out.
+
+The session is transport-agnostic: a server hands it frames and gives it two async
+callbacks to send events and audio. It is thin on purpose; the work is in two units:
+
+* ``UtteranceTracker`` (``app.voice.utterance``): audio -> VAD -> partial and tail ASR ->
+  speech started / paused / resumed / committed / dropped;
+* ``Reply`` (``app.voice.reply``): messages -> LLM -> clauses -> TTS -> audio, held back
+  while speculative, cancellable.
+
+What stays here is what ties them together: the history, the speculative reply and its
+swap into the real one at the endpoint, barge-in, and warming the LLM's prefix cache for
+the next turn. Models come in through ``app.stages.base.VoiceStages``; time through an
+injected ``Clock``, and blocking model calls through an injected runner, so that the
+whole conversation runs in tests with scripted stand-ins and a manual clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from app import protocol
+from app.audio import ASR_SAMPLE_RATE, StreamResampler, pcm16_to_float
+from app.config import Settings
+from app.stages.base import Message, VadConfig, VoiceStages
+from app.voice import utterance as heard
+from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
+from app.voice.reply import Reply, SendBytes, SendJson, cancel_task
+from app.voice.turns import Endpointer, history_window, is_filler, looks_unfinished
+
+log = logging.getLogger(__name__)
+
+
+class VoiceSession:
+    def __init__(
+        self,
+        models: VoiceStages,
+        settings: Settings,
+        send_json: SendJson,
+        send_bytes: SendBytes,
+        *,
+        clock: Clock | None = None,
+        run_blocking: RunBlocking | None = None,
+    ) -> None:
+        self.models = models
+        self.settings = settings
+        self._send_json = send_json
+        self._send_bytes = send_bytes
+        self._clock = clock or MonotonicClock()
+        self._run = run_blocking or run_in_thread
+        self.session_id = uuid.uuid4().hex[:12]
+        self.history: list[Message] = []
+        self._turn_ids = itertools.count(1)
+        self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
+        self._reply: Reply | None = None  # the released reply (producing or playing)
+        self._speculation: Reply | None = None  # a reply to the utterance in progress, held back
+        self._warm_task: asyncio.Task | None = None
+        self._closed = False
+        self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
+        self._configure_input(protocol.INPUT_SAMPLE_RATE)
+
+    # ------------------------------------------------------------------ input
+    def _configure_input(self, sample_rate: int) -> None:
+        settings = self.settings
+        self.input_sample_rate = sample_rate
+        self._resampler = StreamResampler(sample_rate, ASR_SAMPLE_RATE)
+        vad = self.models.vad_stream(
+            VadConfig(
+                threshold=settings.vad_threshold,
+                neg_threshold=max(0.05, settings.vad_threshold - 0.15),
+                min_speech_ms=settings.min_speech_ms,
+                min_silence_ms=settings.pause_ms,
+            )
+        )
+        self._tracker = heard.UtteranceTracker(
+            vad,
+            self.models.asr,
+            self._on_utterance_event,
+            next_turn_id=lambda: next(self._turn_ids),
+            clock=self._clock,
+            run_blocking=self._run,
+            options=heard.TrackerOptions(
+                endpointer=Endpointer(settings.endpoint_silence_ms, settings.endpoint_unfinished_silence_ms),
+                partial_interval_ms=settings.partial_interval_ms,
+                max_utterance_s=settings.max_utterance_s,
+            ),
+        )
+
+    async def start(self) -> None:
+        await self._ready()
+
+    async def _ready(self) -> None:
+        await self._send_json(
+            protocol.Ready(input_sample_rate=self.input_sample_rate, output_sample_rate=self.models.tts.sample_rate)
+        )
+
+    async def handle_text(self, raw: str) -> None:
+        try:
+            message = protocol.parse_client_text(raw)
+        except protocol.ProtocolError as error:
+            await self._send_json(error.event)
+            return
+        if isinstance(message, protocol.Start):
+            await self._drop_utterance()
+            self._configure_input(message.sample_rate)
+            await self._ready()
+        elif isinstance(message, protocol.UserText):
+            await self._interrupt_reply()
+            now = self._clock.now()
+            await self._start_turn(next(self._turn_ids), message.text, speech_end=now, commit=now)
+        elif isinstance(message, protocol.Reset):
+            await self._interrupt_reply()
+            await self._drop_utterance()
+            self.history.clear()
+        elif isinstance(message, protocol.Playback):
+            reply = self._reply
+            if reply is not None and reply.turn_id == message.turn_id:
+                reply.playback.reported_played_s = message.played_ms / 1000
+
+    async def handle_audio(self, data: bytes) -> None:
+        try:
+            protocol.check_audio_frame(data)
+        except protocol.ProtocolError as error:
+            await self._send_json(error.event)
+            return
+        await self.feed_audio(self._resampler(pcm16_to_float(data)))
+
+    async def feed_audio(self, samples: np.ndarray) -> None:
+        """16 kHz float32 input, already decoded (``handle_audio`` decodes and resamples the wire format)."""
+        await self._tracker.feed(samples)
+
+    # ------------------------------------------------------------------ the user's side
+    async def _on_utterance_event(self, event: heard.UtteranceEvent) -> None:
+        match event:
+            case heard.SpeechStarted():
+                await self._send_json(protocol.SpeechStarted())
+            case heard.Resumed():
+                await self._cancel_speculation()
+                await self._send_json(protocol.SpeechStarted())
+            case heard.Paused():
+                await self._send_json(protocol.SpeechStopped())
+            case heard.Partial(turn_id=turn_id, text=text):
+                await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=False))
+            case heard.Speaking(speech_ms=speech_ms):
+                if speech_ms >= self.settings.barge_in_ms:
+                    await self._interrupt_reply()
+            case heard.TailText():
+                if self.settings.speculative_reply and not is_filler(event.text) and not looks_unfinished(event.text):
+                    await self._speculate(event)
+            case heard.Dropped():
+                await self._cancel_speculation()  # a cough or "mm": not a turn, and the reply goes on
+            case heard.Committed():
+                await self._on_committed(event)
+
+    async def _on_committed(self, turn: heard.Committed) -> None:
+        await self._interrupt_reply()
+        figures = {"endpoint_ms": turn.endpoint_ms, "asr_final_ms": turn.asr_final_ms}
+        figures["asr_compute_ms"] = turn.asr_compute_ms
+        speculation = self._speculation
+        if speculation is not None and speculation.user_text == turn.text:
+            self._speculation = None
+            await self._send_json(protocol.Transcript(turn_id=speculation.turn_id, text=turn.text, final=True))
+            self.history.append({"role": "user", "content": turn.text})
+            speculation.commit, speculation.speech_end = turn.commit, turn.speech_end
+            speculation.metrics = speculation.metrics.model_copy(update={**figures, "speculative": True})
+            self._reply = speculation
+            await speculation.release()
+            return
+        await self._cancel_speculation()
+        await self._start_turn(turn.turn_id, turn.text, speech_end=turn.speech_end, commit=turn.commit, **figures)
+
+    async def _drop_utterance(self) -> None:
+        await self._tracker.drop()
+        await self._cancel_speculation()
+
+    # ------------------------------------------------------------------ replies
+    def _new_reply(self, turn_id: int, user_text: str) -> Reply:
+        return Reply(
+            turn_id,
+            user_text,
+            llm=self.models.llm,
+            tts=self.models.tts,
+            send_json=self._send_json,
+            send_bytes=self._send_bytes,
+            clock=self._clock,
+            run_blocking=self._run,
+            request_id=f"{self.session_id}-{turn_id}-{next(self._request_ids)}",
+            first_clause_chars=self.settings.first_clause_chars,
+            on_complete=self._record_reply,
+            on_metrics=self.on_turn_metrics,
+        )
+
+    async def _start_turn(self, turn_id: int, text: str, *, speech_end: float, commit: float, **figures) -> None:
+        reply = self._new_reply(turn_id, text)
+        reply.speech_end, reply.commit = speech_end, commit
+        reply.metrics = reply.metrics.model_copy(update=figures)
+        await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True))
+        self.history.append({"role": "user", "content": text})
+        self._reply = reply
+        reply.start(self._messages(), released=True)
+
+    async def _speculate(self, tail: heard.TailText) -> None:
+        """Start answering before the endpoint; nothing is sent unless the turn commits with this text."""
+        if self._speculation is not None and self._speculation.user_text == tail.text:
+            return
+        await self._cancel_speculation()
+        reply = self._new_reply(tail.turn_id, tail.text)
+        reply.speech_end = tail.speech_end
+        self._speculation = reply
+        reply.start([*self._messages(), {"role": "user", "content": tail.text}], released=False)
+
+    async def _cancel_speculation(self) -> None:
+        reply, self._speculation = self._speculation, None
+        if reply is not None:
+            await reply.cancel()
+
+    def _messages(self, history: list[Message] | None = None) -> list[Message]:
+        window = history_window(self.history if history is None else history, self.settings.max_history_messages)
+        return [{"role": "system", "content": self.settings.system_prompt}, *window]
+
+    def _record_reply(self, reply: Reply) -> None:
+        if reply.text:
+            self.history.append({"role": "assistant", "content": reply.text})
+            self._warm_next_prompt()
+
+    def _warm_next_prompt(self) -> None:
+        """Prefill what the next turn's prompt will start with, while the user listens.
+
+        The history just changed (a reply, or what of it was heard); computing its KV now,
+        in the gap between turns, takes it off the next turn's critical path. Cheap when
+        the prefix cache already holds most of it.
+        """
+        if self._closed or self.settings.max_history_messages <= 0:
+            return
+        upcoming = self._messages([*self.history, {"role": "user", "content": ""}])[:-1]
+        if self._warm_task is not None:
+            self._warm_task.cancel()
+        self._warm_task = asyncio.create_task(self._warm(upcoming), name="llm-warm")
+
+    async def _warm(self, messages: list[Message]) -> None:
+        try:
+            await self.models.llm.warm(messages)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # only an optimisation: the next turn computes it anyway
+            log.debug("prefix warm-up failed", exc_info=True)
+
+    async def _interrupt_reply(self) -> None:
+        """Barge-in: stop the reply, tell the client to stop playing, keep only what was heard."""
+        reply, self._reply = self._reply, None
+        if reply is None or not reply.active():
+            return
+        producing = reply.producing
+        await reply.cancel()
+        heard_text = reply.playback.heard_text(self._clock.now())
+        if not producing and self.history and self.history[-1]["role"] == "assistant":
+            self.history.pop()  # the full reply was recorded; replace it by what was heard
+        if heard_text:
+            self.history.append({"role": "assistant", "content": heard_text})
+        self._warm_next_prompt()
+        if self._closed:
+            return
+        await self._send_json(protocol.Interrupt(turn_id=reply.turn_id))
+        reply.metrics.barge_in = True
+        await self._send_json(
+            protocol.TurnDone(turn_id=reply.turn_id, text=heard_text, interrupted=True, metrics=reply.final_metrics())
+        )
+
+    async def close(self) -> None:
+        """The client is gone: stop the reply and free its LLM request and TTS work."""
+        self._closed = True
+        await self._drop_utterance()
+        reply, self._reply = self._reply, None
+        if reply is not None:
+            await reply.cancel()
+        if self._warm_task is not None:
+            await cancel_task(self._warm_task)
