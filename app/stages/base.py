@@ -1,0 +1,113 @@
+"""The narrow interfaces of the model stages, and the typed values they pass along.
+
+The conversation (``app.voice``) depends on these alone: it never imports a model library,
+so it can be driven in tests by scripted stand-ins (``tests/unit/fakes.py``). The real
+backends live beside this module (``vad``, ``asr``, ``llm``, ``tts``, ``tts_coqui``) and are
+loaded once, for all sessions, by ``registry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
+
+
+# ---------------------------------------------------------------- VAD
+@dataclass(frozen=True)
+class VadEvent:
+    """``sample`` indexes the 16 kHz input stream where speech began ("start") or ended ("end")."""
+
+    kind: Literal["start", "end"]
+    sample: int
+
+
+@dataclass(frozen=True)
+class VadConfig:
+    threshold: float = 0.5
+    neg_threshold: float = 0.35
+    min_speech_ms: int = 96  # shorter bursts (a click, a cough onset) do not start speech
+    min_silence_ms: int = 300  # silence that ends a speech segment; endpointing may wait longer
+
+
+class VoiceActivity(Protocol):
+    """One session's streaming VAD: feed 16 kHz audio, get speech start/end events."""
+
+    speaking: bool
+
+    @property
+    def speech_pending(self) -> bool:
+        """Speech-like audio has begun but is not yet long enough to count as a start."""
+        ...
+
+    def feed(self, samples: np.ndarray) -> list[VadEvent]: ...
+
+
+# ---------------------------------------------------------------- ASR
+@dataclass(frozen=True)
+class Transcription:
+    text: str
+    audio_seconds: float
+    wall_seconds: float
+    no_speech_probability: float = 0.0
+
+
+class SpeechRecognizer(Protocol):
+    def transcribe(self, audio: np.ndarray, *, wait: bool = True, context: str = "") -> Transcription | None:
+        """Transcribe 16 kHz float32 mono audio (blocking: call it off the event loop).
+
+        ``wait=False`` returns None instead of queueing behind another call (partials are
+        worth less than a final). ``context`` is the text said just before this audio.
+        """
+        ...
+
+
+# ---------------------------------------------------------------- LLM
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_tokens: int = 120
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+class ChatLLM(Protocol):
+    """The one interface the voice app uses to reach an LLM: an async text stream with abort."""
+
+    name: str
+
+    def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
+        """Yield the reply text piece by piece; closing the iterator aborts the request."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    async def warm(self, messages: list[Message]) -> None:
+        """Compute (and cache) the KV of ``messages`` as the start of a later prompt; a no-op without a prefix cache."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------- TTS
+class Synthesizer(Protocol):
+    sample_rate: int
+
+    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+        """Yield float32 mono audio chunks at ``sample_rate`` for ``text`` (blocking; run off the loop)."""
+        ...
+
+
+class VoiceStages(Protocol):
+    """What one conversation needs from the loaded models (``registry.Models`` is the real one)."""
+
+    asr: SpeechRecognizer
+    llm: ChatLLM
+    tts: Synthesizer
+
+    def vad_stream(self, config: VadConfig) -> VoiceActivity:
+        """A fresh VAD state for one input stream (the model itself is shared)."""
+        ...

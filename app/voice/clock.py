@@ -1,0 +1,52 @@
+"""Time, injected: the conversation reads the clock only through ``Clock``, so tests drive it.
+
+Turn-taking decisions are made in audio time (samples received), which tests control by
+feeding audio; wall time matters for what the user experiences (latency figures, where
+the client's playback of a reply stands) and comes from a ``Clock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
+"""Runs blocking model work (ASR, TTS) off the event loop; tests pass an inline runner."""
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a monotonic scale."""
+        ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+
+async def run_in_thread(work: Callable[[], T]) -> T:
+    """The default ``RunBlocking``: the loop's default thread pool."""
+    return await asyncio.get_running_loop().run_in_executor(None, work)
+
+
+class ArrivalClock:
+    """Maps a stream sample index to the wall time its frame arrived (for latency figures)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._marks: deque[tuple[int, float]] = deque(maxlen=4096)
+
+    def mark(self, end_sample: int, when: float) -> None:
+        self._marks.append((end_sample, when))
+
+    def time_of(self, sample: int) -> float:
+        for end_sample, when in self._marks:
+            if end_sample >= sample:
+                return when
+        return self._marks[-1][1] if self._marks else self._clock.now()

@@ -1,0 +1,190 @@
+"""The assistant's side of a turn: chat messages in, reply events and audio out.
+
+A ``Reply`` streams LLM deltas through the clause splitter into TTS and sends the audio in
+short chunks, all overlapped: the first clause is spoken while the LLM still writes the
+rest. A reply can be *speculative*: produced before the user's turn is committed, with
+everything it would send held back until ``release()``; if the user goes on speaking the
+session cancels it and nothing was ever sent. Cancelling closes the LLM stream, which
+aborts the request and frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from app import protocol
+from app.audio import float_to_pcm16
+from app.stages.base import ChatLLM, Message, Synthesizer
+from app.voice.clock import Clock, RunBlocking
+from app.voice.playback import ReplyPlayback
+from app.voice.text import SentenceSplitter, speakable
+
+log = logging.getLogger(__name__)
+
+AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt drops little
+
+SendJson = Callable[[protocol.ServerMessage], Awaitable[None]]
+SendBytes = Callable[[bytes], Awaitable[None]]
+
+
+class Reply:
+    def __init__(
+        self,
+        turn_id: int,
+        user_text: str,
+        *,
+        llm: ChatLLM,
+        tts: Synthesizer,
+        send_json: SendJson,
+        send_bytes: SendBytes,
+        clock: Clock,
+        run_blocking: RunBlocking,
+        request_id: str,
+        first_clause_chars: int = 0,
+        on_complete: Callable[[Reply], None] | None = None,
+        on_metrics: Callable[[protocol.TurnMetrics], None] | None = None,
+    ) -> None:
+        self.turn_id = turn_id
+        self.user_text = user_text
+        self.request_id = request_id
+        self.playback = ReplyPlayback(tts.sample_rate)
+        self.metrics = protocol.TurnMetrics()
+        self.released = False
+        self.finished = False  # produced to the end (not cancelled, not failed)
+        self.text_parts: list[str] = []
+        self.speech_end = 0.0  # wall time the user's speech ended (start of voice-to-voice)
+        self.commit = 0.0  # wall time the turn was committed (0 while speculative)
+        self._llm, self._tts = llm, tts
+        self._send_json, self._send_bytes = send_json, send_bytes
+        self._clock, self._run = clock, run_blocking
+        self._first_clause_chars = first_clause_chars
+        self._on_complete, self._on_metrics = on_complete, on_metrics
+        self._held: list[protocol.ServerMessage | bytes] = []
+        self._task: asyncio.Task | None = None
+        self._produce_started = 0.0
+        self._produced_at: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts).strip()
+
+    @property
+    def producing(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def active(self) -> bool:
+        """Still being produced, or still playing at the client."""
+        return self.producing or self.playback.playing(self._clock.now())
+
+    def start(self, messages: list[Message], *, released: bool) -> None:
+        self.released = released
+        self._task = asyncio.create_task(self._produce(messages), name=f"turn-{self.turn_id}")
+
+    async def release(self) -> None:
+        """Send what a speculation held back, and everything it produces from now on."""
+        self.released = True
+        held, self._held = self._held, []
+        for item in held:
+            await self._emit(item)
+        if self.finished and self._on_complete:
+            self._on_complete(self)
+
+    async def cancel(self) -> None:
+        if self._task is not None:
+            await cancel_task(self._task)
+
+    def final_metrics(self) -> protocol.TurnMetrics:
+        metrics = self.metrics.model_copy()
+        playback = self.playback
+        if playback.sent_s:
+            # RTF from the turn commit (or, for a speculation, from when its production began)
+            began = min(self.commit, self._produce_started) if self.commit else self._produce_started
+            spent = (self._produced_at or self._clock.now()) - began
+            metrics.reply_audio_s = playback.sent_s
+            metrics.rtf = playback.sent_s / max(1e-6, spent)
+        metrics.underruns = playback.underruns
+        if self._on_metrics:
+            self._on_metrics(metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ production
+    async def _emit(self, item: protocol.ServerMessage | bytes) -> None:
+        """Send now if released, else hold it back (speculation)."""
+        if not self.released:
+            self._held.append(item)
+            return
+        if isinstance(item, bytes):
+            now = self._clock.now()
+            if self.playback.started_at is None:
+                self.metrics.voice_to_voice_ms = (now - self.speech_end) * 1000
+            self.playback.on_send(len(item) // 2, now)
+            await self._send_bytes(item)
+            return
+        if isinstance(item, protocol.TurnDone):
+            item = item.model_copy(update={"metrics": self.final_metrics()})
+        await self._send_json(item)
+
+    async def _produce(self, messages: list[Message]) -> None:
+        """LLM tokens -> clauses/sentences -> TTS -> audio, all overlapped."""
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        speaker = asyncio.create_task(self._speak(pieces), name=f"tts-{self.turn_id}")
+        splitter = SentenceSplitter(first_clause_chars=self._first_clause_chars)
+        self._produce_started = self._clock.now()
+        stream = self._llm.stream(messages, self.request_id)
+        try:
+            try:
+                async for delta in stream:
+                    if not self.text_parts:
+                        self.metrics.llm_ttft_ms = (self._clock.now() - self._produce_started) * 1000
+                    self.text_parts.append(delta)
+                    await self._emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
+                    for piece in splitter.push(delta):
+                        pieces.put_nowait(piece)
+            finally:
+                await stream.aclose()  # aborts the LLM request if we stopped early
+            rest = splitter.flush()
+            if rest:
+                pieces.put_nowait(rest)
+            pieces.put_nowait(None)
+            await speaker
+            self._produced_at = self._clock.now()
+            self.finished = True
+            await self._emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
+            if self.released and self._on_complete:
+                self._on_complete(self)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # one failed turn must not end the conversation
+            log.exception("turn %s failed", self.turn_id)
+            await self._emit(protocol.Error(code="turn_failed", message=f"could not answer: {exc}"))
+        finally:
+            await cancel_task(speaker)
+
+    async def _speak(self, pieces: asyncio.Queue[str | None]) -> None:
+        sample_rate = self._tts.sample_rate
+        chunk = sample_rate * AUDIO_CHUNK_MS // 1000
+        while (piece := await pieces.get()) is not None:
+            text = speakable(piece)
+            if not text:
+                continue
+            tts_started = self._clock.now()
+            audio = await self._run(lambda t=text: list(self._tts.synthesize(t)))
+            if self.metrics.tts_first_audio_ms is None:
+                self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
+                await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
+            for samples in audio:
+                for offset in range(0, len(samples), chunk):
+                    await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
+            self.playback.add_piece(piece)
+
+
+async def cancel_task(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait until it has finished unwinding (its own errors are not ours)."""
+    if task.done():
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

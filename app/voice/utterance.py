@@ -1,0 +1,318 @@
+"""The user's side of a turn: 16 kHz audio in, typed utterance events out.
+
+``UtteranceTracker`` keeps the recent input audio, runs the session's VAD over it, and
+schedules the two kinds of ASR job:
+
+* partials while the user speaks (every ``partial_interval_ms``, skipped when ASR is busy);
+* the tail at each pause: the not-yet-stable audio, transcribed at once so that its text is
+  ready (and a reply can be speculated) before the endpoint silence has passed.
+
+It decides when an utterance ends (the endpoint rule of ``app.voice.turns``) and reports
+everything as events; what to do about them (speculate, reply, barge in) is the session's
+business. It knows no socket, no protocol and no model: VAD and ASR come in through the
+``app.stages.base`` interfaces, time through ``app.voice.clock``.
+
+Timeline of a spoken turn::
+
+  speech ─┬─ Partial texts every partial_interval_ms
+          └─ pause (VAD silence ≥ pause_ms): Paused, the tail is transcribed -> TailText
+               ├─ the user speaks again: Resumed (a speculation on TailText is void)
+               └─ silence reaches the endpoint: Committed (or Dropped when it was noise)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.audio import ASR_SAMPLE_RATE
+from app.stages.base import SpeechRecognizer, VoiceActivity
+from app.voice.clock import ArrivalClock, Clock, RunBlocking
+from app.voice.turns import Endpointer, PartialStabilizer, is_filler
+
+SAMPLES_PER_MS = ASR_SAMPLE_RATE // 1000
+PREROLL_MS = 300  # audio kept before the VAD start so the first phoneme is not clipped
+# Between utterances the buffer keeps this much: the VAD reports a start only after
+# min_speech_ms of speech, pointing back to where it began, and the pre-roll reaches back
+# from there. Keeping only PREROLL_MS cut "Can you" off "Can you recommend a good book?"
+# in 2 of 28 benchmark turns.
+IDLE_KEEP_MS = 1000
+STABLE_AFTER_S = 6.0  # shorter utterances are re-decoded whole: more accurate, and cheap
+TAIL_PAD_MS = 160  # audio kept after the VAD end (the last phoneme fades)
+
+
+# ---------------------------------------------------------------- events
+@dataclass(frozen=True)
+class SpeechStarted:
+    turn_id: int
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The user went on speaking after a pause: text of the pause is no longer the end."""
+
+    turn_id: int
+
+
+@dataclass(frozen=True)
+class Paused:
+    turn_id: int
+
+
+@dataclass(frozen=True)
+class Speaking:
+    """Sent for each chunk of audio while the user speaks (barge-in is judged on it)."""
+
+    turn_id: int
+    speech_ms: float
+
+
+@dataclass(frozen=True)
+class Partial:
+    turn_id: int
+    text: str  # grows monotonically within an utterance
+
+
+@dataclass(frozen=True)
+class TailText:
+    """The utterance's text up to the current pause; ``speech_end`` is when that audio arrived."""
+
+    turn_id: int
+    text: str
+    speech_end: float
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The user finished: a turn with its text and the figures of how it was found."""
+
+    turn_id: int
+    text: str
+    speech_end: float  # wall time the last speech audio arrived
+    commit: float  # wall time the endpoint fired
+    endpoint_ms: float
+    asr_final_ms: float  # transcript wait after the endpoint
+    asr_compute_ms: float
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The utterance was noise or filler ("mm", a cough): not a turn."""
+
+    turn_id: int
+    text: str
+
+
+UtteranceEvent = SpeechStarted | Resumed | Paused | Speaking | Partial | TailText | Committed | Dropped
+Emit = Callable[[UtteranceEvent], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class TrackerOptions:
+    endpointer: Endpointer = field(default_factory=Endpointer)
+    partial_interval_ms: int = 400
+    max_utterance_s: float = 30.0
+
+
+@dataclass
+class _Utterance:
+    """The utterance in progress, from the VAD start until it is committed."""
+
+    start: int  # stream sample where speech began
+    turn_id: int  # reserved at the start so partials, the final and the reply share it
+    stable_text: str = ""  # text of audio before ``stable_until``, final already
+    stable_until: int | None = None
+    stabilizer: PartialStabilizer = field(default_factory=PartialStabilizer)
+    last_partial_at: int = 0
+    pause: int | None = None  # stream sample where the current silence began
+    tail_task: asyncio.Task | None = None  # transcribing the tail up to ``pause``
+    tail_text: str | None = None  # its result, once done
+    asr_ms: float = 0.0
+    partial_task: asyncio.Task | None = None
+
+    def text(self) -> str:
+        return " ".join(part for part in (self.stable_text, self.tail_text or "") if part).strip()
+
+    def audio_start(self) -> int:
+        return self.stable_until or self.start - PREROLL_MS * SAMPLES_PER_MS
+
+    def cancel_jobs(self) -> None:
+        for task in (self.tail_task, self.partial_task):
+            if task is not None:
+                task.cancel()
+
+
+class UtteranceTracker:
+    def __init__(
+        self,
+        vad: VoiceActivity,
+        asr: SpeechRecognizer,
+        emit: Emit,
+        *,
+        next_turn_id: Callable[[], int],
+        clock: Clock,
+        run_blocking: RunBlocking,
+        options: TrackerOptions | None = None,
+    ) -> None:
+        self._vad = vad
+        self._asr = asr
+        self._emit = emit
+        self._next_turn_id = next_turn_id
+        self._clock = clock
+        self._run = run_blocking
+        self.options = options or TrackerOptions()
+        self._audio = np.zeros(0, dtype=np.float32)  # recent input, ends at stream sample _audio_end
+        self._audio_end = 0
+        self._arrivals = ArrivalClock(clock)
+        self._utterance: _Utterance | None = None
+
+    @property
+    def in_utterance(self) -> bool:
+        return self._utterance is not None
+
+    @property
+    def buffered_samples(self) -> int:
+        return len(self._audio)
+
+    async def feed(self, samples: np.ndarray) -> None:
+        """Take the next 16 kHz float32 samples of the stream."""
+        if not len(samples):
+            return
+        self._audio = np.concatenate([self._audio, samples])
+        self._audio_end += len(samples)
+        self._arrivals.mark(self._audio_end, self._clock.now())
+        if self._utterance is None and len(self._audio) > 2 * IDLE_KEEP_MS * SAMPLES_PER_MS:
+            self._audio = self._audio[-IDLE_KEEP_MS * SAMPLES_PER_MS :]
+
+        for event in self._vad.feed(samples):
+            if event.kind == "start":
+                await self._on_speech_start(event.sample)
+            else:
+                await self._on_pause(event.sample)
+        utterance = self._utterance
+        if utterance is None:
+            return
+        if self._vad.speaking:
+            self._maybe_partial(utterance)
+            await self._emit(Speaking(utterance.turn_id, (self._audio_end - utterance.start) / SAMPLES_PER_MS))
+            if utterance is not self._utterance:
+                return
+            if self._audio_end - utterance.start > self.options.max_utterance_s * ASR_SAMPLE_RATE:
+                await self._on_pause(self._audio_end)  # a monologue: answer what we have so far
+                await self._commit(utterance, forced=True)
+        else:
+            await self._maybe_commit(utterance)
+
+    async def drop(self) -> None:
+        """Forget the utterance in progress (reset, new input format, session closed)."""
+        utterance, self._utterance = self._utterance, None
+        if utterance is not None:
+            utterance.cancel_jobs()
+
+    # ------------------------------------------------------------------ internals
+    def _slice(self, start: int, end: int) -> np.ndarray:
+        first = self._audio_end - len(self._audio)
+        return self._audio[max(0, start - first) : max(0, end - first)].copy()
+
+    async def _on_speech_start(self, sample: int) -> None:
+        utterance = self._utterance
+        if utterance is None:
+            turn_id = self._next_turn_id()
+            self._utterance = _Utterance(start=sample, turn_id=turn_id, last_partial_at=sample)
+            await self._emit(SpeechStarted(turn_id))
+            return
+        if utterance.pause is None:
+            return
+        # The user went on after a pause: what we transcribed up to it becomes stable text.
+        if utterance.tail_task is not None and not utterance.tail_task.done():
+            utterance.tail_task.cancel()
+        elif utterance.tail_text is not None and utterance.pause - utterance.start >= STABLE_AFTER_S * ASR_SAMPLE_RATE:
+            # Long utterance: freeze the text so far, decode only what follows (with it as context).
+            utterance.stable_text = utterance.text()
+            utterance.stable_until = utterance.pause + TAIL_PAD_MS * SAMPLES_PER_MS
+        utterance.pause, utterance.tail_task, utterance.tail_text = None, None, None
+        await self._emit(Resumed(utterance.turn_id))
+
+    async def _on_pause(self, sample: int) -> None:
+        utterance = self._utterance
+        if utterance is None or utterance.pause is not None:
+            return
+        utterance.pause = sample
+        await self._emit(Paused(utterance.turn_id))
+        audio = self._slice(utterance.audio_start(), sample + TAIL_PAD_MS * SAMPLES_PER_MS)
+        utterance.tail_task = asyncio.create_task(self._transcribe_tail(utterance, audio), name="asr-tail")
+
+    async def _transcribe_tail(self, utterance: _Utterance, audio: np.ndarray) -> None:
+        started = self._clock.now()
+        result = await self._run(lambda: self._asr.transcribe(audio, context=utterance.stable_text))
+        if utterance.pause is None:
+            return  # the user went on speaking; a newer tail will be transcribed
+        utterance.tail_text = result.text if result is not None else ""
+        utterance.asr_ms = (self._clock.now() - started) * 1000
+        if utterance is not self._utterance:
+            return  # already being committed; _commit reads tail_text
+        await self._emit(TailText(utterance.turn_id, utterance.text(), self._arrivals.time_of(utterance.pause)))
+        await self._maybe_commit(utterance)
+
+    def _maybe_partial(self, utterance: _Utterance) -> None:
+        if self._audio_end - utterance.last_partial_at < self.options.partial_interval_ms * SAMPLES_PER_MS:
+            return
+        if utterance.partial_task is not None and not utterance.partial_task.done():
+            return
+        utterance.last_partial_at = self._audio_end
+        audio = self._slice(utterance.audio_start(), self._audio_end)
+        utterance.partial_task = asyncio.create_task(self._partial(utterance, audio), name="asr-partial")
+
+    async def _partial(self, utterance: _Utterance, audio: np.ndarray) -> None:
+        # wait=False: a partial never queues behind another session's final transcript
+        result = await self._run(lambda: self._asr.transcribe(audio, wait=False, context=utterance.stable_text))
+        if result is None or utterance is not self._utterance:
+            return
+        shown = utterance.stabilizer.update(" ".join(p for p in (utterance.stable_text, result.text) if p))
+        if shown:
+            await self._emit(Partial(utterance.turn_id, shown))
+
+    async def _maybe_commit(self, utterance: _Utterance) -> None:
+        if utterance is not self._utterance or utterance.pause is None or self._vad.speech_pending:
+            return  # (speech_pending: the user may be starting again; wait for the VAD to decide)
+        silence_ms = (self._audio_end - utterance.pause) / SAMPLES_PER_MS
+        endpointer = self.options.endpointer
+        if utterance.tail_text is None:
+            if silence_ms >= endpointer.unfinished_silence_ms:
+                await self._commit(utterance)  # ASR is late: commit and wait for it
+            return
+        if silence_ms >= endpointer.required_silence_ms(utterance.text()):
+            await self._commit(utterance)
+
+    async def _commit(self, utterance: _Utterance, forced: bool = False) -> None:
+        self._utterance = None
+        commit = self._clock.now()
+        if utterance.partial_task is not None:
+            utterance.partial_task.cancel()
+        tail = utterance.tail_task
+        if tail is not None and not tail.done() and tail is not asyncio.current_task():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(tail)
+        if forced and utterance.tail_text is None:
+            return
+        text = utterance.text()
+        end = utterance.pause if utterance.pause is not None else self._audio_end
+        speech_end = self._arrivals.time_of(end)
+        if is_filler(text):
+            await self._emit(Dropped(utterance.turn_id, text))
+            return
+        await self._emit(
+            Committed(
+                turn_id=utterance.turn_id,
+                text=text,
+                speech_end=speech_end,
+                commit=commit,
+                endpoint_ms=(commit - speech_end) * 1000,
+                asr_final_ms=(self._clock.now() - commit) * 1000,
+                asr_compute_ms=utterance.asr_ms,
+            )
+        )
