@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint system-deps clean
+.PHONY: setup run test test-fast lint system-deps clean
 
 # docker/install.sh holds the install steps (the GPU image runs the same script): torch pinned and
 # installed first so no multi-GB CUDA build is pulled on a CPU machine; the project editable with
@@ -30,6 +30,10 @@ system-deps:
 
 test: setup system-deps
 	$(VENV)/bin/python -m pytest -q -ra
+
+# the model-free tests (turn-taking rules, protocol, text) with scripted stages and a fake clock: seconds
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q tests/unit
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

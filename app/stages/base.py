@@ -44,6 +44,11 @@ class VoiceActivity(Protocol):
         """Speech-like audio has begun but is not yet long enough to count as a start."""
         ...
 
+    @property
+    def trailing_silence(self) -> bool:
+        """Speaking, but the latest windows were quiet: the speech may be ending (hangover)."""
+        ...
+
     def feed(self, samples: np.ndarray) -> list[VadEvent]: ...
 
 

@@ -69,6 +69,11 @@ class VadStream:
         """Speech-like audio has begun but is not yet long enough to count as a start."""
         return not self.speaking and self._run_start is not None
 
+    @property
+    def trailing_silence(self) -> bool:
+        """Speaking, but the latest windows were quiet: the speech may be ending (hangover)."""
+        return self.speaking and self._silence_start is not None
+
     def reset(self) -> None:
         self.__init__(self.model, self.config)
 

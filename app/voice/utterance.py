@@ -65,7 +65,11 @@ class Paused:
 
 @dataclass(frozen=True)
 class Speaking:
-    """Sent for each chunk of audio while the user speaks (barge-in is judged on it)."""
+    """Sent for each chunk of audio heard as speech (barge-in is judged on it).
+
+    Not sent during the VAD's hangover (the quiet windows before it decides speech ended):
+    counting those made a 300 ms "mm-hmm" look like 400 ms of speech and interrupt a reply.
+    """
 
     turn_id: int
     speech_ms: float
@@ -198,7 +202,8 @@ class UtteranceTracker:
             return
         if self._vad.speaking:
             self._maybe_partial(utterance)
-            await self._emit(Speaking(utterance.turn_id, (self._audio_end - utterance.start) / SAMPLES_PER_MS))
+            if not self._vad.trailing_silence:  # the VAD's hangover is silence, not speech to count
+                await self._emit(Speaking(utterance.turn_id, (self._audio_end - utterance.start) / SAMPLES_PER_MS))
             if utterance is not self._utterance:
                 return
             if self._audio_end - utterance.start > self.options.max_utterance_s * ASR_SAMPLE_RATE:

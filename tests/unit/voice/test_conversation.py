@@ -1,0 +1,215 @@
+"""Every turn-taking rule, driven frame by frame with scripted VAD/ASR/LLM/TTS and a manual clock.
+
+Audio time is exact here (20 ms frames), so the rules are checked to the frame, not
+within a real-time margin; real models are exercised by tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from app import protocol
+
+QUESTION = "What is the capital of France?"
+ENDPOINT_MS, UNFINISHED_MS, PAUSE_MS = 400, 1200, 96
+FRAME_MS, VAD_WINDOW_MS = 20, 32
+
+
+def committed(conv):
+    return lambda: bool(conv.finals())
+
+
+async def test_a_finished_sentence_commits_after_the_endpoint_silence(conversation):
+    conv = conversation()
+    await conv.speak(1.0, QUESTION)
+    assert conv.of(protocol.SpeechStarted) and not conv.finals()
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    # the VAD places the speech end at the first quiet window; the endpoint counts silence from there
+    assert ENDPOINT_MS <= waited_ms <= ENDPOINT_MS + VAD_WINDOW_MS + FRAME_MS
+    [final] = conv.finals()
+    assert final.text == QUESTION and final.turn_id == 1
+    await conv.settle()
+    done = conv.of(protocol.TurnDone)[-1]
+    assert done.text == "Paris is the capital of France." and not done.interrupted
+    assert conv.audio_s > 0
+
+
+async def test_words_ending_mid_clause_wait_for_the_longer_silence(conversation):
+    conv = conversation()
+    await conv.speak(1.0, "I would like to visit Paris and")
+    await conv.silence(0.9)  # more than the 400 ms endpoint, less than the 1200 ms one
+    assert not conv.finals()
+    waited_ms = 900 + await conv.silence_until(committed(conv)) * 1000
+    assert UNFINISHED_MS <= waited_ms <= UNFINISHED_MS + VAD_WINDOW_MS + FRAME_MS
+
+
+async def test_going_on_after_a_mid_clause_pause_makes_one_turn(conversation):
+    conv = conversation()
+    await conv.speak(1.0, "I would like to visit Paris and")
+    await conv.silence(0.7)
+    await conv.speak(1.0, "I would like to visit Paris and London next summer.")
+    await conv.silence_until(committed(conv))
+    assert [f.text for f in conv.finals()] == ["I would like to visit Paris and London next summer."]
+    assert len(conv.of(protocol.SpeechStarted)) == 2  # the client saw the user resume
+
+
+async def test_a_speculative_reply_is_held_until_the_endpoint_and_then_released(conversation):
+    conv = conversation()
+    await conv.speak(1.0, QUESTION)
+    await conv.silence(0.2)  # paused, tail transcribed, endpoint not reached
+    assert len(conv.llm.calls) == 1, "the reply was not started at the pause"
+    assert conv.llm.calls[0][1][-1] == {"role": "user", "content": QUESTION}
+    assert not conv.of(protocol.AssistantText) and conv.audio_s == 0, "a speculation sent something"
+    await conv.silence_until(committed(conv))
+    await conv.settle()
+    assert len(conv.llm.calls) == 1  # released, not asked again
+    assert conv.of(protocol.AssistantText) and conv.audio_s > 0
+    assert conv.of(protocol.TurnDone)[-1].metrics.speculative is True
+    assert conv.session.history[-1] == {"role": "assistant", "content": "Paris is the capital of France."}
+
+
+async def test_a_speculation_is_dropped_when_the_user_goes_on(conversation):
+    conv = conversation()
+    await conv.speak(1.0, "Tell me about Paris.")
+    await conv.silence(0.2)
+    first_request = conv.llm.calls[0][0]
+    await conv.speak(0.8, "Tell me about Paris. And London too.")
+    assert first_request in conv.llm.closed, "the speculative LLM request was not aborted"
+    await conv.silence_until(committed(conv))
+    await conv.settle()
+    assert [f.text for f in conv.finals()] == ["Tell me about Paris. And London too."]
+    requests = [request_id for request_id, _ in conv.llm.calls]
+    assert len(requests) == len(set(requests)) == 2  # the re-speculation has its own request id
+    assert conv.llm.calls[-1][1][-1]["content"] == "Tell me about Paris. And London too."
+    assert all(event.turn_id == 1 for event in conv.of(protocol.AssistantText))  # nothing leaked twice
+    assert len(conv.of(protocol.TurnDone)) == 1
+
+
+async def test_no_speculation_without_the_setting(conversation):
+    conv = conversation(speculative_reply=False)
+    await conv.speak(1.0, QUESTION)
+    await conv.silence(0.2)
+    assert not conv.llm.calls
+    await conv.silence_until(committed(conv))
+    assert len(conv.llm.calls) == 1
+
+
+async def test_a_filler_is_not_a_turn(conversation):
+    conv = conversation()
+    await conv.speak(0.4, "Mm.")
+    await conv.silence(1.5)
+    assert not conv.finals() and not conv.llm.calls and not conv.session.history
+
+
+async def reply_playing(conv) -> None:
+    conv.llm.pieces = ["Once upon a time there was a dragon. ", "It lived in a cave by the sea. ", "The end."]
+    await conv.type("Tell me a story.")
+    assert conv.audio_s > 3  # the whole reply was produced and sent; it plays in clock time
+
+
+async def test_sustained_speech_over_a_reply_interrupts_it(conversation):
+    conv = conversation(barge_in_ms=400)
+    await reply_playing(conv)
+    await conv.silence(1.0)  # the user hears a second of the story
+    assert not conv.of(protocol.Interrupt)
+    spoke = 0.0
+    while not conv.of(protocol.Interrupt):
+        assert spoke < 1.0, "sustained speech did not interrupt"
+        await conv.speak(0.02, "Wait, what is the capital of France?")
+        spoke += 0.02
+    assert 0.4 <= spoke <= 0.4 + 0.02 + 0.001
+    done = conv.of(protocol.TurnDone)[-1]
+    assert done.turn_id == 1 and done.interrupted and done.metrics.barge_in
+
+
+async def test_a_short_burst_over_a_reply_does_not_interrupt(conversation):
+    conv = conversation(barge_in_ms=400)
+    await reply_playing(conv)
+    await conv.silence(0.5)
+    await conv.speak(0.3, "Mm-hmm.")  # shorter than barge_in_ms, and a filler
+    await conv.silence(1.5)
+    assert not conv.of(protocol.Interrupt)
+    assert [f.turn_id for f in conv.finals()] == [1]  # only the typed turn
+
+
+async def test_an_interrupted_reply_leaves_only_what_was_heard_in_the_history(conversation):
+    conv = conversation(barge_in_ms=400)
+    await reply_playing(conv)
+    full = "Once upon a time there was a dragon. It lived in a cave by the sea. The end."
+    await conv.silence(1.5)  # ~6 words played (0.25 s a word), then ~0.4 s more while the user talks
+    await conv.speak(0.5, "Wait, stop.")
+    assert conv.of(protocol.Interrupt)
+    heard = conv.session.history[1]
+    assert heard["role"] == "assistant"
+    assert full.startswith(heard["content"]) and 0 < len(heard["content"]) < len(full)
+    assert 6 <= len(heard["content"].split()) <= 9
+    await conv.silence_until(lambda: len(conv.finals()) == 2)  # the interruption becomes the next turn
+    assert conv.finals()[-1].text == "Wait, stop."
+
+
+async def test_playback_reports_from_the_client_decide_what_was_heard(conversation):
+    conv = conversation(barge_in_ms=400)
+    await reply_playing(conv)
+    await conv.session.handle_text('{"type": "playback", "turn_id": 1, "played_ms": 600}')
+    await conv.silence(1.0)
+    await conv.speak(0.5, "Stop.")
+    assert conv.session.history[1]["content"] == "Once upon"  # 0.6 s of 0.25 s words, whatever the clock says
+
+
+async def test_partials_only_grow_and_share_the_turn_id(conversation):
+    conv = conversation(partial_interval_ms=200)
+    conv.asr.partial = "What is"
+    await conv.speak(0.5)
+    conv.asr.partial = "What is the capital"
+    await conv.speak(0.5)
+    conv.asr.partial = "What is the capital of France"
+    await conv.speak(0.5, QUESTION)
+    partials = [t for t in conv.of(protocol.Transcript) if not t.final]
+    assert partials, "no partial transcript"
+    texts = [p.text for p in partials]
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:], strict=False))
+    assert {p.turn_id for p in partials} == {1}
+
+
+async def test_a_failed_turn_reports_an_error_and_the_next_turn_is_answered(conversation):
+    conv = conversation()
+
+    class Broken(Exception):
+        pass
+
+    async def failing(messages, request_id):
+        raise Broken("backend down")
+        yield ""  # pragma: no cover
+
+    real_stream = conv.llm.stream
+    conv.llm.stream = failing
+    await conv.type("Hello?")
+    errors = conv.of(protocol.Error)
+    assert errors and errors[0].code == "turn_failed"
+    conv.llm.stream = real_stream
+    await conv.type("Hello again?")
+    assert conv.of(protocol.TurnDone)[-1].turn_id == 2
+
+
+async def test_reset_forgets_the_history_and_close_aborts_the_reply(conversation):
+    conv = conversation()
+    await conv.type("Hi.")
+    assert conv.session.history
+    await conv.session.handle_text('{"type": "reset"}')
+    assert conv.session.history == []
+    conv.llm.hold = asyncio.Event()  # a reply that is still streaming
+    await conv.type("Tell me more.")
+    request_id = conv.llm.calls[-1][0]
+    assert request_id not in conv.llm.closed
+    await conv.session.close()
+    assert request_id in conv.llm.closed
+
+
+async def test_turn_metrics_are_observed_once_per_turn(conversation):
+    conv = conversation()
+    await conv.speak(1.0, QUESTION)
+    await conv.silence_until(committed(conv))
+    await conv.settle()
+    [metrics] = conv.metrics
+    assert metrics.endpoint_ms is not None and 399.9 <= metrics.endpoint_ms <= 460  # clock time, frame-exact
+    assert metrics.voice_to_voice_ms is not None and metrics.rtf is not None and metrics.underruns == 0
