@@ -1,0 +1,251 @@
+"""`parley bench voice`: simulated users talk to a real server over the real WebSocket.
+
+Each client holds one conversation and asks several different spoken questions (synthesized
+once with the bundled voice and cached), at real-time pace with natural trailing silence,
+waits for the reply to finish playing, and asks the next. Voice-to-voice latency and
+underruns are measured on the client, as a user would experience them; stage latencies come
+from the server's per-turn metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from app import protocol
+from app.bench.launcher import ServerProcess
+from app.bench.samples import synthesize_speech
+from app.clients.core import CLIENT_MEASURED, VoiceClient
+from app.voice.text import words
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "How are you today?",
+    "Tell me a fun fact about dogs.",
+    "What should I cook for dinner tonight?",
+    "Why is the sky blue?",
+    "Can you recommend a good book?",
+]
+PLOT_HINT = "pip install -e '.[plot]'"
+
+
+@dataclass
+class TurnRecord:
+    """One question and its reply: what the client measured and the server's own figures."""
+
+    client: int
+    turn: int
+    question: str
+    transcript: str
+    reply: str
+    speech_s: float
+    at_client: protocol.TurnMetrics  # voice-to-voice as heard, reply length, underruns
+    server: protocol.TurnMetrics
+
+    @property
+    def transcript_correct(self) -> bool:
+        return words(self.transcript) == words(self.question)
+
+    def to_json(self) -> dict:
+        return {
+            "client": self.client,
+            "turn": self.turn,
+            "question": self.question,
+            "transcript": self.transcript,
+            "transcript_correct": self.transcript_correct,
+            "reply": self.reply,
+            "speech_s": self.speech_s,
+            "at_client": self.at_client.model_dump(exclude_none=True),
+            "server": self.server.model_dump(exclude_none=True),
+        }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+async def run_client(
+    url: str, client_index: int, turns: int, questions: list[tuple[str, np.ndarray]]
+) -> list[TurnRecord]:
+    records = []
+    async with VoiceClient(url) as client:
+        await client.send_silence(0.5 + 0.37 * client_index)  # clients do not all speak at the same instant
+        for turn in range(turns):
+            text, audio = questions[(client_index + turn) % len(questions)]
+            result = await client.ask(audio, trailing_silence_s=1.2)
+            records.append(
+                TurnRecord(
+                    client=client_index,
+                    turn=turn,
+                    question=text,
+                    transcript=result.final_transcript,
+                    reply=result.assistant_text,
+                    speech_s=len(audio) / client.sample_rate,
+                    at_client=result.client_metrics(),
+                    server=result.server_metrics,
+                )
+            )
+            await client.listen_until_played(result)
+    return records
+
+
+def figures(records: list[TurnRecord], name: str, *, server: bool = False) -> list[float]:
+    """Every turn's ``name`` (a ``TurnMetrics`` field): as measured at the client when the client
+    measures it, else (or with ``server``) the server's."""
+    at_client = name in CLIENT_MEASURED and not server
+    values = [getattr(r.at_client if at_client else r.server, name) for r in records]
+    return [float(v) for v in values if v is not None]
+
+
+def summarize(records: list[TurnRecord], clients: int) -> dict:
+    """p50/p95 of every latency (``<field>_p50``; voice-to-voice as heard at the client, its server-side
+    figure as ``server_voice_to_voice_ms_p50``), RTF, ASR speed, underruns, transcript accuracy."""
+    rtf = [r.server.rtf for r in records if r.server.rtf is not None]
+    asr_speed = [r.speech_s / (r.server.asr_compute_ms / 1000) for r in records if r.server.asr_compute_ms]
+    summary: dict = {
+        "clients": clients,
+        "turns": len(records),
+        "turns_with_audio": sum(r.at_client.voice_to_voice_ms is not None for r in records),
+        "rtf_min": min(rtf) if rtf else None,
+        "rtf_p50": percentile(rtf, 50),
+        "underruns": sum(r.at_client.underruns for r in records),
+        "asr_speed_p50": percentile(asr_speed, 50),
+        "asr_speed_min": min(asr_speed) if asr_speed else None,
+        "transcripts_correct": sum(r.transcript_correct for r in records),
+        "speculative_turns": sum(r.server.speculative for r in records),
+    }
+    for name in protocol.LATENCY_FIELDS:
+        values = figures(records, name)
+        summary[f"{name}_p50"], summary[f"{name}_p95"] = percentile(values, 50), percentile(values, 95)
+        if name in CLIENT_MEASURED:
+            values = figures(records, name, server=True)
+            summary[f"server_{name}_p50"] = percentile(values, 50)
+            summary[f"server_{name}_p95"] = percentile(values, 95)
+    return summary
+
+
+def print_table(summary: dict) -> None:
+    def fmt(value) -> str:
+        return "-" if value is None else f"{value:.0f}" if abs(value) >= 10 else f"{value:.2f}"
+
+    print(f"\nclients {summary['clients']}, turns {summary['turns']} ({summary['turns_with_audio']} with audio)")
+    print(f"{'figure':<28}{'p50':>10}{'p95':>10}")
+    for name in sorted(protocol.LATENCY_FIELDS, key=lambda name: name not in CLIENT_MEASURED):  # headline first
+        rows = [(name, name.removesuffix("_ms"))]
+        if name in CLIENT_MEASURED:
+            rows = [(name, f"{name.removesuffix('_ms')}, heard"), (f"server_{name}", "  at the server")]
+        for key, label in rows:
+            print(f"{label + ' (ms)':<28}{fmt(summary[f'{key}_p50']):>10}{fmt(summary[f'{key}_p95']):>10}")
+    print(f"{'RTF':<28}{'min ' + fmt(summary['rtf_min']):>10}{'p50 ' + fmt(summary['rtf_p50']):>10}")
+    print(
+        f"{'ASR speed (x real time)':<28}{'min ' + fmt(summary['asr_speed_min']):>10}{'p50 ' + fmt(summary['asr_speed_p50']):>10}"
+    )
+    print(
+        f"underruns {summary['underruns']}, transcripts correct {summary['transcripts_correct']}/{summary['turns']}, "
+        f"speculative replies used {summary['speculative_turns']}"
+    )
+
+
+def plot(records: list[TurnRecord], summary: dict, path: Path) -> bool:
+    """Left: each turn's critical path from end of speech to first reply audio. Right: stage p50s.
+
+    Returns False (and draws nothing) when matplotlib is not installed (the ``plot`` extra).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ordered = sorted(records, key=lambda r: (r.client, r.turn))
+    fig, (turns_ax, stages_ax) = plt.subplots(
+        1, 2, figsize=(max(9, len(ordered) * 0.4 + 5), 4.5), gridspec_kw={"width_ratios": [2, 1]}
+    )
+    labels = ["endpoint wait", "transcript wait", "reply wait (LLM + TTS not yet done)"]
+    colors = ["#8aa4c8", "#f2b35b", "#d987b5"]
+    for index, record in enumerate(ordered):
+        server = record.server
+        endpoint, asr = server.endpoint_ms or 0.0, server.asr_final_ms or 0.0
+        total = server.voice_to_voice_ms if server.voice_to_voice_ms is not None else endpoint + asr
+        reply = max(0.0, total - endpoint - asr)
+        bottom = 0.0
+        for value, label, color in zip((endpoint, asr, reply), labels, colors, strict=True):
+            turns_ax.bar(index, value, bottom=bottom, color=color, label=label if index == 0 else None)
+            bottom += value
+        heard = record.at_client.voice_to_voice_ms
+        if heard is not None:
+            turns_ax.plot(index, heard, "k_", markersize=14, label="at the client" if index == 0 else None)
+    turns_ax.set_xlabel("turn")
+    turns_ax.set_ylabel("ms after the end of the user's speech")
+    turns_ax.set_title(f"voice-to-voice, {summary['clients']} client(s)", fontsize=10)
+    turns_ax.legend(loc="upper left", fontsize=7)
+    medians = [summary.get(f"{name}_p50") or 0.0 for name in protocol.LATENCY_FIELDS]
+    labels = [name.removesuffix("_ms") for name in protocol.LATENCY_FIELDS]
+    stages_ax.barh(labels[::-1], medians[::-1], color="#7cc49a")
+    for y, value in enumerate(medians[::-1]):
+        stages_ax.text(value, y, f" {value:.0f}", va="center", fontsize=8)
+    stages_ax.set_xlabel("p50 ms")
+    stages_ax.set_title("stage latencies (p50)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+async def run(url: str, clients: int, turns: int) -> list[TurnRecord]:
+    questions = [(text, synthesize_speech(text)) for text in QUESTIONS]
+    results = await asyncio.gather(*(run_client(url, index, turns, questions) for index in range(clients)))
+    return [record for client_records in results for record in client_records]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="parley bench voice", description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=1, help="concurrent simulated users")
+    parser.add_argument("--turns", type=int, default=4, help="questions per client")
+    parser.add_argument("--url", help="ws://HOST:PORT/ws of a running server (default: start one)")
+    parser.add_argument("--out", default="bench-output", help="folder for per-turn JSON and the PNG chart")
+    parser.add_argument("--json", dest="json_path", help="write the summary as one JSON object here")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra `parley serve` flag (repeatable)")
+    args = parser.parse_args(argv)
+    if args.clients < 1 or args.turns < 1:
+        parser.error("--clients and --turns must be at least 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    server = None
+    url = args.url
+    if url is None:
+        print("starting parley serve ...", flush=True)
+        started = time.monotonic()
+        server = ServerProcess(["serve", *args.server_arg], out / "server.log")
+        print(f"server ready in {time.monotonic() - started:.1f} s", flush=True)
+        url = server.base_url.replace("http://", "ws://") + "/ws"
+    try:
+        print(f"{args.clients} client(s) x {args.turns} turns against {url} ...", flush=True)
+        records = asyncio.run(run(url, args.clients, args.turns))
+    finally:
+        if server is not None:
+            server.stop()
+    summary = summarize(records, args.clients)
+    print_table(summary)
+    stem = f"voice-{args.clients}c"
+    turns_path, chart_path = out / f"{stem}-turns.json", out / f"{stem}.png"
+    turns_path.write_text(json.dumps([record.to_json() for record in records], indent=2))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(summary, indent=2))
+    if plot(records, summary, chart_path):
+        print(f"per-turn records: {turns_path}, chart: {chart_path}")
+    else:
+        print(f"per-turn records: {turns_path}; chart skipped: matplotlib is not installed ({PLOT_HINT})")
+    if statistics.fmean([r.at_client.voice_to_voice_ms is not None for r in records]) < 1:
+        print("warning: some turns got no reply audio")
+    return 0
