@@ -15,6 +15,20 @@ export const STATUS_TEXT = {
   offline: "Offline",
 };
 
+// The per-turn figures of `turn_done.metrics`, named exactly as TurnMetrics in app/protocol.py
+// (tests/clients/test_web_metric_names.py checks them), in the order the tooltip lists them.
+export const METRIC_LABELS = {
+  voice_to_voice_ms: "voice to voice (ms)",
+  endpoint_ms: "endpoint (ms)",
+  asr_final_ms: "ASR final (ms)",
+  asr_compute_ms: "ASR compute (ms)",
+  llm_ttft_ms: "LLM first token (ms)",
+  tts_first_audio_ms: "TTS first audio (ms)",
+  reply_audio_s: "reply audio (s)",
+  rtf: "RTF",
+  underruns: "underruns",
+};
+
 export class UI {
   constructor() {
     this.log = $("log");
@@ -65,22 +79,16 @@ export class UI {
     this.startBtn.style.setProperty("--level", v.toFixed(3));
   }
 
+  /** `metrics` is a turn_done's TurnMetrics (app/protocol.py): figures a turn did not reach are absent. */
   showLatency(metrics) {
     const v2v = metrics && metrics.voice_to_voice_ms;
+    if (typeof v2v !== "number") return; // a turn with no reply audio has no latency to show
     const parts = [];
-    const names = {
-      voice_to_voice_ms: "voice to voice",
-      endpoint_ms: "endpoint",
-      asr_final_ms: "ASR final",
-      llm_ttft_ms: "LLM first token",
-      tts_first_audio_ms: "TTS first audio",
-    };
-    for (const [k, v] of Object.entries(metrics || {})) {
-      if (typeof v === "number") parts.push(`${names[k] || k.replace(/_/g, " ")}: ${Math.round(v)}`);
+    for (const [name, label] of Object.entries(METRIC_LABELS)) {
+      const v = metrics[name];
+      if (typeof v === "number") parts.push(`${label}: ${Number.isInteger(v) || v >= 10 ? Math.round(v) : v.toFixed(2)}`);
     }
-    const first = typeof v2v === "number" ? v2v : metrics && metrics.first_audio_ms;
-    if (typeof first !== "number") return;
-    this.latency.textContent = `reply in ${Math.round(first)} ms`;
+    this.latency.textContent = `reply in ${Math.round(v2v)} ms`;
     this.latency.title = parts.join("\n");
     this.latency.hidden = false;
   }
