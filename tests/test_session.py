@@ -9,11 +9,11 @@ import pytest
 from harness import Harness, ScriptedLLM
 
 from app import protocol
-from app.stages.asr import Transcriber
 from app.audio import resample
-from app.voice.text import words
+from app.stages.asr import Transcriber
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad
+from app.voice.text import words
 
 QUESTION = "What is the capital of France?"
 

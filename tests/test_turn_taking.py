@@ -1,4 +1,9 @@
-"""Turn-taking on a real session (real VAD, ASR and TTS; a scripted LLM), fed like a microphone."""
+"""Turn-taking on a real session (real VAD, ASR and TTS; a scripted LLM), fed like a microphone.
+
+Few and robust: each checks what must hold whatever Whisper makes of a borderline word
+(one turn and not two, text that only grows, a reply cut to what was heard). The rules
+themselves, to the frame, are in tests/unit/voice/test_conversation.py.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,9 @@ import pytest
 from harness import Harness, ScriptedLLM
 
 from app.stages.asr import Transcriber
-from app.voice.text import words
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad
+from app.voice.text import words
 
 # No comma: the voice pauses ~380 ms at one, which a 400 ms endpoint may take for the end.
 LONG = "Can you tell me what the weather will be like tomorrow morning in London and whether I need an umbrella?"
@@ -48,8 +53,10 @@ async def test_partials_arrive_before_the_final_and_only_grow(shared_models, spe
     for before, after in zip(partials, partials[1:], strict=False):
         assert words(after)[: len(words(before))] == words(before), (before, after)
         assert len(words(after)) > len(words(before))
-    final = words(finals(harness)[0]["text"])
-    assert {"weather", "tomorrow", "london", "umbrella"} <= set(final)  # the whole utterance, one turn
+    # The whole utterance in one turn: most of its content words, from both ends of it (no single
+    # word decides: a busy machine once lost "umbrella" from Whisper tiny.en's hypothesis).
+    final = set(words(finals(harness)[0]["text"]))
+    assert len({"weather", "tomorrow", "morning", "london", "umbrella"} & final) >= 3, final
     assert {e["turn_id"] for e in transcripts} == {1}
 
 
@@ -61,15 +68,6 @@ async def test_short_mid_sentence_pause_does_not_commit(shared_models, speech):
     assert len(finals(harness)) == 1
     assert {"what", "capital", "france"} <= set(words(finals(harness)[0]["text"]))  # both halves, one turn
     assert len(harness.models.llm.calls) <= 2  # at most one speculation dropped at the pause
-
-
-async def test_longer_pause_after_an_unfinished_clause_does_not_commit(shared_models, speech):
-    harness = Harness(shared_models, ScriptedLLM(["Sounds good."]))
-    first, second = trimmed(speech("I would like to visit Paris and")), trimmed(speech("London next summer."))
-    await harness.speak(np.concatenate([first, silence(0.7), second]), realtime=True)
-    await harness.wait_for("turn_done")
-    assert len(finals(harness)) == 1
-    assert words(finals(harness)[0]["text"])[-3:] == ["london", "next", "summer"]
 
 
 async def test_barge_in_stops_audio_aborts_the_llm_and_cuts_the_history(shared_models, speech):

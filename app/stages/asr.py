@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+
 import numpy as np
 
 from app.stages.base import Transcription

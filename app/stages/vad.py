@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from typing import Protocol
+
 import numpy as np
 import onnxruntime
 
