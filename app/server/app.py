@@ -1,23 +1,20 @@
-"""The HTTP/WebSocket front: the web page at ``/``, voice sessions at ``/ws``, ``/healthz``."""
+"""The HTTP front: the web page at ``/``, ``/healthz``, ``/metrics``; voice sessions at ``/ws`` (``ws.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from starlette.websockets import WebSocketState
 
-from app import protocol
 from app.config import Settings
 from app.server.metrics import VoiceMetrics
+from app.server.ws import serve_voice
 from app.stages.registry import Models, load_models
-from app.voice.session import VoiceSession
 
 log = logging.getLogger(__name__)
 
@@ -65,51 +62,6 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
 
     @app.websocket("/ws")
     async def voice(websocket: WebSocket):
-        await websocket.accept()
-        if len(app.state.sessions) >= settings.max_sessions:
-            await websocket.send_text(
-                protocol.encode(protocol.Error(code="overloaded", message="too many sessions; try later", fatal=True))
-            )
-            await websocket.close(code=1013)
-            return
-        send_lock = asyncio.Lock()
-
-        async def send_json(message) -> None:
-            if websocket.client_state != WebSocketState.CONNECTED:
-                return
-            async with send_lock:
-                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                    await websocket.send_text(protocol.encode(message))
-
-        async def send_bytes(data: bytes) -> None:
-            if websocket.client_state != WebSocketState.CONNECTED:
-                return
-            async with send_lock:
-                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                    await websocket.send_bytes(data)
-
-        session = VoiceSession(app.state.models, settings, send_json, send_bytes)
-        session.on_turn_metrics = app.state.metrics.observe_turn
-        app.state.sessions.add(session)
-        try:
-            await session.start()
-            while True:
-                message = await websocket.receive()
-                if message["type"] == "websocket.disconnect":
-                    break
-                if message.get("bytes") is not None:
-                    await session.handle_audio(message["bytes"])
-                elif message.get("text") is not None:
-                    await session.handle_text(message["text"])
-        except WebSocketDisconnect:
-            pass
-        except Exception:
-            log.exception("session %s failed", session.session_id)
-            await send_json(protocol.Error(code="internal", message="internal server error", fatal=True))
-        finally:
-            app.state.sessions.discard(session)
-            await session.close()
-            with contextlib.suppress(Exception):
-                await websocket.close()
+        await serve_voice(websocket, app.state, settings)
 
     return app
