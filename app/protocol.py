@@ -19,6 +19,7 @@ error says ``fatal``.
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -182,19 +183,73 @@ class ProtocolError(Exception):
         self.event = Error(code=code, message=message, fatal=fatal)
 
 
+_CLIENT_TYPES = frozenset({"start", "text", "reset", "playback"})
+MAX_JSON_DEPTH = 8  # client messages are flat objects; deeper nesting is never valid
+MAX_NUMBER_CHARS = 32  # no field needs more digits; Python would parse 4300-digit integers
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ValueError(f"number with {len(text)} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text) if len(text) <= MAX_NUMBER_CHARS else math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text[:20]}")
+    return value
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number")
+
+
+def _json_depth(raw: str) -> int:
+    """Deepest nesting of arrays/objects, counted outside strings, before the parser recurses into it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _load_json(raw: str):
+    """``json.loads`` bounded in depth and number size, with NaN/Infinity refused (all ``bad_json``)."""
+    if _json_depth(raw) > MAX_JSON_DEPTH:
+        raise ProtocolError("bad_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(raw, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError("bad_json", f"message is not valid JSON: {exc.msg}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError("bad_json", f"message is not acceptable JSON: {exc}") from None
+
+
 def parse_client_text(raw: str) -> Start | UserText | Reset | Playback:
     """Validate one JSON text frame from the client."""
     if len(raw.encode("utf-8", "replace")) > MAX_TEXT_FRAME_BYTES:
         raise ProtocolError("frame_too_large", f"text frame over {MAX_TEXT_FRAME_BYTES} bytes")
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ProtocolError("bad_json", f"message is not valid JSON: {exc.msg}") from None
+    data = _load_json(raw)
     if not isinstance(data, dict):
         raise ProtocolError("bad_message", "message must be a JSON object")
     kind = data.get("type")
-    if kind not in {"start", "text", "reset", "playback"}:
-        raise ProtocolError("unknown_type", f"unknown message type: {kind!r}")
+    if not isinstance(kind, str) or kind not in _CLIENT_TYPES:
+        shown = repr(kind)[:40] if isinstance(kind, str | None) else f"a JSON {type(kind).__name__}"
+        raise ProtocolError("unknown_type", f"unknown message type: {shown} (expected one of {sorted(_CLIENT_TYPES)})")
     try:
         return _client_adapter.validate_python(data)
     except ValidationError as exc:

@@ -64,3 +64,42 @@ def test_oversized_audio_frame():
 def test_server_messages_serialize_with_their_type():
     event = json.loads(protocol.encode(protocol.Transcript(turn_id=3, text="hello", final=True)))
     assert event == {"type": "transcript", "turn_id": 3, "text": "hello", "final": True}
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        ('{"type": ["text"]}', "unknown_type"),
+        ('{"type": {"a": 1}}', "unknown_type"),
+        ('{"type": 5}', "unknown_type"),
+        ('{"type": null}', "unknown_type"),
+        ("[" * 1000 + "]" * 1000, "bad_json"),
+        ('{"type": "start", "x": ' + "[" * 500 + "]" * 500 + "}", "bad_json"),
+        ('{"type": "start", "sample_rate": ' + "9" * 5000 + "}", "bad_json"),
+        ('{"type": "playback", "turn_id": 1, "played_ms": 1e999}', "bad_json"),
+        ('{"type": "playback", "turn_id": 1, "played_ms": NaN}', "bad_json"),
+        ('{"type": "playback", "turn_id": 1, "played_ms": Infinity}', "bad_json"),
+        ('"just a string"', "bad_message"),
+        ("", "bad_json"),
+    ],
+)
+def test_hostile_json_is_an_error_not_a_crash(raw, code):
+    assert error_code(lambda: parse_client_text(raw)) == code
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    message = parse_client_text(json.dumps({"type": "text", "text": "[[[[[[[[[[{{{{{{{{{{ \\\" ]]"}))
+    assert message.text.startswith("[[[[")
+
+
+def test_every_server_event_round_trips_through_the_client_parser():
+    events = [
+        protocol.Ready(input_sample_rate=16000, output_sample_rate=22050),
+        protocol.Transcript(turn_id=1, text="hi", final=False),
+        protocol.TurnDone(turn_id=2, text="ok", metrics=protocol.TurnMetrics(voice_to_voice_ms=512.5, rtf=3.0)),
+        protocol.Error(code="bad_json", message="nope"),
+    ]
+    for event in events:
+        assert protocol.parse_server_message(protocol.encode(event)) == event
+    with pytest.raises(ValueError):
+        protocol.parse_server_message('{"type": "no_such_event"}')
