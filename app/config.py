@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 # Measured on the bundled SmolLM2-135M: longer "voice style" instructions made it answer in
 # broken French; this short prompt near its training prompt answers plain questions best.
@@ -62,8 +68,44 @@ class Settings(BaseSettings):
     min_speech_ms: int = Field(96, ge=0)
     max_utterance_s: float = Field(30.0, gt=0)
 
+    # Access (see README "Safe on a LAN")
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="web origins besides the server's own whose pages may open /ws ('*': any, not recommended)",
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host header names accepted besides localhost, IP addresses and this machine's name ('*': any)",
+    )
+    api_key: str | None = Field(
+        None, min_length=16, description="when set, /ws, /metrics and the engine API need it (Bearer or ?key=)"
+    )
+    ssl_certfile: str | None = Field(None, description="TLS certificate (PEM): serve https/wss")
+    ssl_keyfile: str | None = Field(None, description="TLS private key (PEM)")
+
     # Limits
     max_sessions: int = Field(32, ge=1)
+    send_timeout_s: float = Field(20.0, gt=0, description="a client that reads nothing this long is disconnected")
+    idle_timeout_s: float = Field(300.0, gt=0, description="a session with no audio and no text this long is closed")
+    max_audio_rate: float = Field(2.0, ge=1.0, description="audio faster than this many times real time is dropped")
+    breaker_voice_to_voice_ms: float = Field(
+        2000.0, gt=0, description="refuse new sessions while recent voice-to-voice p95 is above this"
+    )
+    breaker_llm_ttft_ms: float = Field(
+        1500.0, gt=0, description="refuse new sessions while recent LLM first-token p95 is above this"
+    )
+    breaker_window_s: float = Field(30.0, gt=0, description="how far back the latency breaker looks")
+    memory_red_line: float = Field(
+        0.9, gt=0, le=1, description="refuse new sessions when this share of memory (or GPU memory) is in use"
+    )
+
+    @field_validator("allowed_origins", "allowed_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """A list from a flag or variable is written "a,b" (a TOML file gives a real list)."""
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -162,10 +162,16 @@ class TurnDone(_Message):
 
 
 class Error(_Message):
+    """Something went wrong; ``fatal`` errors are followed by the server closing the connection.
+
+    ``retry_after_s`` comes with ``overloaded``: when trying again may succeed.
+    """
+
     type: Literal["error"] = "error"
     code: str
     message: str
     fatal: bool = False
+    retry_after_s: float | None = None
 
 
 ServerMessage = Annotated[

@@ -46,6 +46,9 @@ class ScriptedLLM:
     async def warm(self, messages):
         self.warmed.append([dict(m) for m in messages])
 
+    async def health(self):
+        return True, "scripted"
+
     def close(self):
         pass
 

@@ -23,9 +23,9 @@ def models():
 
 def test_sessions_over_the_limit_get_a_clear_error_and_others_keep_working(models):
     app = create_app(Settings(max_sessions=1), models=models)
-    with TestClient(app) as client, client.websocket_connect("/ws") as first:
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client, client.websocket_connect("ws://127.0.0.1:8000/ws") as first:
         assert json.loads(first.receive_text())["type"] == "ready"
-        with client.websocket_connect("/ws") as second:
+        with client.websocket_connect("ws://127.0.0.1:8000/ws") as second:
             event = json.loads(second.receive_text())
             assert (event["type"], event["code"], event["fatal"]) == ("error", "overloaded", True)
         first.send_text(json.dumps({"type": "text", "text": "Hi"}))
@@ -39,8 +39,9 @@ def test_sessions_over_the_limit_get_a_clear_error_and_others_keep_working(model
 
 
 def test_page_static_files_and_health(models):
-    with TestClient(create_app(Settings(), models=models)) as client:
+    with TestClient(create_app(Settings(), models=models), base_url="http://127.0.0.1:8000") as client:
         assert "<html" in client.get("/").text.lower()
         assert client.get("/static/app.js").status_code == 200
-        assert client.get("/healthz").json() == {"status": "ok", "sessions": 0, "llm": "scripted"}
+        health = client.get("/healthz").json()
+        assert (health["status"], health["sessions"], health["llm"], health["auth_required"]) == ("ok", 0, "scripted", False)
         assert "parley_sessions 0.0" in client.get("/metrics").text

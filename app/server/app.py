@@ -7,11 +7,13 @@ import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from app.config import Settings
+from app.server.access import AccessPolicy, HostGuard
+from app.server.admission import Admission
 from app.server.metrics import VoiceMetrics
 from app.server.ws import serve_voice
 from app.stages.registry import Models, load_models
@@ -28,7 +30,10 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         if app.state.models is None:
             app.state.models = await asyncio.to_thread(load_models, settings, lambda line: print(line, flush=True))
-        print(f"parley ready on http://{settings.host}:{settings.port}", flush=True)
+        for warning in app.state.access.startup_warnings():
+            print(f"WARNING: {warning}", flush=True)
+        scheme = "https" if settings.ssl_certfile else "http"
+        print(f"parley ready on {scheme}://{settings.host}:{settings.port}", flush=True)
         yield
         for session in list(app.state.sessions):
             await session.close()
@@ -37,7 +42,16 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
     app = FastAPI(title="Parley", lifespan=lifespan)
     app.state.models = models
     app.state.sessions = set()
-    app.state.metrics = VoiceMetrics()
+    app.state.access = access = AccessPolicy(settings)
+    app.state.admission = admission = Admission(settings, on_memory_pressure=lambda: _release_llm_cache(app))
+    app.state.metrics = VoiceMetrics(admission)
+    app.add_middleware(HostGuard, policy=access)
+
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next):
+        response = await call_next(request)
+        response.headers.update(SECURITY_HEADERS)
+        return response
 
     if WEB_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
@@ -51,10 +65,23 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "sessions": len(app.state.sessions), "llm": app.state.models.llm.name}
+        """Ready to answer? 503 while the LLM backend cannot (engine loop down, remote server unreachable)."""
+        llm = app.state.models.llm
+        healthy, detail = await llm.health()
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            "sessions": len(app.state.sessions),
+            "llm": llm.name,
+            "llm_status": detail,
+            "auth_required": access.key_required(),
+            "accepting_sessions": healthy and admission.refuse_reason(len(app.state.sessions)) is None,
+        }
+        return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if not access.key_ok(request.headers, request.query_params):
+            return JSONResponse({"error": "api key required"}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         llm = app.state.models.llm
         stats = llm.stats() if hasattr(llm, "stats") else None
         body = app.state.metrics.render(len(app.state.sessions), stats)
@@ -65,3 +92,25 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
         await serve_voice(websocket, app.state, settings)
 
     return app
+
+
+# The page talks only to its own origin: scripts, styles, the worklet and the WebSocket come
+# from here, nothing may frame it, and no referrer leaks to elsewhere.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; connect-src 'self'; script-src 'self'; style-src 'self'; "
+        "img-src 'self' data:; media-src 'self' blob:; worker-src 'self' blob:; "
+        "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+
+
+def _release_llm_cache(app: FastAPI) -> None:
+    """Memory pressure: let the LLM drop what it can rebuild (the engine's cached prefixes)."""
+    llm = app.state.models.llm if app.state.models is not None else None
+    release = getattr(llm, "release_cache", None)
+    if release is not None:
+        release()

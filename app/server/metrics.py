@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from app.protocol import TurnMetrics
+from app.server.admission import Admission
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 # one histogram per latency figure of a turn, named and described by ``TurnMetrics`` itself
@@ -15,8 +18,9 @@ _STAGES = {
 
 
 class VoiceMetrics:
-    def __init__(self) -> None:
+    def __init__(self, admission: Admission | None = None) -> None:
         self.registry = CollectorRegistry()
+        self._admission = admission
         self.stage_seconds = {
             key: Histogram(
                 f"parley_{key.removesuffix('_ms')}_seconds", help_text, registry=self.registry, buckets=_LATENCY_BUCKETS
@@ -33,11 +37,23 @@ class VoiceMetrics:
         self.barge_ins = Counter("parley_barge_ins_total", "replies interrupted by the user", registry=self.registry)
         self.underruns = Counter("parley_underruns_total", "reply audio chunks sent late", registry=self.registry)
         self.sessions = Gauge("parley_sessions", "open voice sessions", registry=self.registry)
+        self.evictions = Counter(
+            "parley_evictions_total", "connections closed by the server's limits", ["reason"], registry=self.registry
+        )
+        self.rate_limited = Counter(
+            "parley_rate_limited_audio_seconds_total",
+            "microphone audio dropped for arriving too fast",
+            registry=self.registry,
+        )
+        if admission is not None:
+            self.registry.register(_AdmissionCollector(admission))
         self.llm = Gauge(
             "parley_llm", "LLM engine figures (in-process engine only)", ["figure"], registry=self.registry
         )
 
     def observe_turn(self, metrics: TurnMetrics) -> None:
+        if self._admission is not None:
+            self._admission.observe(metrics)
         self.turns.inc()
         for key, histogram in self.stage_seconds.items():
             value = getattr(metrics, key)
@@ -55,3 +71,26 @@ class VoiceMetrics:
             if isinstance(value, int | float):
                 self.llm.labels(figure=figure).set(value)
         return generate_latest(self.registry)
+
+
+class _AdmissionCollector(Collector):
+    """The admission gates, read when /metrics is scraped."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    def collect(self):
+        refused = CounterMetricFamily("parley_refused_sessions", "new sessions refused, by gate", labels=["reason"])
+        for reason, count in self._admission.refused.items():
+            refused.add_metric([reason], count)
+        yield refused
+        yield GaugeMetricFamily(
+            "parley_breaker_open",
+            "1 while the latency circuit breaker refuses new sessions",
+            value=1.0 if self._admission.breaker_open() else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "parley_memory_in_use_ratio",
+            "share of memory in use (GPU memory too on CUDA)",
+            value=self._admission.memory_fraction(),
+        )

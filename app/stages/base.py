@@ -94,6 +94,10 @@ class ChatLLM(Protocol):
         """Compute (and cache) the KV of ``messages`` as the start of a later prompt; a no-op without a prefix cache."""
         ...
 
+    async def health(self) -> tuple[bool, str]:
+        """Can it answer now? (``/healthz`` reports this; False makes the server say 503.)"""
+        ...
+
     def close(self) -> None: ...
 
 

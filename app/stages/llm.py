@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 from app.stages.base import ChatLLM, GenerationSettings, Message
+
+HEALTH_TTL_S = 5.0
 
 __all__ = ["ChatLLM", "EngineChatLLM", "GenerationSettings", "Message", "OpenAIChatLLM", "TransformersChatLLM"]
 
@@ -94,6 +97,9 @@ class TransformersChatLLM:
     async def warm(self, messages: list[Message]) -> None:
         pass  # generate() keeps no cache between calls
 
+    async def health(self) -> tuple[bool, str]:
+        return True, "loaded"
+
     def close(self) -> None:
         for event in self._cancel.values():
             event.set()
@@ -157,6 +163,17 @@ class EngineChatLLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    async def health(self) -> tuple[bool, str]:
+        if self.engine.is_running():
+            return True, "engine running"
+        return False, "engine loop not running"
+
+    def release_cache(self) -> None:
+        """Memory pressure: drop the prefix cache's unused blocks (they are rebuilt on demand)."""
+        reset = getattr(self.engine, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+
     def close(self) -> None:
         self.engine.shutdown()
 
@@ -178,6 +195,7 @@ class OpenAIChatLLM:
         self.settings = settings or GenerationSettings()
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
         self.model = model if model and model != "bundled" else None
+        self._health: tuple[float, tuple[bool, str]] | None = None
 
     async def _model_name(self) -> str:
         if self.model is None:
@@ -222,6 +240,19 @@ class OpenAIChatLLM:
 
     async def warm(self, messages: list[Message]) -> None:
         pass  # the server's own prefix cache (vLLM, SGLang) fills on the next turn
+
+    async def health(self) -> tuple[bool, str]:
+        """Asks the server's ``/models`` at most every ``HEALTH_TTL_S`` (health checks must not load it)."""
+        now = time.monotonic()
+        if self._health is not None and now - self._health[0] < HEALTH_TTL_S:
+            return self._health[1]
+        try:
+            response = await self._client.get(self.base_url + "/models", timeout=2.0)
+            verdict = (response.status_code == 200, f"{self.base_url} answered {response.status_code}")
+        except Exception as exc:  # any failure to reach it is the answer
+            verdict = (False, f"{self.base_url} unreachable: {type(exc).__name__}")
+        self._health = (now, verdict)
+        return verdict
 
     def close(self) -> None:
         pass

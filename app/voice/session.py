@@ -100,6 +100,10 @@ class VoiceSession:
             protocol.Ready(input_sample_rate=self.input_sample_rate, output_sample_rate=self.models.tts.sample_rate)
         )
 
+    async def report(self, message: protocol.ServerMessage) -> None:
+        """Send an event that does not come from the conversation itself (a transport limit, say)."""
+        await self._send_json(message)
+
     async def handle_text(self, raw: str) -> None:
         try:
             message = protocol.parse_client_text(raw)

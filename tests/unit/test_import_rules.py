@@ -1,13 +1,13 @@
 """The package map's one-way rules, checked on the source (every import, module level or lazy).
 
-  engine            imports nothing from app
-  app.protocol, app.audio, app.config   the base: import no other app package
-  app.stages        the base, and engine (the in-process LLM backend)
-  app.voice         the base, and of the stages only their interfaces (app.stages.base)
-  app.server        anything but clients and benchmarks
-  app.clients       the base only
-  benchmarks        (app.bench, engine.benchmarks) are imported by no product module; the one
-                    exception is the ``parley`` command, which dispatches to them lazily
+engine            imports nothing from app
+app.protocol, app.audio, app.config   the base: import no other app package
+app.stages        the base, and engine (the in-process LLM backend)
+app.voice         the base, and of the stages only their interfaces (app.stages.base)
+app.server        anything but clients and benchmarks
+app.clients       the base only
+benchmarks        (app.bench, engine.benchmarks) are imported by no product module; the one
+                  exception is the ``parley`` command, which dispatches to them lazily
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_hostile_json_is_an_error_not_a_crash(raw, code):
 
 
 def test_brackets_inside_strings_do_not_count_as_nesting():
-    message = parse_client_text(json.dumps({"type": "text", "text": "[[[[[[[[[[{{{{{{{{{{ \\\" ]]"}))
+    message = parse_client_text(json.dumps({"type": "text", "text": '[[[[[[[[[[{{{{{{{{{{ \\" ]]'}))
     assert message.text.startswith("[[[[")
 
 
