@@ -39,9 +39,18 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValidationError, FileNotFoundError) as error:
         print(f"parley: bad settings: {error}", file=sys.stderr)
         return 2
+    if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
+        print("parley: TLS needs both --ssl-certfile and --ssl-keyfile", file=sys.stderr)
+        return 2
     print(f"starting parley on {settings.host}:{settings.port} (loading models first)", flush=True)
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level, ws_max_size=1 << 20
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        ws_max_size=1 << 20,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
     )
     return 0
 
