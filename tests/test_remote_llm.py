@@ -8,9 +8,9 @@ import httpx
 import pytest
 from harness import assert_barged_in, talk_over_a_long_reply
 
-from app.launcher import ServerProcess
-from app.text import words
-from app.voice_client import speak_turn
+from app.bench.launcher import ServerProcess
+from app.clients.core import speak_turn
+from app.voice.text import words
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,11 @@ import pytest
 import websockets
 from harness import assert_barged_in, talk_over_a_long_reply
 
-from app.asr import Transcriber
+from app import protocol
 from app.audio import resample
-from app.text import words
-from app.voice_client import speak_turn
+from app.clients.core import decode, speak_turn
+from app.stages.asr import Transcriber
+from app.voice.text import words
 
 QUESTION = "What is the capital of France?"
 STOP_WORDS = {"the", "a", "an", "is", "of", "and", "to", "in", "it", "i", "you"}
@@ -30,7 +31,7 @@ async def test_spoken_question_gets_a_spoken_answer(live_server, speech, output_
     assert words(result.final_transcript) == words(QUESTION)
     reply = result.assistant_text
     assert words(reply), "assistant text must arrive"
-    assert result.event("audio_start") is not None
+    assert result.event(protocol.AudioStart) is not None
     audio = result.reply_samples
     assert len(audio) / result.output_sample_rate > 0.5
 
@@ -45,7 +46,7 @@ async def test_spoken_question_gets_a_spoken_answer(live_server, speech, output_
                 "reply": reply,
                 "heard": heard,
                 "voice_to_voice_ms": result.voice_to_voice_ms,
-                "server_metrics": result.event("turn_done")["metrics"],
+                "server_metrics": result.server_metrics.model_dump(exclude_none=True),
             },
             indent=2,
         )
@@ -67,7 +68,7 @@ async def test_voice_to_voice_baseline(live_server, speech, output_dir):
 
 async def test_bad_frames_get_errors_and_the_session_still_answers(live_server):
     async with websockets.connect(ws_url(live_server)) as ws:
-        assert json.loads(await ws.recv())["type"] == "ready"
+        assert isinstance(decode(await ws.recv()), protocol.Ready)
         for frame, code in [
             ("{oops", "bad_json"),
             ('{"type":"x"}', "unknown_type"),
@@ -75,13 +76,11 @@ async def test_bad_frames_get_errors_and_the_session_still_answers(live_server):
             (b"\x00" * 70_000, "frame_too_large"),
         ]:
             await ws.send(frame)
-            event = json.loads(await asyncio.wait_for(ws.recv(), 10))
-            assert (event["type"], event["code"]) == ("error", code)
-        await ws.send(json.dumps({"type": "text", "text": "Say hello."}))
-        while True:
-            message = await asyncio.wait_for(ws.recv(), 60)
-            if isinstance(message, str) and json.loads(message)["type"] == "turn_done":
-                break
+            event = decode(await asyncio.wait_for(ws.recv(), 10))
+            assert isinstance(event, protocol.Error) and event.code == code
+        await ws.send(protocol.encode(protocol.UserText(text="Say hello.")))
+        while not isinstance(decode(await asyncio.wait_for(ws.recv(), 60)), protocol.TurnDone):
+            pass
 
 
 async def test_oversized_websocket_message_closes_only_that_session(live_server):
@@ -97,11 +96,9 @@ async def test_oversized_websocket_message_closes_only_that_session(live_server)
 async def test_disconnect_mid_reply_frees_the_session_and_others_are_served(live_server, speech):
     async with websockets.connect(ws_url(live_server)) as ws:
         await ws.recv()
-        await ws.send(json.dumps({"type": "text", "text": "Tell me a long story about a dragon."}))
-        while True:
-            message = await asyncio.wait_for(ws.recv(), 60)
-            if isinstance(message, str) and json.loads(message)["type"] == "assistant_text":
-                break
+        await ws.send(protocol.encode(protocol.UserText(text="Tell me a long story about a dragon.")))
+        while not isinstance(decode(await asyncio.wait_for(ws.recv(), 60)), protocol.AssistantText):
+            pass
     # gone mid-reply; the server must drop that session and keep answering others
     for _ in range(100):
         if httpx.get(live_server + "/healthz").json()["sessions"] == 0:
