@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     llm_threads: int | None = Field(1, ge=1, description="engine CPU threads (empty: torch's choice)")
     llm_max_tokens: int = Field(120, ge=1, le=4096)
     llm_temperature: float = Field(0.0, ge=0.0, le=2.0)
+    llm_context_tokens: int | None = Field(
+        None, ge=256, description="prompt + reply tokens per turn (empty: the model's own context length)"
+    )
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_history_messages: int = Field(16, ge=0)
 

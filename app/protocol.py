@@ -161,6 +161,15 @@ class TurnDone(_Message):
     metrics: TurnMetrics = Field(default_factory=TurnMetrics)
 
 
+class Notice(_Message):
+    """Something the user should know that is not an error (``truncated``: a message was cut to fit)."""
+
+    type: Literal["notice"] = "notice"
+    turn_id: int | None = None
+    code: str
+    message: str
+
+
 class Error(_Message):
     """Something went wrong; ``fatal`` errors are followed by the server closing the connection.
 
@@ -175,7 +184,16 @@ class Error(_Message):
 
 
 ServerMessage = Annotated[
-    Ready | SpeechStarted | SpeechStopped | Transcript | AssistantText | AudioStart | Interrupt | TurnDone | Error,
+    Ready
+    | SpeechStarted
+    | SpeechStopped
+    | Transcript
+    | AssistantText
+    | AudioStart
+    | Interrupt
+    | TurnDone
+    | Notice
+    | Error,
     Field(discriminator="type"),
 ]
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)

@@ -18,6 +18,10 @@ class ScriptedLLM:
     """Yields scripted pieces; ``gate`` (if set) must open before the pieces after the first sentence."""
 
     name = "scripted"
+    context_tokens = None
+
+    def count_tokens(self, messages):
+        return None
 
     def __init__(self, pieces: list[str], gate: asyncio.Event | None = None, forever: bool = False) -> None:
         self.pieces, self.gate, self.forever = pieces, gate, forever

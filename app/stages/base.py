@@ -83,6 +83,11 @@ class ChatLLM(Protocol):
     """The one interface the voice app uses to reach an LLM: an async text stream with abort."""
 
     name: str
+    context_tokens: int | None  # prompt + reply tokens the model takes; None when unknown (a remote server)
+
+    def count_tokens(self, messages: list[Message]) -> int | None:
+        """The prompt's length in the model's tokens, or None without a tokenizer here."""
+        ...
 
     def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
         """Yield the reply text piece by piece; closing the iterator aborts the request."""

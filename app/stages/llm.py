@@ -35,8 +35,13 @@ class TransformersChatLLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
         self.settings = settings or GenerationSettings()
+        self.context_tokens: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._lock = threading.Lock()
         self._cancel: dict[str, threading.Event] = {}
+
+    def count_tokens(self, messages: list[Message]) -> int:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
@@ -126,6 +131,10 @@ class EngineChatLLM:
         )
         self.engine = AsyncLLMEngine(config)
         self.settings = settings or GenerationSettings()
+        self.context_tokens: int | None = self.engine.engine.max_model_len
+
+    def count_tokens(self, messages: list[Message]) -> int:
+        return len(self.engine.apply_chat_template(messages))
 
     async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
         from engine import SamplingParams
@@ -195,6 +204,7 @@ class OpenAIChatLLM:
         self.settings = settings or GenerationSettings()
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
         self.model = model if model and model != "bundled" else None
+        self.context_tokens: int | None = None  # the server's own; llm_context_tokens sets a bound
         self._health: tuple[float, tuple[bool, str]] | None = None
 
     async def _model_name(self) -> str:
@@ -203,6 +213,9 @@ class OpenAIChatLLM:
             response.raise_for_status()
             self.model = response.json()["data"][0]["id"]
         return self.model
+
+    def count_tokens(self, messages: list[Message]) -> None:
+        return None  # no tokenizer here: the session estimates
 
     async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
         import json

@@ -45,6 +45,7 @@ class Reply:
         request_id: str,
         first_clause_chars: int = 0,
         on_complete: Callable[[Reply], None] | None = None,
+        on_failed: Callable[[Reply], None] | None = None,
         on_metrics: Callable[[protocol.TurnMetrics], None] | None = None,
     ) -> None:
         self.turn_id = turn_id
@@ -61,7 +62,7 @@ class Reply:
         self._send_json, self._send_bytes = send_json, send_bytes
         self._clock, self._run = clock, run_blocking
         self._first_clause_chars = first_clause_chars
-        self._on_complete, self._on_metrics = on_complete, on_metrics
+        self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
         self._held: list[protocol.ServerMessage | bytes] = []
         self._task: asyncio.Task | None = None
         self._produce_started = 0.0
@@ -159,6 +160,8 @@ class Reply:
             raise
         except Exception as exc:  # one failed turn must not end the conversation
             log.exception("turn %s failed", self.turn_id)
+            if self._on_failed is not None:
+                self._on_failed(self)
             await self._emit(protocol.Error(code="turn_failed", message=f"could not answer: {exc}"))
         finally:
             await cancel_task(speaker)

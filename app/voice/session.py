@@ -31,10 +31,13 @@ from app.config import Settings
 from app.stages.base import Message, VadConfig, VoiceStages
 from app.voice import utterance as heard
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
+from app.voice.context import Fitted, estimate_tokens, fit_to_context
 from app.voice.reply import Reply, SendBytes, SendJson, cancel_task
 from app.voice.turns import Endpointer, history_window, is_filler, looks_unfinished
 
 log = logging.getLogger(__name__)
+
+HISTORY_KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
 
 
 class VoiceSession:
@@ -170,7 +173,7 @@ class VoiceSession:
         if speculation is not None and speculation.user_text == turn.text:
             self._speculation = None
             await self._send_json(protocol.Transcript(turn_id=speculation.turn_id, text=turn.text, final=True))
-            self.history.append({"role": "user", "content": turn.text})
+            self._remember({"role": "user", "content": turn.text})
             speculation.commit, speculation.speech_end = turn.commit, turn.speech_end
             speculation.metrics = speculation.metrics.model_copy(update={**figures, "speculative": True})
             self._reply = speculation
@@ -197,27 +200,68 @@ class VoiceSession:
             request_id=f"{self.session_id}-{turn_id}-{next(self._request_ids)}",
             first_clause_chars=self.settings.first_clause_chars,
             on_complete=self._record_reply,
+            on_failed=self._forget_failed_turn,
             on_metrics=self.on_turn_metrics,
         )
 
     async def _start_turn(self, turn_id: int, text: str, *, speech_end: float, commit: float, **figures) -> None:
+        await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True))
+        fitted = self._prompt(text)
+        if fitted.truncated_chars:
+            text = fitted.messages[-1]["content"]
+            await self._send_json(
+                protocol.Notice(
+                    turn_id=turn_id,
+                    code="truncated",
+                    message=f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out.",
+                )
+            )
         reply = self._new_reply(turn_id, text)
         reply.speech_end, reply.commit = speech_end, commit
         reply.metrics = reply.metrics.model_copy(update=figures)
-        await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True))
-        self.history.append({"role": "user", "content": text})
+        self._remember({"role": "user", "content": text})
         self._reply = reply
-        reply.start(self._messages(), released=True)
+        reply.start(fitted.messages, released=True)
 
     async def _speculate(self, tail: heard.TailText) -> None:
         """Start answering before the endpoint; nothing is sent unless the turn commits with this text."""
         if self._speculation is not None and self._speculation.user_text == tail.text:
             return
         await self._cancel_speculation()
+        fitted = self._prompt(tail.text)
+        if fitted.truncated_chars:
+            return  # an over-long turn is answered (with a notice) once committed
         reply = self._new_reply(tail.turn_id, tail.text)
         reply.speech_end = tail.speech_end
         self._speculation = reply
-        reply.start([*self._messages(), {"role": "user", "content": tail.text}], released=False)
+        reply.start(fitted.messages, released=False)
+
+    def _prompt(self, user_text: str) -> Fitted:
+        """The next turn's messages, fitted by tokens into what the LLM can take with its reply."""
+        llm, settings = self.models.llm, self.settings
+        messages = [*self._messages(), {"role": "user", "content": user_text}]
+        limits = [n for n in (llm.context_tokens, settings.llm_context_tokens) if n]
+        if not limits:
+            return Fitted(messages)  # a remote server of unknown size: it will say if it is too long
+
+        def count(candidate: list[Message]) -> int:
+            return llm.count_tokens(candidate) or estimate_tokens(candidate)
+
+        return fit_to_context(messages, count, max(64, min(limits) - settings.llm_max_tokens))
+
+    def _remember(self, message: Message) -> None:
+        """Append to the history, which is bounded: the oldest messages go, in whole window steps.
+
+        Dropping a multiple of the window's step keeps ``history_window``'s start where it was,
+        so the prompt's prefix (cached by the LLM) does not change when the history is cut.
+        """
+        self.history.append(message)
+        limit = self.settings.max_history_messages
+        step = max(2, limit // 2)
+        keep = max(HISTORY_KEPT_MIN, 2 * limit)
+        if len(self.history) > keep + step:
+            excess = (len(self.history) - keep) // step * step
+            del self.history[:excess]
 
     async def _cancel_speculation(self) -> None:
         reply, self._speculation = self._speculation, None
@@ -230,8 +274,13 @@ class VoiceSession:
 
     def _record_reply(self, reply: Reply) -> None:
         if reply.text:
-            self.history.append({"role": "assistant", "content": reply.text})
+            self._remember({"role": "assistant", "content": reply.text})
             self._warm_next_prompt()
+
+    def _forget_failed_turn(self, reply: Reply) -> None:
+        """A turn that failed leaves no trace in the history, so it cannot fail the next one too."""
+        if self.history and self.history[-1] == {"role": "user", "content": reply.user_text}:
+            self.history.pop()
 
     def _warm_next_prompt(self) -> None:
         """Prefill what the next turn's prompt will start with, while the user listens.

@@ -65,6 +65,10 @@ class ScriptedLLM:
     """Streams fixed pieces; ``hold`` keeps the stream open (a slow LLM) until released."""
 
     name = "scripted"
+    context_tokens: int | None = None  # set it to bound the prompt (tokens counted as words)
+
+    def count_tokens(self, messages):
+        return sum(len(message["content"].split()) + 4 for message in messages)
 
     def __init__(self, pieces: list[str] | None = None) -> None:
         self.pieces = pieces if pieces is not None else ["Paris is the capital of France."]
