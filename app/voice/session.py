@@ -239,7 +239,7 @@ class VoiceSession:
     def _prompt(self, user_text: str) -> Fitted:
         """The next turn's messages, fitted by tokens into what the LLM can take with its reply."""
         llm, settings = self.models.llm, self.settings
-        messages = [*self._messages(), {"role": "user", "content": user_text}]
+        messages = self._messages([*self.history, {"role": "user", "content": user_text}])
         limits = [n for n in (llm.context_tokens, settings.llm_context_tokens) if n]
         if not limits:
             return Fitted(messages)  # a remote server of unknown size: it will say if it is too long
