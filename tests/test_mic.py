@@ -207,12 +207,14 @@ def test_console_ends_a_reply_line_that_was_cut_short():
     console.event(protocol.AssistantText(turn_id=2, delta="Hello"))
     console.event(protocol.AssistantText(turn_id=3, delta="Hi"))  # turn 2 interrupted: no turn_done
     console.event(protocol.TurnDone(turn_id=3, text="Hi", interrupted=False))
+    console.event(protocol.Notice(turn_id=4, code="truncated", message="your message was cut to fit"))
     assert out.getvalue().splitlines() == [
         "parley: The capital of",
         "connection lost (the server is restarting); retrying in 0.5 s",
         "parley: Hello",
         "parley: Hi",
         "  [turn 3]",
+        "note (truncated): your message was cut to fit",
     ]
 
 

@@ -192,6 +192,8 @@ class Console:
             self.out.flush()
         elif isinstance(event, protocol.TurnDone):
             self.say(format_latency(event))
+        elif isinstance(event, protocol.Notice):
+            self.say(f"note ({event.code}): {event.message}")
         elif isinstance(event, protocol.Error):
             self.say(f"server error ({event.code}): {event.message}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import typing
 from http import HTTPStatus
 from itertools import islice
 
@@ -48,6 +49,7 @@ EVERY_EVENT = [
     protocol.AudioStart(turn_id=1, sample_rate=22_050),
     protocol.Interrupt(turn_id=1),
     protocol.TurnDone(turn_id=1, text="Hi", interrupted=True, metrics=METRICS),
+    protocol.Notice(turn_id=2, code="truncated", message="cut to fit"),
     protocol.Error(code="overloaded", message="busy", fatal=True),
 ]
 
@@ -57,6 +59,11 @@ EVERY_EVENT = [
 def test_every_server_event_decodes_to_its_typed_model(event):
     decoded = decode(protocol.encode(event))
     assert type(decoded) is type(event) and decoded == event
+
+
+def test_every_event_type_of_the_protocol_is_covered():
+    union = typing.get_args(typing.get_args(protocol.ServerMessage)[0])
+    assert {model.model_fields["type"].default for model in union} == {event.type for event in EVERY_EVENT}
 
 
 def test_turn_done_metrics_are_typed_and_omit_missing_figures():
