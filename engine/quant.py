@@ -33,6 +33,7 @@ the same weight-only int8pack path.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -78,6 +79,24 @@ class Int8PackLinear:
         return b + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
+@functools.cache
+def int4_pack_tile_rows() -> int:
+    """Rows per tile of ``torch._convert_weight_to_int4pack_for_cpu``'s layout on this CPU (64 or 32).
+
+    The layout follows the ISA torch's kernel dispatches to (AVX512: 64-row tiles; AVX2 and
+    others: 32), so it is read off a packed probe once instead of assumed.
+    """
+    n, k = INT4_TILE_N, INT4_GROUP
+    q = torch.arange(n * k, dtype=torch.int32).view(n, k) % 15
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    for rows in (64, 32):
+        t = packed.view(n // rows, k, rows // 2)
+        unpacked = torch.cat((t & 15, t >> 4), -1).transpose(1, 2).reshape(n, k)
+        if torch.equal(unpacked.to(torch.int32), q):
+            return rows
+    raise RuntimeError("unknown int4 pack layout of torch._convert_weight_to_int4pack_for_cpu")
+
+
 class Int4PackLinear:
     """Weight-only int4, asymmetric per group of ``INT4_GROUP`` inputs (w = q * scale + lo, q in 0..15)."""
 
@@ -100,22 +119,24 @@ class Int4PackLinear:
         self.bias = bias
 
     def dequantize_tiles(self) -> torch.Tensor:
-        """The 16-bit weight in the kernel's tile order: [n / 64, k, 64], tile t holding rows 64t..64t+63.
+        """The 16-bit weight in the kernel's tile order: [n / B, k, B], tile t holding rows Bt..Bt+B-1.
 
-        The CPU pack layout: per 64-row tile, byte (t, k, j) holds row 64t+j in its low
-        nibble and row 64t+j+32 in its high one. Unpacking tile-wise needs no transpose, so
-        dequantization is three cheap passes (0.9 ms for SmolLM2's gate_up; the row-major
-        unpack was 9.6 ms).
+        The CPU pack layout: per B-row tile, byte (t, k, j) holds row Bt+j in its low nibble
+        and row Bt+j+B/2 in its high one; B is 64 where torch's kernel was built for AVX512
+        and 32 elsewhere (``int4_pack_tile_rows`` finds out once). Unpacking tile-wise needs
+        no transpose, so dequantization is three cheap passes (0.9 ms for SmolLM2's gate_up;
+        the row-major unpack was 9.6 ms).
         """
         n, k = self.shape
-        tiles, groups = n // INT4_TILE_N, k // INT4_GROUP
-        t = self.packed.view(tiles, k, INT4_TILE_N // 2)
-        q = torch.cat((t & 15, t >> 4), -1).view(tiles, groups, INT4_GROUP, INT4_TILE_N)
-        sz = self.scales_zeros.float().view(groups, tiles, 1, INT4_TILE_N, 2).transpose(0, 1)
+        B = int4_pack_tile_rows()
+        tiles, groups = n // B, k // INT4_GROUP
+        t = self.packed.view(tiles, k, B // 2)
+        q = torch.cat((t & 15, t >> 4), -1).view(tiles, groups, INT4_GROUP, B)
+        sz = self.scales_zeros.float().view(groups, tiles, 1, B, 2).transpose(0, 1)
         dtype = self.scales_zeros.dtype
         scale = sz[..., 0].to(dtype).contiguous()
         offset = (sz[..., 1] - 8 * sz[..., 0]).to(dtype).contiguous()  # the kernel's (q - 8) * s + zero
-        return torch.addcmul(offset, q.to(dtype), scale).view(tiles, k, INT4_TILE_N)
+        return torch.addcmul(offset, q.to(dtype), scale).view(tiles, k, B)
 
     def dequantize(self) -> torch.Tensor:
         """The 16-bit weight [n, k] (row-major, as ``F.linear`` takes it)."""
