@@ -7,9 +7,15 @@ A row with a NaN/inf logit is reported as an error instead of emitting a token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this a positive temperature overflows the scaled logits (1e-40 made every row inf, and
+# the multinomial draw then failed inside the engine loop); 0 is the way to ask for greedy.
+MIN_TEMPERATURE = 1e-3
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -34,8 +40,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError("temperature must be a finite number >= 0")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be between 0 and {MAX_SEED}")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -123,3 +124,14 @@ def test_detokenizer_holds_back_possible_stop_prefix(tokenizer):
         if stopped:
             break
     assert stopped and emitted == " Hello "
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"temperature": 1e-40}, {"temperature": float("nan")}, {"temperature": -1.0}, {"seed": -1}, {"seed": 2**63}],
+)
+def test_sampling_params_refuse_values_the_sampler_cannot_use(kw):
+    # 1e-40 overflowed the scaled logits; a seed outside 0..2**63-1 failed in torch's generator
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
+    SamplingParams(temperature=1e-3, seed=2**63 - 1)
