@@ -106,6 +106,10 @@ class AsyncLLMEngine:
         """Latest engine metrics (a snapshot published by the engine thread after each step)."""
         return dict(self._stats)
 
+    def model_info(self) -> dict:
+        """What was loaded and how (precision, linear kernel, memory); fixed once built, so safe from any thread."""
+        return self.engine.model_info()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stop = True

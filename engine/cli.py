@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model id for /v1/models (default: from --model)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     serve.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
+    serve.add_argument(
+        "--int8-method",
+        choices=["auto", "int8pack", "ao", "bitsandbytes"],
+        default="auto",
+        help="int8 kernel (with --quantization int8): auto = bitsandbytes on CUDA if installed, else int8pack",
+    )
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="cap on requests in the running batch")
     serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
@@ -54,6 +60,7 @@ def engine_config(args: argparse.Namespace):
         model=args.model,
         dtype=args.dtype,
         quantization=None if args.quantization == "none" else args.quantization,
+        int8_method=args.int8_method,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

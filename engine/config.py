@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+Int8Method = Literal["auto", "int8pack", "ao", "bitsandbytes"]
+INT8_METHODS = ("auto", "int8pack", "ao", "bitsandbytes")
 
 
 @dataclass
@@ -15,11 +17,17 @@ class EngineConfig:
     ``kv_cache_bytes`` sizes the paged KV pool from a memory budget; ``num_blocks``
     overrides it (tests use a tiny pool to force preemption). ``max_model_len``
     defaults to the model's context length (capped by the pool size).
+
+    ``int8_method`` picks the int8 kernel (``quantization="int8"`` only): ``auto`` is
+    bitsandbytes LLM.int8 on CUDA when installed, else weight-only ``int8pack``
+    (``torch._weight_int8pack_mm``); ``ao`` is torch.ao dynamic int8 (CPU, activations
+    quantized too); ``bitsandbytes`` requires CUDA and the package. See engine/quant.py.
     """
 
     model: str = "bundled"
     dtype: Dtype = "float32"
     quantization: Literal["int8", "int4"] | None = None
+    int8_method: Int8Method = "auto"
     device: Literal["cpu", "cuda", "auto"] = "auto"
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -38,6 +46,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be None, 'int8' or 'int4', not {self.quantization!r}")
+        if self.int8_method not in INT8_METHODS:
+            raise ValueError(f"int8_method must be one of {', '.join(INT8_METHODS)}, not {self.int8_method!r}")
+        if self.int8_method != "auto" and self.quantization != "int8":
+            raise ValueError(f"int8_method={self.int8_method!r} applies only to quantization='int8'")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, not {self.device!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:

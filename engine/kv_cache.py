@@ -115,6 +115,13 @@ class KVCacheManager:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix hash, only while no request holds blocks; returns whether it did."""
+        if self.num_used_blocks:
+            return False
+        self.pool.reset_prefix_cache()
+        return True
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 

@@ -85,6 +85,48 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    @property
+    def model(self) -> LlamaModel:
+        """The loaded model, to share with another engine: ``LLMEngine(config, model=eng.model)``."""
+        return self.runner.model
+
+    @property
+    def linear_kernel(self) -> str:
+        """The kernel the layer linears run (dense, onednn-packed, int8pack, ao, bitsandbytes, int4pack)."""
+        return self.runner.model.linear_kernel
+
+    def model_info(self) -> dict:
+        """What was loaded and how: precision, kernels and memory (fixed once the engine is built)."""
+        runner = self.runner
+        model = runner.model
+        return {
+            "architecture": model.args.architecture,
+            "dtype": str(runner.dtype).removeprefix("torch."),  # of weights and activations (16-bit when quantized)
+            "device": str(runner.device),
+            "quantization": self.config.quantization,
+            "int8_method": self.config.int8_method,
+            "linear_kernel": model.linear_kernel,
+            "quant_info": dict(model.quant_info) if model.quant_info else None,
+            "fused_kernels": runner.fused_kernels,
+            "packed_linears": runner.num_packed_linears,
+            "weight_bytes": model.weight_bytes(),
+            "linear_weight_bytes": model.linear_weight_bytes(),
+            "kv_cache_bytes": runner.kv_cache_bytes,
+            "kv_blocks_total": self.kv.num_blocks,
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+        }
+
+    def perplexity(self, prompt: str | list[int]) -> float:
+        """Perplexity of a text (or token ids) under this engine's model (quantized or not), in one prefill
+        on a private KV buffer: the engine's cache, prefix blocks and requests are not touched."""
+        return self.runner.perplexity(self.tokenize(prompt))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (for cold-cache measurements). Only while no request holds KV
+        blocks; returns whether it did."""
+        return self.kv.reset_prefix_cache()
+
     # --- requests --------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -193,6 +235,10 @@ class LLMEngine:
 
     # --- metrics -----------------------------------------------------------------------
     def stats(self) -> dict:
+        """Current figures (requests, KV blocks, rates), counters since start, and the linear kernel's name.
+
+        ``engine.metrics.EngineCollector`` turns this dict into Prometheus metrics.
+        """
         now = time.monotonic()
         while self._rate and now - self._rate[0][0] > _RATE_WINDOW_S:
             self._rate.popleft()
@@ -211,6 +257,7 @@ class LLMEngine:
             "requests_aborted_total": self.requests_aborted_total,
             "requests_finished_total": self.requests_finished_total,
             "num_preemptions_total": self.scheduler.num_preemptions,
+            "linear_kernel": self.runner.model.linear_kernel,
         }
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[list[int]]:

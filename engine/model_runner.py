@@ -2,22 +2,149 @@
 
 Why separate: the scheduler never touches tensors and the runner never decides policy,
 so each side is testable alone and a GPU runner (CUDA graphs, flash-attn) can replace
-this one without changing the loop.
+this one without changing the loop. ``prepare_inputs`` is the one place a step's input
+tensors and attention metadata are built (the engine's steps and ``perplexity`` both use it).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.model import AttentionMetadata, LlamaModel
-from engine.scheduler import SchedulerOutput
+from engine.layers.attention import AttentionMetadata
+from engine.model import LlamaModel
+from engine.quant import get_quant_method
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelInputs:
+    """One step's packed tokens: decodes first, then prefill chunks."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    sample_request_ids: list[str]  # the request of each logits row (not used with all_logits)
+
+
+def prepare_inputs(
+    chunks: Sequence[ScheduledChunk], block_size: int, device: str | torch.device, all_logits: bool = False
+) -> ModelInputs:
+    """Token ids, positions and attention metadata of one step's chunks.
+
+    Decodes (one-token chunks) come first: one batched attention call serves them. Logits
+    rows are the last token of each sampling chunk, or every token with ``all_logits``
+    (scoring a text, as ``perplexity`` does).
+    """
+    bs = block_size
+    dev = device
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    prefills = [c for c in chunks if c.num_tokens > 1]
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_ids: list[str] = []
+    ctx_lens: list[int] = []
+    for c in decodes:
+        p = c.start
+        ids.append(c.token_ids[0])
+        pos.append(p)
+        slots.append(c.block_ids[p // bs] * bs + p % bs)
+        ctx_lens.append(p + 1)
+        if c.sample or all_logits:
+            sample_rows.append(len(ids) - 1)
+            sample_ids.append(c.request_id)
+    B = len(decodes)
+    decode_tables = decode_mask = decode_flat = None
+    decode_ctx_len = None
+    lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev) if B else None
+    if B == 1:  # one request: its own blocks, cut to its length; no mask
+        nb = -(-ctx_lens[0] // bs)
+        decode_flat = torch.tensor(decodes[0].block_ids[:nb], dtype=torch.long, device=dev)
+        decode_tables = decode_flat.view(1, nb)
+        decode_ctx_len = ctx_lens[0]
+    elif B:
+        max_blocks = max(-(-n // bs) for n in ctx_lens)
+        table: list[int] = []
+        for c in decodes:
+            row = c.block_ids[:max_blocks]
+            table += row
+            table += [0] * (max_blocks - len(row))
+        decode_flat = torch.tensor(table, dtype=torch.long, device=dev)
+        decode_tables = decode_flat.view(B, max_blocks)
+        L = max_blocks * bs
+        decode_mask = (torch.arange(L, device=dev)[None, :] < lens[:, None]).view(B, 1, 1, L)
+    pre_meta = []
+    pos_parts: list[torch.Tensor] = []
+    slot_parts: list[torch.Tensor] = []
+    for c in prefills:
+        n = c.num_tokens
+        start_row = len(ids)
+        ids.extend(c.token_ids)
+        p = torch.arange(c.start, c.start + n, dtype=torch.long)
+        blocks = torch.tensor(c.block_ids, dtype=torch.long)
+        pos_parts.append(p)
+        slot_parts.append(blocks[p // bs] * bs + p % bs)
+        if c.start == 0:
+            pre_meta.append((start_row, start_row + n, None, None))
+        else:
+            ctx = c.start + n
+            nb = -(-ctx // bs)
+            k_pos = torch.arange(nb * bs)
+            mask = k_pos[None, :] <= p[:, None]  # causal, offset by the cached context
+            pre_meta.append((start_row, start_row + n, blocks[:nb].to(dev), mask.to(dev)))
+        if all_logits:
+            sample_rows.extend(range(start_row, start_row + n))
+        elif c.sample:
+            sample_rows.append(start_row + n - 1)
+            sample_ids.append(c.request_id)
+    positions = torch.tensor(pos, dtype=torch.long)
+    slot_mapping = torch.tensor(slots, dtype=torch.long)
+    if pos_parts:
+        positions = torch.cat([positions, *pos_parts])
+        slot_mapping = torch.cat([slot_mapping, *slot_parts])
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(dev),
+        num_decodes=B,
+        decode_block_tables=decode_tables,
+        decode_mask=decode_mask,
+        prefills=pre_meta,
+        sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        decode_flat_blocks=decode_flat,
+        decode_ctx_len=decode_ctx_len,
+        decode_ctx_lens=lens,
+    )
+    input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+    return ModelInputs(input_ids, positions.to(dev), meta, sample_ids)
+
+
+@torch.inference_mode()
+def perplexity(model: LlamaModel, token_ids: Sequence[int], block_size: int = 16) -> float:
+    """Perplexity of ``token_ids`` under ``model`` in one prefill, on a private KV buffer
+    (for quantization checks and benchmarks; no engine cache or prefix block is touched)."""
+    T = len(token_ids)
+    if T < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
+    a = model.args
+    nb = -(-T // block_size)
+    chunk = ScheduledChunk("perplexity", [int(t) for t in token_ids], 0, list(range(nb)), sample=True)
+    inputs = prepare_inputs([chunk], block_size, model.device, all_logits=True)
+    cache = torch.zeros(
+        a.num_layers, 2, a.num_kv_heads, nb, block_size, a.head_dim, dtype=model.dtype, device=model.device
+    )
+    logits = model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, cache)[:-1].float()
+    nll = F.cross_entropy(logits, inputs.input_ids[1:])
+    return float(torch.exp(nll))
 
 
 class ModelRunner:
@@ -31,8 +158,14 @@ class ModelRunner:
         self.dtype = dtype
         if model is not None and (model.dtype != dtype or config.quantization):
             raise ValueError("a shared model must have the configured dtype and no quantization")
-        # Sharing an already loaded model lets tests build engines with different limits cheaply.
-        self.model = model or LlamaModel(model_path, dtype, self.device)
+        if model is None:
+            # The builder applies the quantization method and the oneDNN packing as it loads the layers.
+            quant = get_quant_method(config.quantization, self.device, config.int8_method)
+            self.model = LlamaModel(model_path, dtype, self.device, quant=quant, pack_linears=True)
+        else:
+            # Sharing an already loaded model lets tests build engines with different limits cheaply.
+            self.model = model
+            model.pack_linears()  # bf16 on an oneDNN CPU: packed once, for every engine sharing it
         a = self.model.args
         limit = a.max_position_embeddings
         if a.sliding_window:
@@ -46,108 +179,31 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             a.num_layers, 2, a.num_kv_heads, self.num_blocks, bs, a.head_dim, dtype=dtype, device=self.device
         )
-        self.quant_info: dict | None = None
-        if config.quantization:
-            from engine.quant import quantize_model
-
-            self.quant_info = quantize_model(self.model, self.device, config.quantization)
-        # bf16 on CPU: the remaining dense linears (all of them, or lm_head next to int8 layers)
-        # get their weights reordered for oneDNN once instead of on every call.
-        self.num_packed_linears = self.model.pack_linears()
+        self.quant_info: dict | None = self.model.quant_info
+        self.num_packed_linears = self.model.num_packed_linears
         self.fused_kernels = config.fused_kernels and self.model.use_fused_kernels()
         log.info(
-            "model %s dtype=%s quant=%s device=%s, KV cache %d blocks x %d tokens (%.0f MiB)",
+            "model %s dtype=%s quant=%s linears=%s device=%s, KV cache %d blocks x %d tokens (%.0f MiB)",
             a.architecture,
             config.dtype,
             config.quantization,
+            self.model.linear_kernel,
             self.device,
             self.num_blocks,
             bs,
-            self.kv_cache.numel() * elem / 2**20,
+            self.kv_cache_bytes / 2**20,
         )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
         """Run one step; returns the ids of requests that sample and their logits rows."""
-        bs = self.block_size
-        dev = self.device
-        decodes = [c for c in sched.chunks if c.num_tokens == 1]
-        prefills = [c for c in sched.chunks if c.num_tokens > 1]
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        ctx_lens: list[int] = []
-        for c in decodes:
-            p = c.start
-            ids.append(c.token_ids[0])
-            pos.append(p)
-            slots.append(c.block_ids[p // bs] * bs + p % bs)
-            ctx_lens.append(p + 1)
-            if c.sample:
-                sample_rows.append(len(ids) - 1)
-                sample_ids.append(c.request_id)
-        B = len(decodes)
-        decode_tables = decode_mask = decode_flat = None
-        decode_ctx_len = None
-        lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev) if B else None
-        if B == 1:  # one request: its own blocks, cut to its length; no mask
-            nb = -(-ctx_lens[0] // bs)
-            decode_flat = torch.tensor(decodes[0].block_ids[:nb], dtype=torch.long, device=dev)
-            decode_tables = decode_flat.view(1, nb)
-            decode_ctx_len = ctx_lens[0]
-        elif B:
-            max_blocks = max(-(-n // bs) for n in ctx_lens)
-            table: list[int] = []
-            for c in decodes:
-                row = c.block_ids[:max_blocks]
-                table += row
-                table += [0] * (max_blocks - len(row))
-            decode_flat = torch.tensor(table, dtype=torch.long, device=dev)
-            decode_tables = decode_flat.view(B, max_blocks)
-            L = max_blocks * bs
-            decode_mask = (torch.arange(L, device=dev)[None, :] < lens[:, None]).view(B, 1, 1, L)
-        pre_meta = []
-        pos_parts: list[torch.Tensor] = []
-        slot_parts: list[torch.Tensor] = []
-        for c in prefills:
-            n = c.num_tokens
-            start_row = len(ids)
-            ids.extend(c.token_ids)
-            p = torch.arange(c.start, c.start + n, dtype=torch.long)
-            blocks = torch.tensor(c.block_ids, dtype=torch.long)
-            pos_parts.append(p)
-            slot_parts.append(blocks[p // bs] * bs + p % bs)
-            if c.start == 0:
-                pre_meta.append((start_row, start_row + n, None, None))
-            else:
-                ctx = c.start + n
-                nb = -(-ctx // bs)
-                k_pos = torch.arange(nb * bs)
-                mask = k_pos[None, :] <= p[:, None]  # causal, offset by the cached context
-                pre_meta.append((start_row, start_row + n, blocks[:nb].to(dev), mask.to(dev)))
-            if c.sample:
-                sample_rows.append(start_row + n - 1)
-                sample_ids.append(c.request_id)
-        positions = torch.tensor(pos, dtype=torch.long)
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
-        if pos_parts:
-            positions = torch.cat([positions, *pos_parts])
-            slot_mapping = torch.cat([slot_mapping, *slot_parts])
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            num_decodes=B,
-            decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
-            prefills=pre_meta,
-            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            decode_flat_blocks=decode_flat,
-            decode_ctx_len=decode_ctx_len,
-            decode_ctx_lens=lens,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        if not sample_rows:
-            meta.sample_indices = meta.sample_indices[:0]
-        logits = self.model.forward(input_ids, positions.to(dev), meta, self.kv_cache)
-        return sample_ids, logits
+        inputs = prepare_inputs(sched.chunks, self.block_size, self.device)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache)
+        return inputs.sample_request_ids, logits
+
+    def perplexity(self, token_ids: Sequence[int]) -> float:
+        return perplexity(self.model, token_ids, self.block_size)

@@ -7,13 +7,13 @@ the 49k-row vocabulary matrix remains: weight memory ~0.26x fp32.
 int4: asymmetric 4-bit per group of 32 input channels for the layer linears, the layout
 of GGUF Q4_1 (what llama.cpp runs the bundled SmolLM2 in; re-quantizing its dequantized
 weights recovers the same grid), with ``torch._weight_int4pack_mm_for_cpu``; lm_head stays
-16-bit (packed for oneDNN), as llama.cpp keeps it at 8 bits. Measured on this CPU, 30
-SmolLM2 layers' linears at batch 1, 2 threads, weights streamed from DRAM: bf16 12.5 ms,
-int8pack 9.1 ms, int4 g32 4.1 ms.
+16-bit (packed for oneDNN), as llama.cpp keeps it at 8 bits.
 
 Why: decode on a small CPU is bound by reading weights, so int8 weights (1/4 of fp32,
-1/2 of bf16) read faster. Candidates measured on this 2-core CPU (SmolLM2-135M layer
-shapes, one layer's four linears, 1 thread, microseconds; see the engine notes):
+1/2 of bf16) read faster. The kernel micro-benchmark that chose them (the 2-core
+development VM when the kernels were written; SmolLM2-135M layer shapes, one layer's
+four linears, 1 thread, microseconds; end-to-end decode rates are what
+``parley bench engine`` reports):
 
     M (tokens)        1     4     8     64
     bf16 linear     276   347   388   1349
@@ -26,19 +26,24 @@ close to bf16) and the fastest at batch 1, where a voice turn decodes; it scales
 linearly with M, so above ``INT8PACK_MAX_M`` tokens (prefill) the same int8 weights are
 dequantized to bf16 per call and multiplied in bf16. ``torch.ao`` dynamic quantization
 is faster at batch >= 8 but quantizes activations per tensor, which changed answers in
-our measurements; it remains selectable (``PARLEY_INT8_KERNEL=ao``) for comparison.
+our measurements; it remains selectable (``EngineConfig(int8_method="ao")``) for comparison.
 On CUDA, bitsandbytes LLM.int8 (outlier threshold 6.0) is used when importable, else
-the same weight-only int8pack path.
+the same weight-only int8pack path (``int8_method="auto"``, the default).
+
+The model builder (``engine/model.py``) applies the method while it builds the layers
+(``get_quant_method`` picks it from the config); nothing patches a built model.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.config import INT8_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -227,71 +232,103 @@ class BnbLinear:
         return self._nbytes
 
 
-def choose_kernel(device: str) -> type:
-    forced = os.environ.get("PARLEY_INT8_KERNEL", "").strip().lower()
-    if forced == "ao":
-        return AoDynamicLinear
-    if forced == "int8pack":
+def _bitsandbytes_importable() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def int8_linear_class(int8_method: str, device: str | torch.device) -> type:
+    """The int8 layer-linear kernel for ``EngineConfig.int8_method`` on ``device``.
+
+    ``auto``: bitsandbytes on CUDA when importable, else weight-only int8pack (CPU and CUDA).
+    An explicit method the device cannot run is an error, not a silent fallback.
+    """
+    dev = torch.device(device).type
+    if int8_method == "int8pack":
         return Int8PackLinear
-    if device.startswith("cuda"):
-        try:
-            import bitsandbytes  # noqa: F401
-
-            return BnbLinear
-        except ImportError:
+    if int8_method == "ao":
+        if dev != "cpu":
+            raise ValueError("int8_method='ao' (torch.ao dynamic int8, fbgemm) runs on the CPU only")
+        return AoDynamicLinear
+    if int8_method == "bitsandbytes":
+        if dev != "cuda":
+            raise ValueError("int8_method='bitsandbytes' needs a CUDA device")
+        if not _bitsandbytes_importable():
+            raise ValueError("int8_method='bitsandbytes' needs the bitsandbytes package")
+        return BnbLinear
+    if int8_method == "auto":
+        if dev == "cuda":
+            if _bitsandbytes_importable():
+                return BnbLinear
             log.info("bitsandbytes not installed; using weight-only int8pack on CUDA")
-    return Int8PackLinear
+        return Int8PackLinear
+    raise ValueError(f"int8_method must be one of {', '.join(INT8_METHODS)}, not {int8_method!r}")
 
 
-def quantize_model(model, device: str, method: str = "int8") -> dict:
-    """Replace every layer linear of ``model`` by a quantized one, freeing the float weights as it goes.
+@dataclass(frozen=True)
+class QuantMethod:
+    """How the model builder stores weights: the layer-linear kernel, and whether the vocabulary matrices
+    (embedding, lm_head) become int8 rows.
 
     int8 on the CPU also stores the embedding / lm_head as int8 rows; int4 and CUDA keep
     lm_head 16-bit (bitsandbytes' recipe, and llama.cpp's 8-bit output layer is no smaller
     than our packed bf16 one is slower).
     """
-    if method == "int4":
-        cls = Int4PackLinear
-    elif method == "int8":
-        cls = choose_kernel(str(device))
+
+    name: str  # "int8" or "int4"
+    linear_cls: type
+    quantize_vocab: bool
+
+    @property
+    def kernel(self) -> str:
+        return self.linear_cls.kernel
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype):
+        return self.linear_cls(weight, bias, act_dtype)
+
+    def vocab(self, weight: torch.Tensor, act_dtype: torch.dtype) -> Int8Embedding:
+        return Int8Embedding(weight, act_dtype)
+
+
+def get_quant_method(
+    quantization: str | None, device: str | torch.device, int8_method: str = "auto"
+) -> QuantMethod | None:
+    """The method for ``EngineConfig.quantization`` / ``int8_method`` on ``device`` (None: 16-bit weights)."""
+    if quantization is None:
+        return None
+    if quantization == "int4":
+        method = QuantMethod("int4", Int4PackLinear, quantize_vocab=False)
+    elif quantization == "int8":
+        cls = int8_linear_class(int8_method, device)
+        method = QuantMethod("int8", cls, quantize_vocab=torch.device(device).type == "cpu")
     else:
-        raise ValueError(f"unknown quantization {method!r}")
-    before = model.linear_weight_bytes()
-    for layer in model.layers:
-        for name in ("qkv", "o", "gate_up", "down"):
-            lin = getattr(layer, name)
-            setattr(layer, name, cls(lin.weight, lin.bias, model.dtype))
-            lin.weight = None  # drop our reference now so peak memory stays near the quantized size
-    if method == "int8" and torch.device(device).type == "cpu":
-        _quantize_vocab_matrices(model)
-    after = model.linear_weight_bytes()
-    total = model.weight_bytes()
+        raise ValueError(f"unknown quantization {quantization!r}")
+    log.info("%s weights: layer linears run the %s kernel (int8_method=%s)", method.name, method.kernel, int8_method)
+    return method
+
+
+def quant_summary(
+    method: QuantMethod, linear_bytes_float: int, linear_bytes: int, total_bytes: int, dtype: torch.dtype
+) -> dict:
+    """What quantization did to the weights (logged once at INFO; the model keeps it as ``quant_info``)."""
+    fp32_bytes = linear_bytes_float * 4 / torch.empty((), dtype=dtype).element_size()
     info = {
-        "method": method,
-        "kernel": cls.kernel,
-        "linear_bytes_float": before,
-        "linear_bytes_quantized": after,
-        "linear_ratio_vs_fp32": after / (before * 4 / torch.empty((), dtype=model.dtype).element_size()),
-        "total_weight_bytes": total,
+        "method": method.name,
+        "kernel": method.kernel,
+        "linear_bytes_float": linear_bytes_float,
+        "linear_bytes_quantized": linear_bytes,
+        "linear_ratio_vs_fp32": linear_bytes / fp32_bytes,
+        "total_weight_bytes": total_bytes,
     }
     log.info(
         "%s (%s): layer linears %.1f MiB -> %.1f MiB, all weights %.1f MiB",
-        method,
-        cls.kernel,
-        before / 2**20,
-        after / 2**20,
-        total / 2**20,
+        method.name,
+        method.kernel,
+        linear_bytes_float / 2**20,
+        linear_bytes / 2**20,
+        total_bytes / 2**20,
     )
     return info
-
-
-def _quantize_vocab_matrices(model) -> None:
-    """The embedding (and an untied lm_head) as int8 rows; the 16-bit tensors are dropped."""
-    emb = Int8Embedding(model.embed, model.dtype)
-    model.embed_lookup = emb.lookup
-    if model.lm_head is model.embed:
-        model.lm_head_linear = emb
-    else:
-        model.lm_head_linear = Int8Embedding(model.lm_head, model.dtype)
-    model.embed = None
-    model.lm_head = None

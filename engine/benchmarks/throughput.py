@@ -270,13 +270,10 @@ def decode_tokens_per_s(eng, prompts: list[list[int]], n_tokens: int) -> float:
     return n / max(time.perf_counter() - t0, 1e-9)
 
 
-@torch.inference_mode()
 def engine_perplexity(eng, ids: list[int]) -> float:
     """Perplexity of ``ids`` with the engine's own model forward (quantized or not), one causal prefill
     on a private KV buffer (the engine's cache and prefix blocks are not touched)."""
-    from engine.model import perplexity
-
-    return perplexity(eng.runner.model, ids, eng.config.block_size)
+    return eng.perplexity(ids)
 
 
 @torch.inference_mode()
@@ -318,10 +315,11 @@ def precision_section(
             out[f"{name}_error"] = reason
             continue
         engines[name] = eng
-        model = eng.runner.model
-        out[f"{name}_activation_dtype"] = str(eng.runner.dtype).replace("torch.", "")
-        out[f"{name}_weight_bytes"] = model.weight_bytes()
-        out[f"{name}_linear_weight_bytes"] = model.linear_weight_bytes()
+        info = eng.model_info()
+        out[f"{name}_activation_dtype"] = info["dtype"]
+        out[f"{name}_linear_kernel"] = info["linear_kernel"]
+        out[f"{name}_weight_bytes"] = info["weight_bytes"]
+        out[f"{name}_linear_weight_bytes"] = info["linear_weight_bytes"]
         decode_tokens_per_s(eng, prompts[:2], 4)  # warm-up
     for _ in range(reps):
         for b in batch_sizes:
@@ -331,7 +329,7 @@ def precision_section(
     for name, eng in engines.items():
         try:
             out[f"{name}_perplexity"] = engine_perplexity(eng, ppl_ids)
-        except Exception as e:  # the forward's metadata is the engine's internal API
+        except Exception as e:
             out[f"{name}_perplexity_error"] = f"{type(e).__name__}: {e}"
             print(f"{name}: perplexity failed ({e})", flush=True)
     out["decode_reps"] = reps
@@ -631,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_bytes=KV_CACHE_BYTES,
         )
-        shared["model"] = eng.runner.model
+        shared["model"] = eng.model
         runs["engine"] = run_engine(eng, reqs)
         r.update(runs["engine"].extra)
         del eng

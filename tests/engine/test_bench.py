@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from engine.benchmarks.throughput import DATA_PATH, history_turns, main, make_workload
 from engine.benchmarks.baselines import percentile
+from engine.benchmarks.throughput import DATA_PATH, history_turns, main, make_workload
 
 REQUIRED_KEYS = {
     "engine_tokens_per_s": float,

@@ -99,7 +99,7 @@ def test_silu_mul_matches_eager():
 def bf16_pair():
     fused = LLMEngine(EngineConfig(dtype="bfloat16", device="cpu"))
     plain = LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", fused_kernels=False))
-    assert fused.runner.fused_kernels and not plain.runner.fused_kernels
+    assert fused.model_info()["fused_kernels"] and not plain.model_info()["fused_kernels"]
     return fused, plain
 
 
@@ -115,4 +115,4 @@ def test_fused_forward_agrees_with_aten_forward_on_mixed_batches(bf16_pair, prom
 
 
 def test_fp32_engine_keeps_aten_ops(engine):
-    assert engine.runner.model.fused is None and not engine.runner.fused_kernels
+    assert engine.model.fused is None and not engine.model_info()["fused_kernels"]

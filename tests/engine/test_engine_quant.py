@@ -13,8 +13,16 @@ from engine_prompts import STORY
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model import perplexity
-from engine.quant import INT4PACK_MAX_M, INT8PACK_MAX_M, Int4PackLinear, Int8Embedding, Int8PackLinear
+from engine.model_runner import perplexity
+from engine.quant import (
+    INT4PACK_MAX_M,
+    INT8PACK_MAX_M,
+    AoDynamicLinear,
+    Int4PackLinear,
+    Int8Embedding,
+    Int8PackLinear,
+    get_quant_method,
+)
 from engine.sampling import SamplingParams
 
 
@@ -32,9 +40,10 @@ def story_ids(tokenizer):
 
 def test_int8_replaces_every_float_weight_matrix(fp32_model):
     eng = LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", device="cpu"))
-    info = eng.runner.quant_info
+    info = eng.model_info()["quant_info"]
     assert info["kernel"] == "int8pack" and info["method"] == "int8"
-    model = eng.runner.model
+    assert eng.linear_kernel == "int8pack" and eng.stats()["linear_kernel"] == "int8pack"
+    model = eng.model
     layer = model.layers[0]
     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(lin, Int8PackLinear) and lin.qweight.dtype == torch.int8
@@ -49,7 +58,7 @@ def test_int8_replaces_every_float_weight_matrix(fp32_model):
 def test_layer_linears_use_the_method_kernel(quant_engine, fp32_model):
     method = quant_engine.config.quantization
     kind, max_ratio = {"int8": (Int8PackLinear, 0.26), "int4": (Int4PackLinear, 0.16)}[method]
-    model = quant_engine.runner.model
+    model = quant_engine.model
     for lin in (model.layers[1].qkv, model.layers[1].o, model.layers[1].gate_up, model.layers[1].down):
         assert isinstance(lin, kind), (method, type(lin))
     assert model.linear_weight_bytes() / fp32_model.linear_weight_bytes() <= max_ratio
@@ -57,7 +66,7 @@ def test_layer_linears_use_the_method_kernel(quant_engine, fp32_model):
 
 def test_perplexity_close_to_fp32(quant_engine, fp32_model, story_ids):
     p32 = perplexity(fp32_model, story_ids)
-    pq = perplexity(quant_engine.runner.model, story_ids)
+    pq = quant_engine.perplexity(story_ids)
     assert pq / p32 < 1.03, (quant_engine.config.quantization, pq, p32)
 
 
@@ -72,7 +81,7 @@ def test_greedy_answers_mostly_agree(quant_engine, engine, prompts):
 
 def test_prefill_path_matches_small_batch_path(quant_engine):
     # more rows than the packed kernels take dequantize to bf16 first; both must compute the same product
-    lin = quant_engine.runner.model.layers[3].gate_up
+    lin = quant_engine.model.layers[3].gate_up
     rows = max(INT8PACK_MAX_M, INT4PACK_MAX_M) + 8
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
     big = lin(x).float()
@@ -109,3 +118,35 @@ def test_int8_embedding_lookup_and_head_match_float(fp32_model):
 def test_int4_is_refused_on_cuda_shapes_it_cannot_pack():
     with pytest.raises(ValueError, match="int4 needs"):
         Int4PackLinear(torch.randn(100, 64).bfloat16(), None, torch.bfloat16)
+
+
+def test_int8_method_ao_builds_the_ao_kernel(prompts):
+    # selectable for comparison only: it quantizes activations too, which costs perplexity (not checked here)
+    eng = LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", int8_method="ao", device="cpu"))
+    assert eng.linear_kernel == "ao" and eng.model_info()["quant_info"]["kernel"] == "ao"
+    assert all(isinstance(layer.gate_up, AoDynamicLinear) for layer in eng.model.layers)
+    assert [len(o) for o in eng.generate(prompts[:2], SamplingParams(max_tokens=3, ignore_eos=True))] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"quantization": "int8", "int8_method": "fast"}, "int8_method must be one of"),
+        ({"quantization": "int4", "int8_method": "ao"}, "only to quantization='int8'"),
+        ({"quantization": None, "int8_method": "int8pack"}, "only to quantization='int8'"),
+    ],
+)
+def test_int8_method_is_validated_by_the_config(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(**kw)
+
+
+def test_int8_method_the_device_cannot_run_is_an_error():
+    assert get_quant_method("int8", "cpu", "auto").kernel == "int8pack"
+    assert get_quant_method("int8", "cpu", "auto").quantize_vocab
+    assert get_quant_method("int4", "cpu").kernel == "int4pack"
+    assert get_quant_method(None, "cpu") is None
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        get_quant_method("int8", "cpu", "bitsandbytes")
+    with pytest.raises(ValueError, match="CPU only"):
+        get_quant_method("int8", "cuda", "ao")

@@ -11,9 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata, decode_attention
+from engine.layers.linear import DenseLinear, PackedLinear, onednn_packing_available
 from engine.llm_engine import LLMEngine
-from engine.model import AttentionMetadata, DenseLinear, LlamaModel, PackedLinear, onednn_packing_available
+from engine.model import LlamaModel
+from engine.model_runner import prepare_inputs
 from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledChunk
 
 needs_packing = pytest.mark.skipif(
     not onednn_packing_available(torch.bfloat16, "cpu"), reason="no oneDNN bf16 on this CPU"
@@ -63,8 +67,8 @@ def test_flat_block_decode_attention_matches_gather(case):
     else:
         tables, lens = [[7, 3, 12, 30, 5], [1, 2], [39, 0, 22]], [18, 6, 9]
     q = torch.randn(len(tables), KV * G, D)
-    ref = LlamaModel._decode(q, cache, _decode_meta(tables, lens, bs, flat=False))
-    got = LlamaModel._decode(q, cache, _decode_meta(tables, lens, bs, flat=True))
+    ref = decode_attention(q, cache, _decode_meta(tables, lens, bs, flat=False))
+    got = decode_attention(q, cache, _decode_meta(tables, lens, bs, flat=True))
     assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
     # and against attention written out by hand
     for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
@@ -78,26 +82,19 @@ def test_flat_block_decode_attention_matches_gather(case):
 @needs_packing
 def test_bf16_engine_packs_linears_and_matches_unpacked(model_path):
     eng = LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", num_blocks=64))
-    model = eng.runner.model
-    assert eng.runner.num_packed_linears == 4 * len(model.layers) + 1
+    model = eng.model
+    assert eng.model_info()["packed_linears"] == 4 * len(model.layers) + 1
+    assert eng.linear_kernel == "onednn-packed"
     assert isinstance(model.layers[0].qkv, PackedLinear) and isinstance(model.lm_head_linear, PackedLinear)
     plain = LlamaModel(model_path, torch.bfloat16, "cpu")  # same weights, F.linear everywhere
     assert isinstance(plain.layers[0].qkv, DenseLinear)
     ids = eng.tokenize("The lighthouse keeper climbed the stairs every evening to")
-    T = len(ids)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(T),
-        num_decodes=0,
-        decode_block_tables=None,
-        decode_mask=None,
-        prefills=[(0, T, None, None)],
-        sample_indices=torch.arange(T),
-    )
+    inputs = prepare_inputs([ScheduledChunk("t", ids, 0, [0, 1, 2, 3], True)], 16, "cpu", all_logits=True)
     a = model.args
     caches = [torch.zeros(a.num_layers, 2, a.num_kv_heads, 4, 16, a.head_dim, dtype=torch.bfloat16) for _ in "ab"]
     with torch.inference_mode():
-        got = model.forward(torch.tensor(ids), torch.arange(T), meta, caches[0]).float()
-        ref = plain.forward(torch.tensor(ids), torch.arange(T), meta, caches[1]).float()
+        got = model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, caches[0]).float()
+        ref = plain.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, caches[1]).float()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert torch.allclose(got.softmax(-1), ref.softmax(-1), atol=0.05)
     # and the engine decodes with it, batch of one and of several
