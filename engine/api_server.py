@@ -2,10 +2,11 @@
 
 Why here and this shape: the voice app (and anything else) can then use the in-process
 engine or any OpenAI-compatible server (vLLM, TGI, SGLang, several ``parley engine serve``)
-through one client. Requests are validated before they reach the engine and answered
-with OpenAI's error JSON (400 for bad input, including a request the KV cache can never
-hold). A client that goes away aborts its engine request at once, streamed or not, so
-its KV blocks are freed (``/metrics`` shows it in ``parley_requests_aborted_total``).
+through one client. Requests are validated against the schema of ``engine/protocol.py``
+before they reach the engine and answered with OpenAI's error JSON (400 for bad input,
+including a request the KV cache can never hold). A client that goes away aborts its
+engine request at once, streamed or not, so its KV blocks are freed (``/metrics`` shows
+it in ``parley_engine_requests_aborted_total``; see ``engine/metrics.py``).
 """
 
 from __future__ import annotations
@@ -18,19 +19,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.metrics import EngineCollector
 from engine.outputs import RequestOutput
+from engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, validation_error
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-MAX_STOP_STRINGS = 16
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -51,137 +53,6 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
-
-
-# --- request parsing ---------------------------------------------------------------------------
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise APIError(f"'{name}' must be a number", param=name)
-    if not lo <= value <= hi:
-        raise APIError(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
-    return float(value)
-
-
-def _integer(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(f"'{name}' must be an integer", param=name)
-    return value
-
-
-def _stop_strings(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError("'stop' must be a string or a list of strings", param="stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise APIError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", param="stop")
-    if any(not s for s in stop):
-        raise APIError("'stop' strings must be non-empty", param="stop")
-    return tuple(stop)
-
-
-def parse_sampling(body: dict, prompt_len: int, context_limit: int) -> SamplingParams:
-    """Map OpenAI sampling fields (plus vLLM's ``top_k``, ``ignore_eos``, ``stop_token_ids``) to SamplingParams."""
-    for name in ("n", "best_of"):
-        n = _integer(body, name)
-        if n is not None and n != 1:
-            raise APIError(f"only '{name}': 1 is supported", param=name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise APIError(f"'{name}' is not supported (use 0)", param=name)
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise APIError("'logprobs' is not supported", param="logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise APIError("tools / function calling is not supported", param="tools")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
-
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise APIError("'top_p' must be greater than 0", param="top_p")
-    top_k = _integer(body, "top_k")
-    if top_k is None or top_k == -1:  # vLLM spells "disabled" as -1
-        top_k = 0
-    if top_k < 0:
-        raise APIError("'top_k' must be -1, 0 (disabled) or positive", param="top_k")
-    seed = _integer(body, "seed")
-
-    max_tokens = _integer(body, "max_completion_tokens")
-    name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, name = _integer(body, "max_tokens"), "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"'{name}' must be at least 1, got {max_tokens}", param=name)
-    if max_tokens is None:
-        # Whatever room the context and the KV pool leave (blocks are taken lazily, so this reserves nothing).
-        max_tokens = max(1, context_limit - prompt_len)
-
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise APIError("'ignore_eos' must be a boolean", param="ignore_eos")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise APIError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
-
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=_stop_strings(body),
-            stop_token_ids=tuple(stop_ids),
-            ignore_eos=ignore_eos,
-        )
-    except ValueError as e:
-        raise APIError(str(e)) from e
-
-
-def _message_text(i: int, content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: only text is understood
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise APIError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
-
-
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if messages is None:
-        raise APIError("'messages' is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise APIError(f"messages[{i}] must be an object", param=f"messages[{i}]")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise APIError(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param=f"messages[{i}].role"
-            )
-        text = "" if m.get("content") is None and role == "assistant" else _message_text(i, m.get("content"))
-        out.append({"role": "system" if role == "developer" else role, "content": text})
-    return out
 
 
 # --- the app ---------------------------------------------------------------------------------
@@ -209,7 +80,7 @@ def create_app(engine, model_name: str) -> FastAPI:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(str(exc.detail), exc.status_code).response()
 
-    async def read_body(request: Request) -> dict:
+    async def read_body(request: Request, schema: type[SamplingRequest], context: dict | None = None):
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -218,18 +89,19 @@ def create_app(engine, model_name: str) -> FastAPI:
         if not isinstance(body, dict):
             raise APIError("request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != model_name:
+        if isinstance(model, str) and model != model_name:
             raise APIError(f"the model {model!r} does not exist; this server serves {model_name!r}", 404, "model")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise APIError("'stream' must be a boolean", param="stream")
-        return body
+        try:
+            return schema.model_validate(body, context=context)
+        except ValidationError as e:
+            message, param = validation_error(e)
+            raise APIError(message, param=param) from None
 
-    def stream_flags(body: dict) -> tuple[bool, bool]:
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise APIError("'stream_options' must be an object", param="stream_options")
-        return body.get("stream", False), bool(opts.get("include_usage", False))
+    def sampling_params(req: SamplingRequest, prompt_len: int) -> SamplingParams:
+        try:
+            return req.to_sampling_params(prompt_len, context_limit())
+        except ValueError as e:
+            raise APIError(str(e)) from e
 
     # --- informational endpoints -------------------------------------------------------------
     @app.get("/healthz")
@@ -249,49 +121,31 @@ def create_app(engine, model_name: str) -> FastAPI:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine.stats, model_name=model_name))
+
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(engine.stats(), model_name), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- generation ---------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request)
-        messages = parse_messages(body)
+        req = await read_body(request, ChatCompletionRequest)
         try:
-            prompt = engine.apply_chat_template(messages)
+            prompt = engine.apply_chat_template(req.chat())
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
-        stream, include_usage = stream_flags(body)
-        params = parse_sampling(body, len(prompt), context_limit())
-        return await _generate(request, "chat", prompt, params, stream, include_usage)
+        params = sampling_params(req, len(prompt))
+        return await _generate(request, "chat", prompt, params, req.stream, req.include_usage)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError("'prompt' must not be empty", param="prompt")
-            ids = list(tokenizer(prompt)["input_ids"])
-        elif (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            ids = list(prompt)
-            vocab = len(tokenizer)
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(f"'prompt' token ids must be in [0, {vocab})", param="prompt")
-        elif prompt is None:
-            raise APIError("'prompt' is required", param="prompt")
-        else:
-            raise APIError("'prompt' must be a string or one list of token ids (batches are not supported)", "prompt")
-        if body.get("echo") or body.get("suffix"):
-            raise APIError("'echo' and 'suffix' are not supported", param="echo")
-        stream, include_usage = stream_flags(body)
-        params = parse_sampling(body, len(ids), context_limit())
-        return await _generate(request, "text", ids, params, stream, include_usage)
+        req = await read_body(request, CompletionRequest, {"vocab_size": len(tokenizer)})
+        prompt = req.prompt
+        ids = list(tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        params = sampling_params(req, len(ids))
+        return await _generate(request, "text", ids, params, req.stream, req.include_usage)
 
     async def _generate(
         request: Request, kind: str, prompt: list[int], params: SamplingParams, stream: bool, include_usage: bool
@@ -478,41 +332,3 @@ async def _sse(
             engine.abort(request_id)
         with contextlib.suppress(BaseException):
             await gen.aclose()
-
-
-# --- metrics -----------------------------------------------------------------------------------
-
-# stats key -> (metric name, type, help)
-_METRICS = [
-    ("running", "parley_num_requests_running", "gauge", "Requests in the running batch."),
-    ("waiting", "parley_num_requests_waiting", "gauge", "Requests waiting to be scheduled (new or preempted)."),
-    ("kv_blocks_used", "parley_kv_blocks_used", "gauge", "KV cache blocks held by requests."),
-    ("kv_blocks_total", "parley_kv_blocks_total", "gauge", "KV cache blocks in the pool."),
-    ("prefix_cache_hit_rate", "parley_prefix_cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache."),
-    ("generation_tokens_per_s", "parley_generation_tokens_per_s", "gauge", "Generated tokens/s, last 5 s."),
-    ("prompt_tokens_total", "parley_prompt_tokens_total", "counter", "Prompt tokens of admitted requests."),
-    ("generation_tokens_total", "parley_generation_tokens_total", "counter", "Generated tokens."),
-    ("requests_finished_total", "parley_requests_finished_total", "counter", "Requests finished (any reason)."),
-    ("requests_aborted_total", "parley_requests_aborted_total", "counter", "Requests aborted (client gone, abort)."),
-    ("num_preemptions_total", "parley_num_preemptions_total", "counter", "Requests preempted for lack of KV blocks."),
-]
-
-
-def prometheus_text(stats: dict, model_name: str) -> str:
-    """The engine's stats in Prometheus text exposition format (one sample per metric, labelled by model)."""
-    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"')
-    label = f'{{model_name="{escaped}"}}'
-    lines = []
-    for key, name, kind, help_ in _METRICS:
-        if key not in stats:
-            continue
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{label} {float(stats[key]):g}"]
-    used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
-    if used is not None and total:
-        name = "parley_kv_cache_usage_ratio"
-        lines += [
-            f"# HELP {name} Fraction of KV blocks in use.",
-            f"# TYPE {name} gauge",
-            f"{name}{label} {used / total:g}",
-        ]
-    return "\n".join(lines) + "\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -146,25 +147,33 @@ def test_seeded_sampling_is_reproducible(client):
 
 def test_metrics_in_prometheus_format(client):
     _chat(client, max_tokens=2)
-    text = client.get("/metrics").text
-    assert "# TYPE parley_requests_aborted_total counter" in text
+    r = client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    assert re.search(r"^# TYPE parley_engine_requests_aborted(_total)? counter$", r.text, re.M)
+    assert f'model_name="{MODEL}"' in r.text
     m = _metrics(client)
     for name in (
-        "parley_num_requests_running",
-        "parley_num_requests_waiting",
-        "parley_kv_blocks_used",
-        "parley_kv_blocks_total",
-        "parley_prefix_cache_hit_rate",
-        "parley_generation_tokens_per_s",
-        "parley_prompt_tokens_total",
-        "parley_generation_tokens_total",
-        "parley_requests_aborted_total",
-        "parley_requests_finished_total",
+        "parley_engine_requests_running",
+        "parley_engine_requests_waiting",
+        "parley_engine_kv_blocks_used",
+        "parley_engine_kv_blocks_free",
+        "parley_engine_kv_blocks_total",
+        "parley_engine_kv_cache_usage_ratio",
+        "parley_engine_prefix_cache_hit_rate",
+        "parley_engine_generation_tokens_per_second",
+        "parley_engine_prompt_tokens_total",
+        "parley_engine_generation_tokens_total",
+        "parley_engine_requests_aborted_total",
+        "parley_engine_requests_finished_total",
+        "parley_engine_preemptions_total",
+        "parley_engine_model_info",
     ):
         assert name in m, name
-    assert m["parley_kv_blocks_total"] == NUM_BLOCKS
-    assert m["parley_generation_tokens_total"] >= 2
-    assert 0.0 <= m["parley_prefix_cache_hit_rate"] <= 1.0
+    assert m["parley_engine_kv_blocks_total"] == NUM_BLOCKS
+    assert m["parley_engine_kv_blocks_free"] == NUM_BLOCKS - m["parley_engine_kv_blocks_used"]
+    assert m["parley_engine_generation_tokens_total"] >= 2
+    assert 0.0 <= m["parley_engine_prefix_cache_hit_rate"] <= 1.0
+    assert 'linear_kernel="dense"' in r.text
 
 
 @pytest.mark.parametrize(
@@ -192,6 +201,78 @@ def test_bad_requests_get_openai_errors(client, body, status, needle):
     err = r.json()["error"]
     assert needle in err["message"]
     assert err["type"] == "invalid_request_error"
+    assert err["code"] == status
+
+
+def _chat_body(**kw) -> dict:
+    return {"model": MODEL, "messages": QUESTION, "max_tokens": 4} | kw
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        # a tiny positive temperature used to overflow the sampler inside the engine loop
+        (_chat_body(temperature=1e-40), "temperature", "must be 0 (greedy) or between"),
+        (_chat_body(temperature=2.5), "temperature", "between"),
+        (_chat_body(temperature=True), "temperature", "number"),
+        (_chat_body(seed=-1), "seed", "greater than or equal to 0"),
+        (_chat_body(seed=2**63), "seed", "less than or equal to"),
+        (_chat_body(seed=1.5), "seed", "integer"),
+        (_chat_body(top_p=0), "top_p", "greater than 0"),
+        (_chat_body(top_k=-2), "top_k", "greater than or equal to -1"),
+        (_chat_body(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+        (_chat_body(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+        (_chat_body(stop=["x" * 201]), "stop", "at most 200 characters"),
+        (_chat_body(stop=[""]), "stop", "non-empty"),
+        (_chat_body(stop_token_ids=["a"]), "stop_token_ids[0]", "integer"),
+        (_chat_body(messages=[{"role": "user", "content": "hi"}] * 257), "messages", "at most 256"),
+        (_chat_body(messages=[{"role": "user", "content": "x" * 200_001}]), "messages[0].content", "characters"),
+        (_chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content", "text"),
+        (_chat_body(messages=[{"role": "user"}]), "messages[0].content", "string"),
+        (_chat_body(presence_penalty=0.5), "presence_penalty", "not supported"),
+        (_chat_body(logprobs=True), "logprobs", "not supported"),
+        (_chat_body(tools=[{"type": "function"}]), "tools", "not supported"),
+        (_chat_body(response_format={"type": "json_object"}), "response_format", "text"),
+        (_chat_body(stream_options=[1]), "stream_options", "stream_options"),
+    ],
+)
+def test_out_of_bounds_fields_are_rejected_with_the_field_named(client, body, param, needle):
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+
+
+def test_nan_temperature_is_rejected(client):
+    body = json.dumps(_chat_body()).removesuffix("}") + ', "temperature": NaN}'
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({}, "prompt", "'prompt' is required"),
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": []}, "prompt", "token ids"),
+        ({"prompt": [1, 2, 10**9]}, "prompt", "token ids must be in [0, "),
+        ({"prompt": ["a", "b"]}, "prompt", "batches are not supported"),
+        ({"prompt": "hi", "echo": True}, "echo", "not supported"),
+        ({"prompt": "hi", "n": 3}, "n", "must be 1"),
+    ],
+)
+def test_bad_completion_requests(client, body, param, needle):
+    r = client.post("/v1/completions", json={"model": MODEL, "max_tokens": 2} | body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+
+
+def test_sane_bounds_still_generate(client):
+    r = _chat(client, temperature=0.001, seed=2**63 - 1, top_k=-1, stop=["a" * 200, "b", "c", "d"], max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert client.get("/healthz").json()["status"] == "ok"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -205,15 +286,15 @@ def _wait_until_idle(client, aborted_before: float) -> dict[str, float]:
     deadline = time.monotonic() + 30
     while True:
         m = _metrics(client)
-        idle = m["parley_kv_blocks_used"] == 0 and m["parley_num_requests_running"] == 0
-        if m["parley_requests_aborted_total"] > aborted_before and idle:
+        idle = m["parley_engine_kv_blocks_used"] == 0 and m["parley_engine_requests_running"] == 0
+        if m["parley_engine_requests_aborted_total"] > aborted_before and idle:
             return m
         assert time.monotonic() < deadline, f"request not aborted / blocks not freed: {m}"
         time.sleep(0.1)
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(client, server):
-    before = _metrics(client)["parley_requests_aborted_total"]
+    before = _metrics(client)["parley_engine_requests_aborted_total"]
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -224,11 +305,11 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(client, server):
             if got >= 3:
                 break  # leaving the block closes the connection mid-stream
     m = _wait_until_idle(client, before)
-    assert m["parley_kv_blocks_used"] == 0
+    assert m["parley_engine_kv_blocks_used"] == 0
 
 
 def test_client_disconnect_during_non_streamed_request_aborts(client, server):
-    before = _metrics(client)["parley_requests_aborted_total"]
+    before = _metrics(client)["parley_engine_requests_aborted_total"]
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1000, "ignore_eos": True}
     with httpx.Client(base_url=server, timeout=1.0) as c, pytest.raises(httpx.TimeoutException):
         c.post("/v1/chat/completions", json=body)
