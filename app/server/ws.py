@@ -6,7 +6,7 @@ back, and enforces the per-connection limits:
 
 * every send has a deadline (``send_timeout_s``): a client that stops reading is closed
   (code 4001) and its session freed, instead of wedging with its slot held;
-* a connection with no frames for ``idle_timeout_s`` is closed (code 4000);
+* a connection with no frames for ``idle_timeout_s``, and no reply playing, is closed (code 4000);
 * microphone audio beyond ``max_audio_rate`` times real time is dropped, with one
   ``rate_limited`` error a second.
 """
@@ -122,6 +122,8 @@ async def _receive(
             async with asyncio.timeout(settings.idle_timeout_s):
                 message = await websocket.receive()
         except TimeoutError:
+            if session.busy:
+                continue  # listening to a long reply is not idling
             return CLOSE_IDLE, f"idle for {settings.idle_timeout_s:g} s"
         if message["type"] == "websocket.disconnect":
             return 1000, ""

@@ -103,6 +103,11 @@ class VoiceSession:
             protocol.Ready(input_sample_rate=self.input_sample_rate, output_sample_rate=self.models.tts.sample_rate)
         )
 
+    @property
+    def busy(self) -> bool:
+        """A reply is being produced or played: the user is listening, not idle."""
+        return self._reply is not None and self._reply.active()
+
     async def report(self, message: protocol.ServerMessage) -> None:
         """Send an event that does not come from the conversation itself (a transport limit, say)."""
         await self._send_json(message)

@@ -1,0 +1,252 @@
+"""Hostile pages, bad clients, stuck readers and floods against a real `parley serve` (uvicorn, bundled models).
+
+One server with an api_key, short limits and a small context, shared by these tests. Each
+test checks what must hold (refused, evicted, answered); no assertion rests on a timing
+margin tighter than several seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from conftest import start_server, stop_server
+
+from app import protocol
+from app.audio import float_to_pcm16
+
+KEY = "trust-test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SEND_TIMEOUT_S = 3
+IDLE_TIMEOUT_S = 8
+
+
+@pytest.fixture(scope="module")
+def guarded(output_dir):
+    server, base_url = start_server(
+        [
+            "serve",
+            "--api-key",
+            KEY,
+            "--send-timeout-s",
+            str(SEND_TIMEOUT_S),
+            "--idle-timeout-s",
+            str(IDLE_TIMEOUT_S),
+            "--llm-context-tokens",
+            "512",
+            "--llm-max-tokens",
+            "200",
+        ],
+        output_dir / "server-trust.log",
+    )
+    yield server, base_url
+    stop_server(server)
+
+
+def ws_url(base_url: str, path: str = "/ws") -> str:
+    return base_url.replace("http://", "ws://") + path
+
+
+def connect(base_url: str, **kwargs):
+    headers = kwargs.pop("additional_headers", AUTH)
+    return websockets.connect(ws_url(base_url), additional_headers=headers, max_size=1 << 22, **kwargs)
+
+
+async def events_until(ws, predicate, timeout_s: float = 90.0) -> list:
+    """Typed events (audio skipped) until ``predicate(event)``."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        message = await asyncio.wait_for(ws.recv(), max(0.1, deadline - time.monotonic()))
+        if isinstance(message, bytes):
+            continue
+        event = protocol.parse_server_message(message)
+        seen.append(event)
+        if predicate(event):
+            return seen
+
+
+def http_status(error: BaseException) -> int | None:
+    response = getattr(error, "response", None)
+    return getattr(response, "status_code", None)
+
+
+async def test_pages_of_other_origins_and_rebound_hosts_get_nothing(guarded):
+    _, base = guarded
+    for origin in ("http://evil.example", "null", "http://localhost:1"):
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with connect(base, origin=origin):
+                pass
+        assert http_status(refused.value) == 403, origin
+    async with connect(base, origin=base) as ws:  # the server's own page
+        assert isinstance(protocol.parse_server_message(await ws.recv()), protocol.Ready)
+    rebound = httpx.get(base + "/metrics", headers={**AUTH, "Host": "evil.example"})
+    assert rebound.status_code == 421
+    page = httpx.get(base + "/")
+    assert page.status_code == 200 and "connect-src 'self'" in page.headers["content-security-policy"]
+
+
+async def test_the_api_key_guards_the_socket_and_the_metrics(guarded):
+    _, base = guarded
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        async with connect(base, additional_headers={}):
+            pass
+    assert http_status(refused.value) == 403
+    async with websockets.connect(ws_url(base), subprotocols=["parley", f"parley.key.{KEY}"]) as ws:
+        assert ws.subprotocol == "parley"  # the key itself is never echoed
+        assert isinstance(protocol.parse_server_message(await ws.recv()), protocol.Ready)
+    async with websockets.connect(ws_url(base) + f"?key={KEY}") as ws:
+        assert isinstance(protocol.parse_server_message(await ws.recv()), protocol.Ready)
+    assert httpx.get(base + "/metrics").status_code == 401
+    assert httpx.get(base + "/metrics", headers=AUTH).status_code == 200
+    health = httpx.get(base + "/healthz").json()
+    assert health["auth_required"] is True and health["status"] == "ok"
+
+
+HOSTILE_FRAMES = [
+    '{"type": ["text"]}',
+    '{"type": {"nested": true}}',
+    "[" * 1000 + "]" * 1000,
+    '{"type": "text", "text": ' + "[" * 900 + "]" * 900 + "}",
+    '{"type": "start", "sample_rate": ' + "7" * 5000 + "}",
+    '{"type": "playback", "turn_id": 1, "played_ms": 1e400}',
+    '{"type": "playback", "turn_id": -1, "played_ms": 5}',
+    '{"type": "text", "text": null}',
+    "\u0000",
+    "",
+    "null",
+    '{"type": "start", "sample_rate": 8000.5}',
+]
+
+
+async def test_malformed_messages_get_errors_and_the_session_goes_on(guarded):
+    _, base = guarded
+    async with connect(base) as ws:
+        await ws.recv()
+        for frame in HOSTILE_FRAMES * 15:
+            await ws.send(frame)
+            [error] = await events_until(ws, lambda e: isinstance(e, protocol.Error), 10)
+            assert not error.fatal, (frame[:40], error)
+        await ws.send(json.dumps({"type": "text", "text": "Say hello."}))
+        await events_until(ws, lambda e: isinstance(e, protocol.TurnDone))
+
+
+async def test_a_frame_over_the_size_limit_closes_with_1009(guarded):
+    _, base = guarded
+    async with connect(base) as ws:
+        await ws.recv()
+        await ws.send(b"\x00" * ((1 << 20) + 2))
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            for _ in range(10):
+                await asyncio.wait_for(ws.recv(), 10)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+
+
+async def test_an_over_long_turn_is_truncated_with_a_notice_and_the_next_is_answered(guarded):
+    _, base = guarded
+    long_text = " ".join(["Please tell me about the history of every city in Europe."] * 35)[:2000]
+    async with connect(base) as ws:
+        await ws.recv()
+        await ws.send(json.dumps({"type": "text", "text": long_text}))
+        first = await events_until(ws, lambda e: isinstance(e, protocol.TurnDone | protocol.Error))
+        assert any(isinstance(e, protocol.Notice) and e.code == "truncated" for e in first)
+        assert isinstance(first[-1], protocol.TurnDone), first[-1]
+        await ws.send(json.dumps({"type": "text", "text": "What is the capital of France?"}))
+        second = await events_until(ws, lambda e: isinstance(e, protocol.TurnDone | protocol.Error))
+        assert isinstance(second[-1], protocol.TurnDone) and second[-1].text, second[-1]
+
+
+def raw_client_that_never_reads(base: str) -> socket.socket:
+    """A WebSocket upgrade on a socket with a tiny receive buffer, whose owner will never read again."""
+    port = int(base.rsplit(":", 1)[1])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    nonce = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        (
+            f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {nonce}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+        ).encode()
+    )
+    assert b"101" in sock.recv(200)
+    return sock
+
+
+def masked_text_frame(text: str) -> bytes:
+    payload = text.encode()
+    mask = os.urandom(4)
+    body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    assert len(payload) < 126
+    return bytes([0x81, 0x80 | len(payload)]) + mask + body
+
+
+def server_sessions(base: str) -> float:
+    text = httpx.get(base + "/metrics", headers=AUTH).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("parley_sessions "))
+
+
+async def test_a_client_that_stops_reading_is_evicted_and_its_slot_freed(guarded):
+    _, base = guarded
+    sock = raw_client_that_never_reads(base)
+    try:
+        # Each question gets a long spoken reply (~2 MB of audio) that nobody reads; once the socket
+        # buffers are full (a few MB on loopback) a send blocks, and after send_timeout_s it is evicted.
+        started = time.monotonic()
+        while server_sessions(base) == 0:  # the session is registered just after the upgrade
+            assert time.monotonic() - started < 10
+            await asyncio.sleep(0.1)
+        for second in range(150):
+            if second % 8 == 0:
+                sock.sendall(masked_text_frame('{"type":"text","text":"Tell me a very long story."}'))
+            if server_sessions(base) == 0:
+                break
+            await asyncio.sleep(1)
+        assert server_sessions(base) == 0, "the non-reading client was never evicted"
+        assert time.monotonic() - started < 150
+        metrics = httpx.get(base + "/metrics", headers=AUTH).text
+        assert 'parley_evictions_total{reason="not_reading"} 1.0' in metrics
+    finally:
+        sock.close()
+    async with connect(base) as ws:  # the server still serves
+        await ws.recv()
+        await ws.send(json.dumps({"type": "text", "text": "Hello?"}))
+        await events_until(ws, lambda e: isinstance(e, protocol.TurnDone))
+
+
+async def test_an_idle_connection_is_closed(guarded):
+    _, base = guarded
+    async with connect(base) as ws:
+        await ws.recv()
+        started = time.monotonic()
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await asyncio.wait_for(ws.recv(), IDLE_TIMEOUT_S * 4)
+        assert closed.value.rcvd.code == 4000 and "idle" in closed.value.rcvd.reason
+        assert time.monotonic() - started >= IDLE_TIMEOUT_S - 1
+
+
+async def test_an_audio_flood_is_rate_limited(guarded):
+    _, base = guarded
+    noise = float_to_pcm16(np.random.default_rng(0).normal(0, 0.05, 320).astype(np.float32))
+    async with connect(base) as ws:
+        await ws.recv()
+        for _ in range(1500):  # 30 s of audio, sent as fast as the socket takes it
+            await ws.send(noise)
+        [error] = await events_until(ws, lambda e: isinstance(e, protocol.Error) and e.code == "rate_limited", 30)
+        assert not error.fatal
+    metrics = httpx.get(base + "/metrics", headers=AUTH).text
+    dropped = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("parley_rate_limited_audio_seconds_total ")
+    )
+    assert dropped >= 10  # most of the 30 s were dropped, not decoded
