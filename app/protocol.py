@@ -66,7 +66,33 @@ class Playback(_Message):
     played_ms: float = Field(ge=0)
 
 
-ClientMessage = Annotated[Start | UserText | Reset | Playback, Field(discriminator="type")]
+class Cancel(_Message):
+    """Stop the reply now (like a barge-in, without speaking); the history keeps what was heard."""
+
+    type: Literal["cancel"] = "cancel"
+
+
+MAX_SYSTEM_PROMPT_CHARS = 2_000
+
+
+class SessionConfig(_Message):
+    """Per-conversation preferences; each field given replaces the current value, the others stay.
+
+    ``language`` is the ASR language ("" = detect it), ``barge_in`` whether speaking over a
+    reply interrupts it, ``half_duplex`` whether the microphone is ignored while a reply plays
+    (loudspeakers without echo cancellation).
+    """
+
+    type: Literal["config"] = "config"
+    system_prompt: str | None = Field(None, min_length=1, max_length=MAX_SYSTEM_PROMPT_CHARS)
+    voice: str | None = Field(None, min_length=1, max_length=200)
+    language: str | None = Field(None, max_length=16, pattern=r"^[a-z]{0,3}(-[A-Za-z]{2,4})?$")
+    barge_in: bool | None = None
+    half_duplex: bool | None = None
+
+
+ClientMessage = Annotated[Start | UserText | Reset | Playback | Cancel | SessionConfig, Field(discriminator="type")]
+ClientMessageType = Start | UserText | Reset | Playback | Cancel | SessionConfig
 _client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
 
 
@@ -78,6 +104,8 @@ class Ready(_Message):
     protocol: int = PROTOCOL_VERSION
     input_sample_rate: int
     output_sample_rate: int
+    voices: list[str] = Field(default_factory=list)  # what ``config.voice`` may name
+    languages: list[str] = Field(default_factory=list)  # what ``config.language`` may name ("" = detect)
 
 
 class SpeechStarted(_Message):
@@ -118,6 +146,17 @@ class Interrupt(_Message):
 
     type: Literal["interrupt"] = "interrupt"
     turn_id: int
+
+
+class ConfigApplied(_Message):
+    """The session's preferences after a ``config`` message (and what they are by default)."""
+
+    type: Literal["config_applied"] = "config_applied"
+    system_prompt: str
+    voice: str
+    language: str
+    barge_in: bool
+    half_duplex: bool
 
 
 class TurnMetrics(BaseModel):
@@ -192,6 +231,7 @@ ServerMessage = Annotated[
     | AudioStart
     | Interrupt
     | TurnDone
+    | ConfigApplied
     | Notice
     | Error,
     Field(discriminator="type"),
@@ -207,7 +247,7 @@ class ProtocolError(Exception):
         self.event = Error(code=code, message=message, fatal=fatal)
 
 
-_CLIENT_TYPES = frozenset({"start", "text", "reset", "playback"})
+_CLIENT_TYPES = frozenset({"start", "text", "reset", "playback", "cancel", "config"})
 MAX_JSON_DEPTH = 8  # client messages are flat objects; deeper nesting is never valid
 MAX_NUMBER_CHARS = 32  # no field needs more digits; Python would parse 4300-digit integers
 
@@ -263,7 +303,7 @@ def _load_json(raw: str):
         raise ProtocolError("bad_json", f"message is not acceptable JSON: {exc}") from None
 
 
-def parse_client_text(raw: str) -> Start | UserText | Reset | Playback:
+def parse_client_text(raw: str) -> ClientMessageType:
     """Validate one JSON text frame from the client."""
     if len(raw.encode("utf-8", "replace")) > MAX_TEXT_FRAME_BYTES:
         raise ProtocolError("frame_too_large", f"text frame over {MAX_TEXT_FRAME_BYTES} bytes")

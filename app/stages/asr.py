@@ -57,6 +57,7 @@ class Transcriber:
             language=(language or "en") if multilingual else None,
         )
         self._prompt = [*self.tokenizer.sot_sequence, self.tokenizer.no_timestamps]
+        self.languages: list[str] = [self.tokenizer.language_code or "en"] if multilingual else ["en"]
         self.beam_size = beam_size
         self.window_s = min(MAX_WINDOW_S, max(1.0, window_s))
         extractor = self.whisper.feature_extractor

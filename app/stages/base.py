@@ -62,6 +62,8 @@ class Transcription:
 
 
 class SpeechRecognizer(Protocol):
+    languages: list[str]  # what a session may ask for: ["en"] for an English-only model; "" means detect
+
     def transcribe(self, audio: np.ndarray, *, wait: bool = True, context: str = "") -> Transcription | None:
         """Transcribe 16 kHz float32 mono audio (blocking: call it off the event loop).
 
@@ -109,6 +111,7 @@ class ChatLLM(Protocol):
 # ---------------------------------------------------------------- TTS
 class Synthesizer(Protocol):
     sample_rate: int
+    voices: list[str]  # names a session may choose (``config.voice``); the first is the default
 
     def synthesize(self, text: str) -> Iterator[np.ndarray]:
         """Yield float32 mono audio chunks at ``sample_rate`` for ``text`` (blocking; run off the loop)."""

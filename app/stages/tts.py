@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -41,6 +42,7 @@ class PiperSynthesizer:
                 str(model), sess_options=options, providers=["CPUExecutionProvider"]
             )
         self.sample_rate: int = self.voice.config.sample_rate
+        self.voices = ["joe" if voice == BUNDLED_VOICE else Path(str(model)).stem]
         self._config = SynthesisConfig(length_scale=length_scale) if length_scale else None
         self._lock = threading.Lock()  # one onnxruntime session; avoid oversubscribing 2 cores
 

@@ -54,6 +54,7 @@ class CoquiSynthesizer:
         self.model.to(device).eval()
         self.sample_rate: int = int(config.audio.output_sample_rate)
         self.language = language
+        self.voices = [speaker_wav and Path(speaker_wav).stem or speaker]
         self.stream_chunk_size = stream_chunk_size
         with torch.inference_mode():
             if speaker_wav:  # voice cloning from a few seconds of reference audio

@@ -22,6 +22,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -36,6 +37,18 @@ from app.voice.reply import Reply, SendBytes, SendJson, cancel_task
 from app.voice.turns import Endpointer, history_window, is_filler, looks_unfinished
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionPrefs:
+    """What a client may change about its own conversation (the ``config`` message)."""
+
+    system_prompt: str
+    voice: str
+    language: str
+    barge_in: bool = True
+    half_duplex: bool = False
+
 
 HISTORY_KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
 
@@ -66,6 +79,11 @@ class VoiceSession:
         self._warm_task: asyncio.Task | None = None
         self._closed = False
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
+        self.prefs = SessionPrefs(
+            system_prompt=settings.system_prompt,
+            voice=models.tts.voices[0] if models.tts.voices else "default",
+            language=models.asr.languages[0] if models.asr.languages else "en",
+        )
         self._configure_input(protocol.INPUT_SAMPLE_RATE)
 
     # ------------------------------------------------------------------ input
@@ -100,7 +118,12 @@ class VoiceSession:
 
     async def _ready(self) -> None:
         await self._send_json(
-            protocol.Ready(input_sample_rate=self.input_sample_rate, output_sample_rate=self.models.tts.sample_rate)
+            protocol.Ready(
+                input_sample_rate=self.input_sample_rate,
+                output_sample_rate=self.models.tts.sample_rate,
+                voices=list(self.models.tts.voices),
+                languages=list(self.models.asr.languages),
+            )
         )
 
     @property
@@ -134,6 +157,36 @@ class VoiceSession:
             reply = self._reply
             if reply is not None and reply.turn_id == message.turn_id:
                 reply.playback.reported_played_s = message.played_ms / 1000
+        elif isinstance(message, protocol.Cancel):
+            await self._cancel_speculation()
+            await self._interrupt_reply(barge_in=False)
+        elif isinstance(message, protocol.SessionConfig):
+            await self._configure(message)
+
+    async def _configure(self, message: protocol.SessionConfig) -> None:
+        """Apply per-session preferences; an unsupported value is an error and changes nothing."""
+        if message.voice is not None and message.voice not in self.models.tts.voices:
+            await self._send_json(
+                protocol.Error(
+                    code="bad_config", message=f"no voice {message.voice!r}; voices: {self.models.tts.voices}"
+                )
+            )
+            return
+        if message.language is not None and message.language not in self.models.asr.languages:
+            await self._send_json(
+                protocol.Error(
+                    code="bad_config",
+                    message=f"the speech model does not take language {message.language!r}; "
+                    f"it takes {self.models.asr.languages}",
+                )
+            )
+            return
+        changes = message.model_dump(exclude_none=True, exclude={"type"})
+        new_prompt = changes.get("system_prompt", self.prefs.system_prompt) != self.prefs.system_prompt
+        self.prefs = replace(self.prefs, **changes)
+        await self._send_json(protocol.ConfigApplied(**asdict(self.prefs)))
+        if new_prompt and self.history:
+            self._warm_next_prompt()  # the prompt's start changed: prefill it while the user is silent
 
     async def handle_audio(self, data: bytes) -> None:
         try:
@@ -145,6 +198,8 @@ class VoiceSession:
 
     async def feed_audio(self, samples: np.ndarray) -> None:
         """16 kHz float32 input, already decoded (``handle_audio`` decodes and resamples the wire format)."""
+        if self.prefs.half_duplex and self.busy:
+            samples = np.zeros_like(samples)  # the speaker's own reply must not be heard as the user
         await self._tracker.feed(samples)
 
     # ------------------------------------------------------------------ the user's side
@@ -160,7 +215,7 @@ class VoiceSession:
             case heard.Partial(turn_id=turn_id, text=text):
                 await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=False))
             case heard.Speaking(speech_ms=speech_ms):
-                if speech_ms >= self.settings.barge_in_ms:
+                if self.prefs.barge_in and speech_ms >= self.settings.barge_in_ms:
                     await self._interrupt_reply()
             case heard.TailText():
                 if self.settings.speculative_reply and not is_filler(event.text) and not looks_unfinished(event.text):
@@ -275,7 +330,7 @@ class VoiceSession:
 
     def _messages(self, history: list[Message] | None = None) -> list[Message]:
         window = history_window(self.history if history is None else history, self.settings.max_history_messages)
-        return [{"role": "system", "content": self.settings.system_prompt}, *window]
+        return [{"role": "system", "content": self.prefs.system_prompt}, *window]
 
     def _record_reply(self, reply: Reply) -> None:
         if reply.text:
@@ -309,8 +364,8 @@ class VoiceSession:
         except Exception:  # only an optimisation: the next turn computes it anyway
             log.debug("prefix warm-up failed", exc_info=True)
 
-    async def _interrupt_reply(self) -> None:
-        """Barge-in: stop the reply, tell the client to stop playing, keep only what was heard."""
+    async def _interrupt_reply(self, barge_in: bool = True) -> None:
+        """Barge-in (or ``cancel``): stop the reply, tell the client to stop playing, keep only what was heard."""
         reply, self._reply = self._reply, None
         if reply is None or not reply.active():
             return
@@ -325,7 +380,7 @@ class VoiceSession:
         if self._closed:
             return
         await self._send_json(protocol.Interrupt(turn_id=reply.turn_id))
-        reply.metrics.barge_in = True
+        reply.metrics.barge_in = barge_in
         await self._send_json(
             protocol.TurnDone(turn_id=reply.turn_id, text=heard_text, interrupted=True, metrics=reply.final_metrics())
         )

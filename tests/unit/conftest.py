@@ -50,6 +50,8 @@ class EnergyVadModel:
 class ScriptedASR:
     """Hears whatever the test says it hears: ``text`` for the final (tail) transcript, ``partial`` for partials."""
 
+    languages = ["en"]
+
     def __init__(self, text: str = "", partial: str | None = None) -> None:
         self.text = text
         self.partial = partial
@@ -104,6 +106,7 @@ class WordTTS:
     """A quarter of a second of tone per word, so the played share of a reply maps to its words."""
 
     sample_rate = RATE
+    voices = ["tone", "other-tone"]
     seconds_per_word = 0.25
 
     def synthesize(self, text):

@@ -213,3 +213,54 @@ async def test_turn_metrics_are_observed_once_per_turn(conversation):
     [metrics] = conv.metrics
     assert metrics.endpoint_ms is not None and 399.9 <= metrics.endpoint_ms <= 460  # clock time, frame-exact
     assert metrics.voice_to_voice_ms is not None and metrics.rtf is not None and metrics.underruns == 0
+
+
+async def test_cancel_stops_the_reply_and_keeps_what_was_heard(conversation):
+    conv = conversation()
+    await reply_playing(conv)
+    await conv.silence(1.0)
+    await conv.session.handle_text('{"type": "cancel"}')
+    assert conv.of(protocol.Interrupt)[-1].turn_id == 1
+    done = conv.of(protocol.TurnDone)[-1]
+    assert done.interrupted and not done.metrics.barge_in  # stopped by the client, not by speech
+    assert conv.session.history[0]["content"] == "Tell me a story."
+    assert 0 < len(conv.session.history[1]["content"].split()) < 20
+    await conv.type("Go on.")  # the conversation continues with what was heard
+    assert conv.llm.calls[-1][1][-2] == conv.session.history[1]
+
+
+async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(conversation):
+    conv = conversation()
+    await conv.session.handle_text(
+        '{"type": "config", "system_prompt": "Answer like a pirate.", "voice": "other-tone"}'
+    )
+    applied = conv.of(protocol.ConfigApplied)[-1]
+    assert applied.system_prompt == "Answer like a pirate." and applied.voice == "other-tone" and applied.barge_in
+    await conv.type("Hello?")
+    assert conv.llm.calls[-1][1][0] == {"role": "system", "content": "Answer like a pirate."}
+    await conv.session.handle_text('{"type": "config", "voice": "nobody"}')
+    await conv.session.handle_text('{"type": "config", "language": "de"}')
+    errors = [e for e in conv.of(protocol.Error) if e.code == "bad_config"]
+    assert len(errors) == 2 and "nobody" in errors[0].message and "'de'" in errors[1].message
+    assert conv.session.prefs.voice == "other-tone"  # a rejected config changes nothing
+
+
+async def test_without_barge_in_speech_does_not_interrupt(conversation):
+    conv = conversation()
+    await conv.session.handle_text('{"type": "config", "barge_in": false}')
+    await reply_playing(conv)
+    await conv.speak(1.0, "Hello there, listen.")
+    assert not conv.of(protocol.Interrupt)
+
+
+async def test_half_duplex_ignores_the_microphone_while_the_reply_plays(conversation):
+    conv = conversation()
+    await conv.session.handle_text('{"type": "config", "half_duplex": true}')
+    await reply_playing(conv)
+    await conv.speak(1.0, "This is the speaker's echo.")
+    await conv.silence(1.0)
+    assert not conv.of(protocol.Interrupt) and not conv.of(protocol.SpeechStarted)
+    await conv.silence(4.0)  # the reply has played out: the microphone counts again
+    await conv.speak(0.8, "Now I speak.")
+    await conv.silence_until(lambda: len(conv.finals()) == 2)
+    assert conv.finals()[-1].text == "Now I speak."
