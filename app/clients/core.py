@@ -19,6 +19,7 @@ per-turn figures are ``protocol.TurnMetrics`` fields.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -146,7 +147,10 @@ class Connection:
 
 
 def _connect(url: str, open_timeout: float):
-    return websockets.connect(url, max_size=MAX_MESSAGE_BYTES, open_timeout=open_timeout)
+    """Open the socket; a server with an ``api_key`` gets it from ``PARLEY_API_KEY`` as a Bearer header."""
+    key = os.environ.get("PARLEY_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    return websockets.connect(url, max_size=MAX_MESSAGE_BYTES, open_timeout=open_timeout, additional_headers=headers)
 
 
 async def open_connection(

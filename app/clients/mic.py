@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -499,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--list-devices", action="store_true", help="list audio devices and exit")
     parser.add_argument("--barge-in", action="store_true", help="keep the mic open while the reply plays (headphones)")
     parser.add_argument("--push-to-talk", action="store_true", help="mic muted until Enter is pressed (toggle)")
+    parser.add_argument(
+        "--api-key", metavar="KEY", help="the server's api_key, if it has one (default: $PARLEY_API_KEY)"
+    )
     parser.add_argument("--max-turns", type=int, metavar="N", help="exit after N replies")
     parser.add_argument("--exit-after-s", type=float, metavar="S", help="exit after S seconds")
     return parser
@@ -538,6 +542,8 @@ async def _run(args: argparse.Namespace, sd) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.api_key:
+        os.environ["PARLEY_API_KEY"] = args.api_key  # the client core sends it with every connection
     try:
         if args.max_turns is not None and args.max_turns < 1:
             raise UsageError("--max-turns must be at least 1")

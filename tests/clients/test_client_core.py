@@ -50,6 +50,7 @@ EVERY_EVENT = [
     protocol.Interrupt(turn_id=1),
     protocol.TurnDone(turn_id=1, text="Hi", interrupted=True, metrics=METRICS),
     protocol.Notice(turn_id=2, code="truncated", message="cut to fit"),
+    protocol.ConfigApplied(system_prompt="Be brief.", voice="joe", language="en", barge_in=True, half_duplex=False),
     protocol.Error(code="overloaded", message="busy", fatal=True),
 ]
 
