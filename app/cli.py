@@ -77,6 +77,10 @@ def _bench(args: argparse.Namespace) -> int:
         from engine.benchmarks.throughput import main as bench_engine
 
         return bench_engine(args.rest)
+    if args.what == "load":
+        from app.bench.load import main as bench_load
+
+        return bench_load(args.rest)
     from app.bench.voice import main as bench_voice
 
     return bench_voice(args.rest)
@@ -101,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("rest", nargs=argparse.REMAINDER)
     engine.set_defaults(func=_engine)
 
-    bench = commands.add_parser("bench", help="benchmarks: `parley bench engine|voice --help`")
-    bench.add_argument("what", choices=["engine", "voice"])
+    bench = commands.add_parser("bench", help="benchmarks: `parley bench engine|voice|load --help`")
+    bench.add_argument("what", choices=["engine", "voice", "load"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 

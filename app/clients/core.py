@@ -48,6 +48,14 @@ STAGE_LABELS = {
 }  # read with getattr(metrics, name): a name TurnMetrics lacks fails loudly (and tests/clients checks them)
 
 
+class ServerRefused(OSError):
+    """The server accepted the socket but refused the session (``overloaded``, with a retry hint)."""
+
+    def __init__(self, event: protocol.Error) -> None:
+        super().__init__(f"the server refused the session: {event.message}")
+        self.event = event
+
+
 class ConnectionRefused(Exception):
     """The server answered the WebSocket upgrade with an HTTP error that a retry will not fix (4xx)."""
 
@@ -98,6 +106,8 @@ class Connection:
             first = decode(await asyncio.wait_for(ws.recv(), timeout_s))
         except ValueError as error:
             raise OSError(f"expected 'ready' from the server: {error}") from None
+        if isinstance(first, protocol.Error):
+            raise ServerRefused(first)
         if not isinstance(first, protocol.Ready):
             kind = "audio" if isinstance(first, bytes) else first.type
             raise OSError(f"expected 'ready' from the server, got {kind!r}")
