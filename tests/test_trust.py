@@ -250,3 +250,55 @@ async def test_an_audio_flood_is_rate_limited(guarded):
         if line.startswith("parley_rate_limited_audio_seconds_total ")
     )
     assert dropped >= 10  # most of the 30 s were dropped, not decoded
+
+
+def engine_figure(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", headers=AUTH).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"parley_engine_{name} "))
+
+
+def process_footprint(pid: int) -> tuple[int, int]:
+    """(threads, open files) of the server process."""
+    return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def hang_up_mid_reply(base: str) -> None:
+    ws = await connect(base).__aenter__()
+    await ws.recv()
+    await ws.send(json.dumps({"type": "text", "text": "Tell me a long story about a dragon."}))
+    while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):
+        pass  # until the reply is being spoken
+    ws.transport.abort()  # no close frame: the client just vanishes
+
+
+async def settled(base: str, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (
+            server_sessions(base) == 0
+            and engine_figure(base, "requests_running") == 0
+            and engine_figure(base, "requests_waiting") == 0
+            and engine_figure(base, "kv_blocks_used") == 0
+        ):
+            return True
+        await asyncio.sleep(0.5)
+    return False
+
+
+async def test_a_storm_of_abrupt_disconnects_leaves_nothing_behind(guarded):
+    server, base = guarded
+    await hang_up_mid_reply(base)  # warm every pool once
+    assert await settled(base), "a single abrupt disconnect left work behind"
+    threads_before, files_before = process_footprint(server.process.pid)
+    aborted_before = engine_figure(base, "requests_aborted_total")
+    for _ in range(20):
+        await hang_up_mid_reply(base)
+    assert await settled(base), "sessions, engine requests or KV blocks were left behind"
+    assert engine_figure(base, "requests_aborted_total") >= aborted_before + 20
+    threads_after, files_after = process_footprint(server.process.pid)
+    assert threads_after <= threads_before + 2, (threads_before, threads_after)
+    assert files_after <= files_before + 2, (files_before, files_after)
+    async with connect(base) as ws:  # and it still answers
+        await ws.recv()
+        await ws.send(json.dumps({"type": "text", "text": "Hello?"}))
+        await events_until(ws, lambda e: isinstance(e, protocol.TurnDone))

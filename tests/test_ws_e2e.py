@@ -117,10 +117,11 @@ def test_healthz_and_page(live_server):
 
 
 def llm_figure(base_url: str, figure: str) -> float:
+    """One of the engine's ``parley_engine_*`` figures, as the voice server exports them."""
     for line in httpx.get(base_url + "/metrics").text.splitlines():
-        if line.startswith(f'parley_llm{{figure="{figure}"}}'):
+        if line.startswith(f"parley_engine_{figure} "):
             return float(line.split()[-1])
-    raise AssertionError(f"{figure} not in /metrics")
+    raise AssertionError(f"parley_engine_{figure} not in /metrics")
 
 
 async def test_barge_in_aborts_the_engine_request_and_frees_its_blocks(live_server, speech):
@@ -129,7 +130,7 @@ async def test_barge_in_aborts_the_engine_request_and_frees_its_blocks(live_serv
     assert_barged_in(events)
     assert llm_figure(live_server, "requests_aborted_total") >= aborted_before + 1
     for _ in range(100):  # the new turn's request ends once the socket is gone
-        if llm_figure(live_server, "kv_blocks_used") == 0 and llm_figure(live_server, "running") == 0:
+        if llm_figure(live_server, "kv_blocks_used") == 0 and llm_figure(live_server, "requests_running") == 0:
             break
         await asyncio.sleep(0.1)
     assert llm_figure(live_server, "kv_blocks_used") == 0

@@ -82,9 +82,8 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
     async def metrics(request: Request):
         if not access.key_ok(request.headers, request.query_params):
             return JSONResponse({"error": "api key required"}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        llm = app.state.models.llm
-        stats = llm.stats() if hasattr(llm, "stats") else None
-        body = app.state.metrics.render(len(app.state.sessions), stats)
+        app.state.metrics.attach_llm(app.state.models.llm)
+        body = app.state.metrics.render(len(app.state.sessions))
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.websocket("/ws")

@@ -8,6 +8,7 @@ from prometheus_client.registry import Collector
 
 from app.protocol import TurnMetrics
 from app.server.admission import Admission
+from engine.metrics import EngineCollector
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 # one histogram per latency figure of a turn, named and described by ``TurnMetrics`` itself
@@ -47,9 +48,7 @@ class VoiceMetrics:
         )
         if admission is not None:
             self.registry.register(_AdmissionCollector(admission))
-        self.llm = Gauge(
-            "parley_llm", "LLM engine figures (in-process engine only)", ["figure"], registry=self.registry
-        )
+        self._llm_attached = False
 
     def observe_turn(self, metrics: TurnMetrics) -> None:
         if self._admission is not None:
@@ -65,11 +64,15 @@ class VoiceMetrics:
             self.barge_ins.inc()
         self.underruns.inc(metrics.underruns)
 
-    def render(self, sessions: int, llm_stats: dict | None) -> bytes:
+    def attach_llm(self, llm: object) -> None:
+        """Export the in-process engine's figures (``parley_engine_*``, the names ``parley engine serve`` uses)."""
+        stats = getattr(llm, "stats", None)
+        if stats is not None and not self._llm_attached:
+            self.registry.register(EngineCollector(stats))
+            self._llm_attached = True
+
+    def render(self, sessions: int) -> bytes:
         self.sessions.set(sessions)
-        for figure, value in (llm_stats or {}).items():
-            if isinstance(value, int | float):
-                self.llm.labels(figure=figure).set(value)
         return generate_latest(self.registry)
 
 
