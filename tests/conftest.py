@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from app.audio import float_to_pcm16
-from app.launcher import ROOT, ServerProcess
-from app.samples import synthesize_speech
+from app.bench.launcher import ROOT, ServerProcess
+from app.bench.samples import synthesize_speech
 
 OUTPUT_DIR = ROOT / "test-output"
 
