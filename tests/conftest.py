@@ -8,22 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import start_server, stop_server
 
 from app.audio import float_to_pcm16
-from app.bench.launcher import ROOT, ServerProcess
+from app.bench.launcher import ROOT
 from app.bench.samples import synthesize_speech
 
 OUTPUT_DIR = ROOT / "test-output"
-
-
-def start_server(args: list[str], log_path: Path, ready_path: str = "/healthz", timeout_s: float = 180):
-    """Start a `parley` subprocess; returns (server, base_url). Stop it with ``stop_server``."""
-    server = ServerProcess(args, log_path, ready_path, timeout_s)
-    return server, server.base_url
-
-
-def stop_server(server: ServerProcess) -> None:
-    server.stop()
 
 
 @pytest.fixture(scope="session")

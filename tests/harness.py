@@ -1,4 +1,5 @@
-"""A voice session driven frame by frame without a network: real VAD/ASR/TTS, a scripted LLM."""
+"""Shared test helpers: a voice session driven frame by frame without a network (real VAD/ASR/TTS, a
+scripted LLM), talking over a reply through a real server, and starting `parley` servers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from app import protocol
 from app.audio import float_to_pcm16
+from app.bench.launcher import ServerProcess
 from app.config import Settings
 from app.stages.registry import Models
 from app.voice.session import VoiceSession
@@ -142,3 +144,13 @@ def assert_barged_in(events: list[dict]) -> None:
     assert cut["interrupted"] is True
     final = next(e["text"] for e in events if e["type"] == "transcript" and e["final"] and e["turn_id"] > 1)
     assert "capital" in words(final)
+
+
+def start_server(args: list[str], log_path, ready_path: str = "/healthz", timeout_s: float = 180):
+    """Start a `parley` subprocess on a free loopback port; returns (server, base_url). Stop it with ``stop_server``."""
+    server = ServerProcess(args, log_path, ready_path, timeout_s)
+    return server, server.base_url
+
+
+def stop_server(server: ServerProcess) -> None:
+    server.stop()

@@ -23,7 +23,7 @@ from app.clients.core import backoff_delays
 from app.clients.mic import Console, Framer, Gate, MicClient, Player, SoundDeviceAudio, UsageError, pace
 from app.voice.text import words
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUESTION = "What is the capital of France?"
 
 

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
-from conftest import start_server, stop_server
+from harness import start_server, stop_server
 
 from app import protocol
 from app.audio import float_to_pcm16

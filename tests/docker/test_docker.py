@@ -17,7 +17,7 @@ import yaml
 
 from app.config import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 NOT_SETTINGS = {"PARLEY_CACHE_DIR", "PARLEY_DATA_DIR", "PARLEY_CONFIG"}  # read by engine.weights / entrypoint
 

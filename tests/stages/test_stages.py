@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from app.stages.asr import Transcriber
 from app.audio import StreamResampler, resample
-from app.voice.text import words
+from app.stages.asr import Transcriber
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad, VadConfig, VadStream
+from app.voice.text import words
 
 QUESTION = "What is the capital of France?"
 

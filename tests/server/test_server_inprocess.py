@@ -8,10 +8,10 @@ import pytest
 from fastapi.testclient import TestClient
 from harness import ScriptedLLM
 
-from app.stages.asr import Transcriber
 from app.config import Settings
-from app.stages.registry import Models
 from app.server.app import create_app
+from app.stages.asr import Transcriber
+from app.stages.registry import Models
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad
 
