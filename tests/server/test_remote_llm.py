@@ -38,26 +38,26 @@ def engine_figure(engine_url: str, name: str) -> float:
 
 async def test_spoken_question_answered_by_the_remote_engine(engine_and_voice, speech):
     engine_url, voice_url = engine_and_voice
-    finished_before = engine_figure(engine_url, "parley_requests_finished_total")
+    finished_before = engine_figure(engine_url, "parley_engine_requests_finished_total")
     result = await speak_turn(voice_url, speech("What is the capital of France?"), trailing_silence_s=1.5)
     assert words(result.final_transcript) == words("What is the capital of France?")
     assert words(result.assistant_text)
     assert len(result.reply_samples) > 0
-    assert engine_figure(engine_url, "parley_requests_finished_total") > finished_before
+    assert engine_figure(engine_url, "parley_engine_requests_finished_total") > finished_before
 
 
 async def test_barge_in_closes_the_remote_stream_and_the_engine_aborts(engine_and_voice, speech):
     engine_url, voice_url = engine_and_voice
-    aborted_before = engine_figure(engine_url, "parley_requests_aborted_total")
+    aborted_before = engine_figure(engine_url, "parley_engine_requests_aborted_total")
     events = await talk_over_a_long_reply(voice_url, speech("Wait what is the capital of France?"))
     assert_barged_in(events)
     for _ in range(100):
-        if engine_figure(engine_url, "parley_requests_aborted_total") > aborted_before:
+        if engine_figure(engine_url, "parley_engine_requests_aborted_total") > aborted_before:
             break
         await asyncio.sleep(0.1)
-    assert engine_figure(engine_url, "parley_requests_aborted_total") >= aborted_before + 1
+    assert engine_figure(engine_url, "parley_engine_requests_aborted_total") >= aborted_before + 1
     for _ in range(100):
-        if engine_figure(engine_url, "parley_kv_blocks_used") == 0:
+        if engine_figure(engine_url, "parley_engine_kv_blocks_used") == 0:
             break
         await asyncio.sleep(0.1)
-    assert engine_figure(engine_url, "parley_kv_blocks_used") == 0
+    assert engine_figure(engine_url, "parley_engine_kv_blocks_used") == 0
