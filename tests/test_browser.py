@@ -51,20 +51,30 @@ def playwright():
 
 
 @contextlib.contextmanager
-def browser_page(playwright, profile_dir: Path, args: list[str], permissions: list[str]):
-    """A persistent-context chromium page that records uncaught page errors."""
+def browser_page(
+    playwright, profile_dir: Path, args: list[str], permissions: list[str], *, bypass_csp: bool = True, **options
+):
+    """A persistent-context chromium page that records uncaught page errors and console messages.
+
+    The server's Content-Security-Policy forbids eval, and Playwright's ``wait_for_function``
+    with a string is eval: the tests that drive the page through it bypass the CSP, and
+    ``test_page_runs_under_the_servers_csp`` checks the page itself under the real policy.
+    """
     context = playwright.chromium.launch_persistent_context(
         str(profile_dir),
         executable_path=str(CHROMIUM),
         headless=True,
         args=args,
         permissions=permissions,
-        viewport={"width": 900, "height": 860},
+        bypass_csp=bypass_csp,
+        **{"viewport": {"width": 900, "height": 860}, **options},
     )
     try:
         page = context.pages[0] if context.pages else context.new_page()
         page.page_errors = []  # type: ignore[attr-defined]
+        page.console = []  # type: ignore[attr-defined]
         page.on("pageerror", lambda exc: page.page_errors.append(str(exc)))
+        page.on("console", lambda msg: page.console.append(f"{msg.type}: {msg.text}"))
         yield page
     finally:
         context.close()
@@ -257,38 +267,132 @@ def test_unreachable_server_shows_error_and_keeps_reconnecting(playwright, page_
         assert not page.page_errors, page.page_errors
 
 
-@pytest.fixture
-def flaky_ws():
-    """A scripted /ws: the first connection says ready, reports a server error, then drops;
-    later connections say ready and stay up. Yields its ws:// URL and the connection count."""
+# ---------------------------------------------------------------- a scripted server on the page's origin
+READY = {
+    "type": "ready",
+    "protocol": 1,
+    "input_sample_rate": 16000,
+    "output_sample_rate": 16000,
+    "voices": ["joe", "amy"],
+    "languages": ["en", ""],
+}
+DEFAULT_PREFS = {
+    "system_prompt": "You are a helpful AI assistant named Parley.",
+    "voice": "joe",
+    "language": "en",
+    "barge_in": True,
+    "half_duplex": False,
+}
+CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+
+
+class Site:
+    """What a scripted site saw: connections, and the JSON messages and audio bytes the page sent."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.received: list[dict] = []
+        self.audio_bytes = 0
+        self.prefs = dict(DEFAULT_PREFS)
+        self.lock = threading.Lock()
+
+    def messages(self, kind: str) -> list[dict]:
+        with self.lock:
+            return [m for m in self.received if m.get("type") == kind]
+
+    def converse(self, ws, on_message=None) -> None:
+        """Say ready, answer `config` like the server does, record everything until the page leaves."""
+        ws.send(json.dumps(READY))
+        with contextlib.suppress(Exception):
+            for frame in ws:
+                if isinstance(frame, bytes):
+                    with self.lock:
+                        self.audio_bytes += len(frame)
+                    continue
+                message = json.loads(frame)
+                with self.lock:
+                    self.received.append(message)
+                if message["type"] == "config":
+                    self.prefs.update({k: v for k, v in message.items() if k != "type"})
+                    ws.send(json.dumps({"type": "config_applied", **self.prefs}))
+                if on_message is not None:
+                    on_message(ws, message)
+
+
+@contextlib.contextmanager
+def scripted_site(handler, health: dict | None = None):
+    """Serve the page (``/``, ``/static/*``, ``/healthz``) and a scripted ``/ws`` from one origin.
+
+    ``handler(ws, site, n)`` runs for the n-th WebSocket connection (1-based). The page only
+    ever connects to its own origin, so the scripted server has to serve the page too: the
+    ``process_request`` hook answers the plain HTTP requests, and upgrades go to ``handler``.
+    """
+    from websockets.datastructures import Headers
+    from websockets.http11 import Response
     from websockets.sync.server import serve
 
-    connections: list[int] = []
-    ready = json.dumps({"type": "ready", "protocol": 1, "input_sample_rate": 16000, "output_sample_rate": 22050})
+    site = Site()
+    health_body = json.dumps(health or {"status": "ok", "auth_required": False, "accepting_sessions": True}).encode()
 
-    def handler(ws):
-        connections.append(1)
-        ws.send(ready)
-        if len(connections) == 1:
-            ws.send(json.dumps({"type": "error", "code": "bad_audio", "message": "odd byte count", "fatal": False}))
-            time.sleep(1.5)
-            ws.close()
-            return
-        with contextlib.suppress(Exception):
-            for _ in ws:  # keep the session open; ignore what the page sends
-                pass
+    def respond(status: int, body: bytes, content_type: str) -> Response:
+        headers = Headers(
+            [
+                ("Connection", "close"),
+                ("Content-Length", str(len(body))),
+                ("Content-Type", content_type),
+                ("Cache-Control", "no-store"),
+            ]
+        )
+        return Response(status, "OK" if status == 200 else "Not Found", headers, body)
 
-    with serve(handler, "127.0.0.1", 0) as server:
+    def process_request(connection, request):
+        path = request.path.split("?", 1)[0]
+        if path == "/ws" and request.headers.get("Upgrade", "").lower() == "websocket":
+            return None  # the WebSocket handshake proceeds
+        if path == "/healthz":
+            return respond(200, health_body, "application/json")
+        if path == "/":
+            return respond(200, (WEB_DIR / "index.html").read_bytes(), "text/html; charset=utf-8")
+        name = path.removeprefix("/static/")
+        file = WEB_DIR / name
+        if path.startswith("/static/") and "/" not in name and file.is_file():
+            return respond(200, file.read_bytes(), CONTENT_TYPES.get(file.suffix, "application/octet-stream"))
+        return respond(404, b"not found", "text/plain")
+
+    def on_connect(ws):
+        with site.lock:
+            site.connections += 1
+            n = site.connections
+        handler(ws, site, n)
+
+    with serve(
+        on_connect, "127.0.0.1", 0, process_request=process_request, subprotocols=["parley"], compression=None
+    ) as server:
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
-        yield f"ws://127.0.0.1:{server.socket.getsockname()[1]}/ws", connections
-        server.shutdown()
+        try:
+            yield f"http://127.0.0.1:{server.socket.getsockname()[1]}", site
+        finally:
+            server.shutdown()
 
 
-def test_server_error_and_dropped_socket_are_shown_then_recovered(playwright, page_only_server, flaky_ws, tmp_path):
-    url, connections = flaky_ws
-    with browser_page(playwright, tmp_path / "profile", [*BASE_ARGS, *FAKE_MIC_ARGS], ["microphone"]) as page:
-        page.goto(f"{page_only_server}/?ws={url}")
+def flaky(ws, site, n):
+    """The first connection says ready, reports a server error, then drops; later ones stay up."""
+    if n == 1:
+        ws.send(json.dumps(READY))
+        ws.send(json.dumps({"type": "error", "code": "bad_audio", "message": "odd byte count", "fatal": False}))
+        time.sleep(1.5)
+        ws.close()
+        return
+    site.converse(ws)
+
+
+def test_server_error_and_dropped_socket_are_shown_then_recovered(playwright, tmp_path):
+    with (
+        scripted_site(flaky) as (url, site),
+        browser_page(playwright, tmp_path / "profile", [*BASE_ARGS, *FAKE_MIC_ARGS], ["microphone"]) as page,
+    ):
+        page.goto(f"{url}/")
         error = page.locator("#error")
         # A server `error` event is shown as such.
         page.wait_for_function(
@@ -303,11 +407,27 @@ def test_server_error_and_dropped_socket_are_shown_then_recovered(playwright, pa
         page.wait_for_function(
             "window.parley.socketState === 'open' && window.parley.state === 'ready'", timeout=15_000
         )
-        assert len(connections) == 2
+        assert site.connections == 2
         assert "Lost the connection" not in error.inner_text()  # the connection problem is cleared
         assert page.locator("#conn").inner_text() == "Connected"
         assert page.locator("#log .notice").first.inner_text().startswith("Reconnected")
         assert not page.page_errors, page.page_errors
+
+
+def test_a_ws_parameter_cannot_send_the_page_elsewhere(playwright, tmp_path):
+    """`?ws=` once pointed the page at any server; an attacker's link must not move the microphone."""
+    with (
+        scripted_site(lambda ws, site, n: site.converse(ws)) as (url, site),
+        scripted_site(lambda ws, site, n: site.converse(ws)) as (elsewhere, other),
+        browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page,
+    ):
+        sockets: list[str] = []
+        page.on("websocket", lambda ws: sockets.append(ws.url))
+        target = elsewhere.replace("http://", "ws://") + "/ws"
+        page.goto(f"{url}/?ws={target}")
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        assert sockets == [url.replace("http://", "ws://") + "/ws"]
+        assert other.connections == 0 and site.connections == 1
 
 
 def test_denied_microphone_shows_a_clear_message(playwright, live_server, tmp_path):

@@ -40,27 +40,50 @@ export class Mic {
     this.stream = null;
     this.node = null;
     this.rate = TARGET_RATE;
+    this.deviceId = "";
+    this.fellBack = false;
+  }
+
+  /** The audio inputs the browser lists (names only once the microphone was allowed). */
+  static async devices() {
+    if (!navigator.mediaDevices || !navigator.mediaDevices.enumerateDevices) return [];
+    const all = await navigator.mediaDevices.enumerateDevices();
+    return all.filter((d) => d.kind === "audioinput");
   }
 
   get running() {
     return this.ctx !== null;
   }
 
-  /** Must be called from a user gesture (the click), so the AudioContext may start. */
-  async start() {
+  /**
+   * Must be called from a user gesture (the click), so the AudioContext may start.
+   * `deviceId`: the microphone the user picked ("" = the system default). When it is gone
+   * (unplugged), the default is used and `fellBack` is set.
+   */
+  async start(deviceId = "") {
     if (this.running) return this.rate;
     if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia) {
       throw new MicError("mic_insecure", "This browser gives no microphone access here. Open the page over https or on localhost.");
     }
+    const audio = { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true };
+    this.fellBack = false;
     let stream;
     try {
       stream = await navigator.mediaDevices.getUserMedia({
-        audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+        audio: deviceId ? { ...audio, deviceId: { exact: deviceId } } : audio,
         video: false,
       });
     } catch (err) {
-      throw explain(err);
+      const gone = deviceId && (err.name === "OverconstrainedError" || err.name === "NotFoundError");
+      if (!gone) throw explain(err);
+      try {
+        stream = await navigator.mediaDevices.getUserMedia({ audio, video: false });
+        this.fellBack = true;
+      } catch (again) {
+        throw explain(again);
+      }
     }
+    this.deviceId = stream.getAudioTracks()[0]?.getSettings().deviceId || "";
     try {
       await this._wire(stream, true);
     } catch (first) {

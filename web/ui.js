@@ -13,6 +13,9 @@ export const STATUS_TEXT = {
   thinking: "Thinking…",
   speaking: "Speaking",
   offline: "Offline",
+  busy: "Server busy",
+  need_key: "Waiting for the API key",
+  idle_closed: "Disconnected while idle",
 };
 
 // The per-turn figures of `turn_done.metrics`, named exactly as TurnMetrics in app/protocol.py
@@ -42,6 +45,8 @@ export class UI {
     this.meter = $("meter");
     this.meterFill = $("meter-fill");
     this.latency = $("latency");
+    this.stopBtn = $("stop");
+    this.duplexBtn = $("duplex");
   }
 
   // ------------------------------------------------------------------ status
@@ -66,6 +71,17 @@ export class UI {
     this.meter.hidden = !active;
   }
 
+  /** The Stop button works while a reply is being thought of or spoken. */
+  setStoppable(stoppable) {
+    const value = String(!stoppable);
+    if (this.stopBtn.getAttribute("aria-disabled") !== value) this.stopBtn.setAttribute("aria-disabled", value);
+  }
+
+  /** The half-duplex switch shows what the server applied (`config_applied.half_duplex`). */
+  setHalfDuplex(on) {
+    this.duplexBtn.setAttribute("aria-checked", String(Boolean(on)));
+  }
+
   setMicBusy(busy) {
     this.startBtn.disabled = busy;
   }
@@ -83,13 +99,10 @@ export class UI {
   showLatency(metrics) {
     const v2v = metrics && metrics.voice_to_voice_ms;
     if (typeof v2v !== "number") return; // a turn with no reply audio has no latency to show
-    const parts = [];
-    for (const [name, label] of Object.entries(METRIC_LABELS)) {
-      const v = metrics[name];
-      if (typeof v === "number") parts.push(`${label}: ${Number.isInteger(v) || v >= 10 ? Math.round(v) : v.toFixed(2)}`);
-    }
     this.latency.textContent = `reply in ${Math.round(v2v)} ms`;
-    this.latency.title = parts.join("\n");
+    this.latency.title = metricRows(metrics)
+      .map(([label, value]) => `${label}: ${value}`)
+      .join("\n");
     this.latency.hidden = false;
   }
 
@@ -133,12 +146,13 @@ export class UI {
     return this.log.querySelector(`.msg.${role}[data-turn="${CSS.escape(String(turn))}"]`);
   }
 
-  _newBubble(role, turn) {
+  _newBubble(role, turn, time = new Date().toISOString()) {
     this.empty.hidden = true;
-    const el = document.createElement("div");
+    const el = document.createElement("article");
     el.className = `msg ${role}`;
     el.dataset.turn = String(turn);
-    const who = document.createElement("span");
+    el.dataset.time = time;
+    const who = document.createElement("h3");
     who.className = "who";
     who.textContent = role === "user" ? "You" : "Parley";
     const text = document.createElement("p");
@@ -204,10 +218,16 @@ export class UI {
     if (!el) {
       el = this._newBubble("assistant", turn);
       el.classList.add("streaming");
+      el.setAttribute("aria-busy", "true"); // screen readers wait for the whole reply
       this._append(el);
     }
     el.querySelector(".text").textContent += delta;
     this._follow();
+  }
+
+  _settle(el) {
+    el.classList.remove("streaming");
+    el.removeAttribute("aria-busy");
   }
 
   assistantDone(turn, text, interrupted, metrics) {
@@ -218,34 +238,68 @@ export class UI {
       this._append(el);
     }
     if (text) el.querySelector(".text").textContent = text;
-    el.classList.remove("streaming");
-    const v2v = metrics && metrics.voice_to_voice_ms;
-    const parts = [];
-    if (interrupted) parts.push("interrupted");
-    if (typeof v2v === "number") parts.push(`reply in ${Math.round(v2v)} ms`);
-    this._setMeta(el, parts.join(" · "));
+    this._settle(el);
+    if (interrupted) this._markInterrupted(el);
+    if (metrics && Object.keys(metrics).length) {
+      el.dataset.metrics = JSON.stringify(metrics);
+      this._setStages(el, metrics);
+    }
     this._follow();
   }
 
-  /** Barge-in: the reply of `turn` was cut off (turn_done may or may not follow). */
+  /** Barge-in or Stop: the reply of `turn` was cut off (turn_done may or may not follow). */
   assistantInterrupted(turn) {
     const el = this._bubble("assistant", turn);
     if (!el) return;
-    el.classList.remove("streaming");
-    el.classList.add("interrupted");
-    if (!el.querySelector(".meta")) this._setMeta(el, "interrupted");
+    this._settle(el);
+    this._markInterrupted(el);
   }
 
-  _setMeta(el, text) {
+  _meta(el) {
     let meta = el.querySelector(".meta");
-    if (!text) return;
     if (!meta) {
-      meta = document.createElement("span");
+      meta = document.createElement("div");
       meta.className = "meta";
       el.append(meta);
     }
-    meta.textContent = text;
-    if (text.startsWith("interrupted")) el.classList.add("interrupted");
+    return meta;
+  }
+
+  _markInterrupted(el) {
+    el.classList.add("interrupted");
+    const meta = this._meta(el);
+    if (!meta.querySelector(".flag")) {
+      const flag = document.createElement("span");
+      flag.className = "flag";
+      flag.textContent = "interrupted";
+      meta.prepend(flag);
+    }
+  }
+
+  /** The stage breakdown of a reply, as a disclosure: reachable by keyboard and read by screen readers. */
+  _setStages(el, metrics) {
+    const rows = metricRows(metrics);
+    if (!rows.length) return;
+    const meta = this._meta(el);
+    meta.querySelector(".stages")?.remove();
+    const details = document.createElement("details");
+    details.className = "stages";
+    const summary = document.createElement("summary");
+    const v2v = metrics.voice_to_voice_ms;
+    summary.textContent = typeof v2v === "number" ? `reply in ${Math.round(v2v)} ms` : "timings";
+    summary.setAttribute("aria-label", `${summary.textContent}: show the time each stage took`);
+    const list = document.createElement("dl");
+    for (const [label, value] of rows) {
+      const row = document.createElement("div");
+      const dt = document.createElement("dt");
+      dt.textContent = label;
+      const dd = document.createElement("dd");
+      dd.textContent = value;
+      row.append(dt, dd);
+      list.append(row);
+    }
+    details.append(summary, list);
+    meta.append(details);
   }
 
   /** A new server session numbers turns afresh: retag the old bubbles so ids can't collide. */
@@ -253,16 +307,72 @@ export class UI {
     this.log.querySelectorAll(".msg").forEach((el) => {
       const t = el.dataset.turn;
       if (!t.includes(":")) el.dataset.turn = `s${session}:${t}`;
-      el.classList.remove("partial", "streaming");
+      el.classList.remove("partial");
+      this._settle(el);
     });
   }
 
-  notice(text) {
+  /** A line in the conversation; `keep`: part of the saved transcript (server notices). */
+  notice(text, { keep = false, kind = "info", time = new Date().toISOString() } = {}) {
     this.empty.hidden = true;
-    const el = document.createElement("div");
-    el.className = "notice";
+    const el = document.createElement("p");
+    el.className = `notice ${kind}`;
     el.textContent = text;
+    el.dataset.time = time;
+    if (keep) el.dataset.keep = "1";
     this._append(el);
+    return el;
+  }
+
+  /** What the conversation holds, oldest first: what is saved, exported and restored. */
+  entries() {
+    const out = [];
+    this.log.querySelectorAll(".msg, .notice[data-keep]").forEach((el) => {
+      if (el.classList.contains("partial")) return; // not yet said
+      const text = el.querySelector(".text")?.textContent ?? el.textContent;
+      if (el.classList.contains("notice")) {
+        out.push({ role: "notice", text, time: el.dataset.time || null });
+        return;
+      }
+      if (!text.trim()) return;
+      const entry = { role: el.classList.contains("user") ? "user" : "assistant", text, time: el.dataset.time || null };
+      if (el.classList.contains("interrupted")) entry.interrupted = true;
+      if (el.classList.contains("streaming")) entry.incomplete = true;
+      if (el.dataset.metrics) {
+        try {
+          entry.metrics = JSON.parse(el.dataset.metrics);
+        } catch {
+          /* not recorded */
+        }
+      }
+      out.push(entry);
+    });
+    return out;
+  }
+
+  /** Show a saved conversation (from an earlier page load); its turns are not the server's any more. */
+  restore(entries) {
+    entries.forEach((entry, i) => {
+      if (!entry || typeof entry.text !== "string") return;
+      if (entry.role === "notice") {
+        this.notice(entry.text, { keep: true, kind: "server", time: entry.time || undefined });
+        return;
+      }
+      if (entry.role !== "user" && entry.role !== "assistant") return;
+      const el = this._newBubble(entry.role, `r:${i}`, entry.time || new Date().toISOString());
+      el.querySelector(".text").textContent = entry.text;
+      this.log.append(el);
+      if (entry.interrupted) this._markInterrupted(el);
+      if (entry.metrics && typeof entry.metrics === "object") {
+        el.dataset.metrics = JSON.stringify(entry.metrics);
+        this._setStages(el, entry.metrics);
+      }
+    });
+    this.log.scrollTop = this.log.scrollHeight;
+  }
+
+  get isEmpty() {
+    return !this.log.querySelector(".msg, .notice");
   }
 
   clearLog() {
@@ -270,4 +380,17 @@ export class UI {
     this.empty.hidden = false;
     this.latency.hidden = true;
   }
+}
+
+/** [label, shown value] of each figure a turn has, in METRIC_LABELS order. */
+export function metricRows(metrics) {
+  const rows = [];
+  if (!metrics) return rows;
+  for (const [name, label] of Object.entries(METRIC_LABELS)) {
+    const v = metrics[name];
+    if (typeof v === "number" && Number.isFinite(v)) {
+      rows.push([label, Number.isInteger(v) || v >= 10 ? String(Math.round(v)) : v.toFixed(2)]);
+    }
+  }
+  return rows;
 }
