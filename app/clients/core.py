@@ -10,7 +10,7 @@ end-to-end tests all talk to the server through this module:
   one-line reason for every drop.
 * ``VoiceClient`` / ``speak_turn``: a scripted user that streams speech like a microphone and
   collects one turn (``TurnResult``). Voice-to-voice latency is measured here, on the client
-  side, as DESIGN.md defines it (last speech sample sent -> first reply audio sample received).
+  side, as a user hears it (last speech sample sent -> first reply audio sample received).
 
 No client reads server events as raw dicts: they are the typed models of ``app.protocol``, and
 per-turn figures are ``protocol.TurnMetrics`` fields.

@@ -36,7 +36,7 @@ def require_portaudio() -> None:
 
 
 def alsa_home(home: Path, capture_raw: Path) -> dict[str, str]:
-    """A HOME whose .asoundrc makes the default ALSA device capture from a raw S16_LE mono file (DESIGN.md)."""
+    """A HOME whose .asoundrc makes the default ALSA device capture from a raw S16_LE mono file (no sound card needed)."""
     home.mkdir(parents=True, exist_ok=True)
     (home / ".asoundrc").write_text(
         textwrap.dedent(f"""\
