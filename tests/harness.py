@@ -17,23 +17,31 @@ from app.voice.session import VoiceSession
 
 
 class ScriptedLLM:
-    """Yields scripted pieces; ``gate`` (if set) must open before the pieces after the first sentence."""
+    """A ``ChatLLM`` that streams fixed pieces, and records what it was asked.
+
+    ``gate`` (if set) must open before the pieces after the first; ``forever`` keeps adding
+    " more"; ``hold`` (an event) keeps the stream open after the pieces until it is set.
+    ``context_tokens`` bounds the prompt, counted in words (``count_tokens``).
+    """
 
     name = "scripted"
-    context_tokens = None
-
-    def count_tokens(self, messages):
-        return None
 
     def __init__(self, pieces: list[str], gate: asyncio.Event | None = None, forever: bool = False) -> None:
         self.pieces, self.gate, self.forever = pieces, gate, forever
-        self.calls: list[list[dict]] = []
+        self.hold: asyncio.Event | None = None
+        self.context_tokens: int | None = None
+        self.calls: list[list[dict]] = []  # the messages of each request
+        self.request_ids: list[str] = []
         self.closed: list[str] = []
         self.warmed: list[list[dict]] = []
         self.gate_was_open_early = False
 
+    def count_tokens(self, messages):
+        return sum(len(message["content"].split()) + 4 for message in messages)
+
     async def stream(self, messages, request_id):
         self.calls.append([dict(m) for m in messages])
+        self.request_ids.append(request_id)
         try:
             for index, piece in enumerate(self.pieces):
                 if index == 1 and self.gate is not None:
@@ -43,6 +51,8 @@ class ScriptedLLM:
             while self.forever:
                 await asyncio.sleep(0.05)
                 yield " more"
+            if self.hold is not None:
+                await self.hold.wait()
         finally:
             self.closed.append(request_id)
 

@@ -12,6 +12,7 @@ import json
 
 import numpy as np
 import pytest
+from harness import ScriptedLLM
 
 from app import protocol
 from app.config import Settings
@@ -63,45 +64,6 @@ class ScriptedASR:
         return Transcription(text, len(audio) / RATE, 0.0)
 
 
-class ScriptedLLM:
-    """Streams fixed pieces; ``hold`` keeps the stream open (a slow LLM) until released."""
-
-    name = "scripted"
-    context_tokens: int | None = None  # set it to bound the prompt (tokens counted as words)
-
-    def count_tokens(self, messages):
-        return sum(len(message["content"].split()) + 4 for message in messages)
-
-    def __init__(self, pieces: list[str] | None = None) -> None:
-        self.pieces = pieces if pieces is not None else ["Paris is the capital of France."]
-        self.calls: list[tuple[str, list[dict]]] = []
-        self.closed: list[str] = []
-        self.warmed: list[list[dict]] = []
-        self.hold: asyncio.Event | None = None
-
-    async def stream(self, messages, request_id):
-        self.calls.append((request_id, [dict(m) for m in messages]))
-        try:
-            for piece in self.pieces:
-                yield piece
-            if self.hold is not None:
-                await self.hold.wait()
-        finally:
-            self.closed.append(request_id)
-
-    def abort(self, request_id):
-        pass
-
-    async def warm(self, messages):
-        self.warmed.append([dict(m) for m in messages])
-
-    async def health(self):
-        return True, "scripted"
-
-    def close(self):
-        pass
-
-
 class WordTTS:
     """A quarter of a second of tone per word, so the played share of a reply maps to its words."""
 
@@ -128,7 +90,7 @@ class Conversation:
     def __init__(self, asr_text: str = "", llm_pieces: list[str] | None = None, **settings) -> None:
         self.clock = ManualClock()
         self.asr = ScriptedASR(asr_text)
-        self.llm = ScriptedLLM(llm_pieces)
+        self.llm = ScriptedLLM(llm_pieces if llm_pieces is not None else ["Paris is the capital of France."])
         self.events: list[protocol.ServerMessage] = []
         self.audio_s = 0.0
         self.metrics: list[protocol.TurnMetrics] = []

@@ -49,12 +49,12 @@ async def test_an_over_long_typed_turn_is_answered_with_a_notice_and_the_next_tu
     await conv.type(" ".join(["word"] * 300))  # within the 2000-character frame limit, over the budget
     [notice] = conv.of(protocol.Notice)
     assert notice.code == "truncated" and notice.turn_id == 1
-    assert words(conv.llm.calls[-1][1]) <= 150
+    assert words(conv.llm.calls[-1]) <= 150
     assert conv.of(protocol.TurnDone)[-1].turn_id == 1 and not conv.of(protocol.Error)
     await conv.type("And now a short one?")
     assert conv.of(protocol.TurnDone)[-1].turn_id == 2 and not conv.of(protocol.Error)
-    assert words(conv.llm.calls[-1][1]) <= 150
-    assert conv.llm.calls[-1][1][-1]["content"] == "And now a short one?"
+    assert words(conv.llm.calls[-1]) <= 150
+    assert conv.llm.calls[-1][-1]["content"] == "And now a short one?"
 
 
 async def test_history_in_memory_is_bounded(conversation):
@@ -63,5 +63,5 @@ async def test_history_in_memory_is_bounded(conversation):
         await conv.type(f"Question number {i}?")
     assert len(conv.session.history) <= 32 + 2
     assert conv.session.history[-1]["role"] == "assistant"
-    assert conv.llm.calls[-1][1][-1]["content"] == "Question number 59?"
-    assert len(conv.llm.calls[-1][1]) <= 1 + 4 + 1
+    assert conv.llm.calls[-1][-1]["content"] == "Question number 59?"
+    assert len(conv.llm.calls[-1]) <= 1 + 4 + 1

@@ -58,7 +58,7 @@ async def test_a_speculative_reply_is_held_until_the_endpoint_and_then_released(
     await conv.speak(1.0, QUESTION)
     await conv.silence(0.2)  # paused, tail transcribed, endpoint not reached
     assert len(conv.llm.calls) == 1, "the reply was not started at the pause"
-    assert conv.llm.calls[0][1][-1] == {"role": "user", "content": QUESTION}
+    assert conv.llm.calls[0][-1] == {"role": "user", "content": QUESTION}
     assert not conv.of(protocol.AssistantText) and conv.audio_s == 0, "a speculation sent something"
     await conv.silence_until(committed(conv))
     await conv.settle()
@@ -72,15 +72,15 @@ async def test_a_speculation_is_dropped_when_the_user_goes_on(conversation):
     conv = conversation()
     await conv.speak(1.0, "Tell me about Paris.")
     await conv.silence(0.2)
-    first_request = conv.llm.calls[0][0]
+    first_request = conv.llm.request_ids[0]
     await conv.speak(0.8, "Tell me about Paris. And London too.")
     assert first_request in conv.llm.closed, "the speculative LLM request was not aborted"
     await conv.silence_until(committed(conv))
     await conv.settle()
     assert [f.text for f in conv.finals()] == ["Tell me about Paris. And London too."]
-    requests = [request_id for request_id, _ in conv.llm.calls]
+    requests = conv.llm.request_ids
     assert len(requests) == len(set(requests)) == 2  # the re-speculation has its own request id
-    assert conv.llm.calls[-1][1][-1]["content"] == "Tell me about Paris. And London too."
+    assert conv.llm.calls[-1][-1]["content"] == "Tell me about Paris. And London too."
     assert all(event.turn_id == 1 for event in conv.of(protocol.AssistantText))  # nothing leaked twice
     assert len(conv.of(protocol.TurnDone)) == 1
 
@@ -199,7 +199,7 @@ async def test_reset_forgets_the_history_and_close_aborts_the_reply(conversation
     assert conv.session.history == []
     conv.llm.hold = asyncio.Event()  # a reply that is still streaming
     await conv.type("Tell me more.")
-    request_id = conv.llm.calls[-1][0]
+    request_id = conv.llm.request_ids[-1]
     assert request_id not in conv.llm.closed
     await conv.session.close()
     assert request_id in conv.llm.closed
@@ -226,7 +226,7 @@ async def test_cancel_stops_the_reply_and_keeps_what_was_heard(conversation):
     assert conv.session.history[0]["content"] == "Tell me a story."
     assert 0 < len(conv.session.history[1]["content"].split()) < 20
     await conv.type("Go on.")  # the conversation continues with what was heard
-    assert conv.llm.calls[-1][1][-2] == conv.session.history[1]
+    assert conv.llm.calls[-1][-2] == conv.session.history[1]
 
 
 async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(conversation):
@@ -237,7 +237,7 @@ async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(co
     applied = conv.of(protocol.ConfigApplied)[-1]
     assert applied.system_prompt == "Answer like a pirate." and applied.voice == "other-tone" and applied.barge_in
     await conv.type("Hello?")
-    assert conv.llm.calls[-1][1][0] == {"role": "system", "content": "Answer like a pirate."}
+    assert conv.llm.calls[-1][0] == {"role": "system", "content": "Answer like a pirate."}
     await conv.session.handle_text('{"type": "config", "voice": "nobody"}')
     await conv.session.handle_text('{"type": "config", "language": "de"}')
     errors = [e for e in conv.of(protocol.Error) if e.code == "bad_config"]
