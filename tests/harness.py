@@ -1,5 +1,6 @@
-"""Shared test helpers: a voice session driven frame by frame without a network (real VAD/ASR/TTS, a
-scripted LLM), talking over a reply through a real server, and starting `parley` servers."""
+"""Shared test helpers: scripted stand-ins (an LLM, a Parley-like /ws server), a voice session driven
+frame by frame without a network (real VAD/ASR/TTS), talking over a reply through a real server,
+and starting `parley` servers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 
 import numpy as np
+import websockets
 
 from app import protocol
 from app.audio import float_to_pcm16
@@ -164,3 +166,55 @@ def start_server(args: list[str], log_path, ready_path: str = "/healthz", timeou
 
 def stop_server(server: ServerProcess) -> None:
     server.stop()
+
+
+class ScriptedServer:
+    """A Parley-like /ws on 127.0.0.1: sends ``ready``, then ``script(ws, inbox, number)`` drives it.
+
+    ``inbox`` collects what the client sent on that connection (decoded JSON or audio bytes);
+    ``arrived`` is set at each new message so a script can wait for a condition without polling.
+    """
+
+    def __init__(self, script, ready: bool = True) -> None:
+        self.script, self.ready = script, ready
+        self.inboxes: list[list] = []
+        self.arrived = asyncio.Condition()
+
+    async def wait_until(self, predicate) -> None:
+        async with self.arrived:
+            await self.arrived.wait_for(predicate)
+
+    async def handler(self, ws) -> None:
+        inbox: list = []
+        self.inboxes.append(inbox)
+        if self.ready:
+            await ws.send(protocol.encode(protocol.Ready(input_sample_rate=16_000, output_sample_rate=22_050)))
+
+        async def collect() -> None:
+            async for message in ws:
+                async with self.arrived:
+                    inbox.append(message if isinstance(message, bytes) else json.loads(message))
+                    self.arrived.notify_all()
+
+        tasks = [asyncio.create_task(collect()), asyncio.create_task(self.script(ws, inbox, len(self.inboxes)))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[1].done():
+                tasks[1].result()  # a failing script fails the test, not silently
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def __aenter__(self) -> str:
+        self._server = await websockets.serve(self.handler, "127.0.0.1", 0)
+        port = next(iter(self._server.sockets)).getsockname()[1]
+        return f"ws://127.0.0.1:{port}/ws"
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+    @property
+    def received(self) -> list[list]:
+        """What each connection sent, in order (one list per connection)."""
+        return self.inboxes

@@ -16,6 +16,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import websockets
+from harness import ScriptedServer
 from websockets.frames import Close
 
 from app import protocol
@@ -136,53 +137,6 @@ def test_turn_result_reads_typed_events_and_measures_the_client_side():
 
 
 # ------------------------------------------------------------------ against a scripted server
-class ScriptedServer:
-    """A Parley-like /ws on 127.0.0.1: sends ``ready``, then ``script(ws, inbox, number)`` drives it.
-
-    ``inbox`` collects what the client sent on that connection (decoded JSON or audio bytes);
-    ``arrived`` is set at each new message so a script can wait for a condition without polling.
-    """
-
-    def __init__(self, script, ready: bool = True) -> None:
-        self.script, self.ready = script, ready
-        self.inboxes: list[list] = []
-        self.arrived = asyncio.Condition()
-
-    async def wait_until(self, predicate) -> None:
-        async with self.arrived:
-            await self.arrived.wait_for(predicate)
-
-    async def handler(self, ws) -> None:
-        inbox: list = []
-        self.inboxes.append(inbox)
-        if self.ready:
-            await ws.send(protocol.encode(READY))
-
-        async def collect() -> None:
-            async for message in ws:
-                async with self.arrived:
-                    inbox.append(message if isinstance(message, bytes) else json.loads(message))
-                    self.arrived.notify_all()
-
-        tasks = [asyncio.create_task(collect()), asyncio.create_task(self.script(ws, inbox, len(self.inboxes)))]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if tasks[1].done():
-                tasks[1].result()  # a failing script fails the test, not silently
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def __aenter__(self) -> str:
-        self._server = await websockets.serve(self.handler, "127.0.0.1", 0)
-        port = next(iter(self._server.sockets)).getsockname()[1]
-        return f"ws://127.0.0.1:{port}/ws"
-
-    async def __aexit__(self, *exc) -> None:
-        self._server.close()
-        await self._server.wait_closed()
-
-
 def audio_frames(inbox: list) -> int:
     return sum(isinstance(m, bytes) for m in inbox)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import websockets
+from harness import ScriptedServer
 
 from app import protocol
 from app.audio import float_to_pcm16
@@ -218,41 +218,6 @@ def test_console_ends_a_reply_line_that_was_cut_short():
     ]
 
 
-class FakeServer:
-    """A scripted Parley /ws on loopback: ``script(ws, received)`` drives one connection."""
-
-    def __init__(self, script) -> None:
-        self.script = script
-        self.received: list[list[bytes | dict]] = []  # per connection, in order
-
-    async def handler(self, ws) -> None:
-        received: list[bytes | dict] = []
-        self.received.append(received)
-        await ws.send(
-            json.dumps({"type": "ready", "protocol": 1, "input_sample_rate": 16000, "output_sample_rate": 22050})
-        )
-
-        async def collect() -> None:
-            async for message in ws:
-                received.append(message if isinstance(message, bytes) else json.loads(message))
-
-        tasks = [asyncio.create_task(collect()), asyncio.create_task(self.script(ws, received, len(self.received)))]
-        try:  # the script ends the connection, or the client does
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def __aenter__(self) -> str:
-        self._server = await websockets.serve(self.handler, "127.0.0.1", 0)
-        port = next(iter(self._server.sockets)).getsockname()[1]
-        return f"ws://127.0.0.1:{port}/ws"
-
-    async def __aexit__(self, *exc) -> None:
-        self._server.close()
-        await self._server.wait_closed()
-
-
 async def fake_mic(frames: asyncio.Queue, rate: int = 44100) -> None:
     """A 440 Hz tone in real-time 20 ms blocks, as a capture device would deliver it."""
     block, index = rate // 50, 0
@@ -315,7 +280,7 @@ def reply_script(reply_s: float, after_frames: int = 15):
 
 
 async def test_half_duplex_sends_silence_while_the_reply_plays_and_after_a_tail():
-    server = FakeServer(reply_script(0.6))
+    server = ScriptedServer(reply_script(0.6))
     async with server as url:
         # the reply plays (0.6 s), then the 200 ms tail, then the mic opens again
         await run_client(url, Gate(), max_turns=None, run_for=2.5)
@@ -330,7 +295,7 @@ async def test_half_duplex_sends_silence_while_the_reply_plays_and_after_a_tail(
 
 
 async def test_barge_in_keeps_the_mic_open():
-    server = FakeServer(reply_script(0.6))
+    server = ScriptedServer(reply_script(0.6))
     async with server as url:
         await run_client(url, Gate(barge_in=True), max_turns=None, run_for=1.5)
         assert [loud for loud, _ in loudness_runs(server.received[0])] == [True]
@@ -354,7 +319,7 @@ async def test_interrupt_drops_queued_audio_at_once_and_ignores_late_audio():
         await ws.send(json.dumps({"type": "turn_done", "turn_id": 1, "text": "", "interrupted": True}))
         await asyncio.sleep(30)
 
-    server = FakeServer(script)
+    server = ScriptedServer(script)
     original = Player.__init__
 
     def remember(self, rate):
@@ -393,7 +358,7 @@ async def test_reconnects_with_backoff_when_the_server_drops_the_connection():
         await ws.send(json.dumps({"type": "turn_done", "turn_id": 1, "text": "Hi.", "metrics": {}}))
         await asyncio.sleep(30)
 
-    server = FakeServer(script)
+    server = ScriptedServer(script)
     async with server as url:
         client, out = await run_client(url, Gate(), backoff=lambda: iter([0.05, 0.1, 0.2]))
     assert client.connections == 2
