@@ -59,16 +59,20 @@ class Transcription:
     audio_seconds: float
     wall_seconds: float
     no_speech_probability: float = 0.0
+    language: str = ""  # the language decoded with (given, or detected when the call asked for "")
 
 
 class SpeechRecognizer(Protocol):
     languages: list[str]  # what a session may ask for: ["en"] for an English-only model; "" means detect
 
-    def transcribe(self, audio: np.ndarray, *, wait: bool = True, context: str = "") -> Transcription | None:
+    def transcribe(
+        self, audio: np.ndarray, *, wait: bool = True, context: str = "", language: str | None = None
+    ) -> Transcription | None:
         """Transcribe 16 kHz float32 mono audio (blocking: call it off the event loop).
 
         ``wait=False`` returns None instead of queueing behind another call (partials are
         worth less than a final). ``context`` is the text said just before this audio.
+        ``language`` is one of ``languages`` ("" = detect); None = the recognizer's default.
         """
         ...
 
