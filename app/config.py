@@ -27,7 +27,16 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
 
     # ASR
-    asr_model: str = Field("bundled", description="'bundled' (tiny.en) or a CTranslate2 Whisper directory")
+    asr_model: str = Field(
+        "bundled",
+        description="'bundled' (tiny.en), 'bundled-multilingual' (Whisper base) or a CTranslate2 Whisper directory",
+    )
+    asr_language: str = Field(
+        "en",
+        max_length=3,
+        pattern=r"^[a-z]*$",
+        description="default speech language, a Whisper code ('de'); '' = detect per utterance (multilingual models)",
+    )
     asr_device: str = "cpu"
     asr_compute_type: str = "int8"
     asr_beam_size: int = Field(1, ge=1, le=10)

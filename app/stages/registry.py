@@ -74,12 +74,13 @@ def load_models(settings: Settings, progress: Callable[[str], None] = print) -> 
 
     vad = timed("VAD (Silero v6 ONNX)", SileroVad)
     asr = timed(
-        f"ASR (faster-whisper {settings.asr_model}, {settings.asr_compute_type})",
+        f"ASR (faster-whisper {settings.asr_model}, {settings.asr_compute_type}, language {settings.asr_language or 'detect'})",
         lambda: Transcriber(
             settings.asr_model,
             device=settings.asr_device,
             compute_type=settings.asr_compute_type,
             cpu_threads=settings.asr_threads,
+            language=settings.asr_language,
             beam_size=settings.asr_beam_size,
             window_s=settings.asr_window_s,
         ),
