@@ -7,12 +7,23 @@ before they reach the engine and answered with OpenAI's error JSON (400 for bad 
 including a request the KV cache can never hold). A client that goes away aborts its
 engine request at once, streamed or not, so its KV blocks are freed (``/metrics`` shows
 it in ``parley_engine_requests_aborted_total``; see ``engine/metrics.py``).
+
+With an ``api_key`` every route but ``/healthz`` needs ``Authorization: Bearer <key>``
+(401 in OpenAI's error shape otherwise). A request whose prompt plus ``max_tokens`` does
+not fit the model's context (``max_model_len``) is refused with a 400 that gives both
+numbers, as OpenAI does; ``max_tokens`` is never silently shortened (without one, the
+request may use whatever room the context leaves). Chat messages are tokenized by
+``engine.apply_chat_template``, which keeps every message's content plain text
+(``engine/chat.py``). A request that fails inside the engine (its step's forward, its
+sampling) ends with a 500 (or an error event in a stream); ``/healthz`` answers 503 with
+the reason while the engine loop is down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -58,13 +69,20 @@ class APIError(Exception):
 # --- the app ---------------------------------------------------------------------------------
 
 
-def create_app(engine, model_name: str) -> FastAPI:
-    """The HTTP API for one loaded ``AsyncLLMEngine`` serving the model called ``model_name``."""
+def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The HTTP API for one loaded ``AsyncLLMEngine`` serving the model called ``model_name``.
+
+    ``api_key``: when set, every route except ``/healthz`` requires ``Authorization: Bearer <api_key>``.
+    """
     app = FastAPI(title="Parley engine", version="0.1.0")
     app.state.engine = engine
     app.state.model_name = model_name
     created = int(time.time())
     tokenizer = engine.tokenizer
+    if api_key:
+        # plain ASGI, not @app.middleware: BaseHTTPMiddleware wraps `receive`, and the endpoints' client
+        # disconnect detection (which aborts the engine request) would no longer see the disconnect
+        app.add_middleware(_BearerAuth, expected=f"Bearer {api_key}".encode())
 
     def context_limit() -> int:
         stats = engine.stats()
@@ -98,6 +116,22 @@ def create_app(engine, model_name: str) -> FastAPI:
             raise APIError(message, param=param) from None
 
     def sampling_params(req: SamplingRequest, prompt_len: int) -> SamplingParams:
+        max_len = getattr(engine.engine, "max_model_len", None)
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_len is not None and prompt_len >= max_len:
+            raise APIError(
+                f"This model's maximum context length is {max_len} tokens. However, the prompt has {prompt_len} "
+                "tokens, which leaves no room for a completion. Please shorten the prompt.",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        if max_len is not None and asked is not None and prompt_len + asked > max_len:
+            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise APIError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the completion). "
+                f"Please reduce the prompt or {field} (at most {max_len - prompt_len} here).",
+                param=field,
+            )
         try:
             return req.to_sampling_params(prompt_len, context_limit())
         except ValueError as e:
@@ -107,7 +141,8 @@ def create_app(engine, model_name: str) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         if not engine.is_running():
-            return JSONResponse({"status": "error", "detail": "engine loop is not running"}, status_code=503)
+            reason = getattr(engine, "down_reason", lambda: None)() or "engine loop is not running"
+            return JSONResponse({"status": "error", "detail": reason}, status_code=503)
         return JSONResponse({"status": "ok", "model": model_name})
 
     @app.get("/v1/models")
@@ -163,10 +198,13 @@ def create_app(engine, model_name: str) -> FastAPI:
             await gen.aclose()
             raise
         if first is None or (first.finished and first.finish_reason == "error" and not first.token_ids_delta):
-            # Failed before any token; the engine says why (e.g. the KV cache can never hold it): a client error.
+            # Failed before any token; the engine says why: a request it can never serve (e.g. the KV
+            # cache can never hold it) is a client error, a failure inside the engine a server error.
             watcher.cancel()
             await gen.aclose()
-            raise APIError(first.error if first is not None and first.error else "the request produced no output")
+            message = first.error if first is not None and first.error else "the request produced no output"
+            internal = first is not None and first.error_type == "internal"
+            raise APIError(message, 500 if internal else 400)
         if stream:
             events = _sse(gen, first, fmt, include_usage, engine, request_id, watcher)
             return StreamingResponse(
@@ -184,6 +222,24 @@ def create_app(engine, model_name: str) -> FastAPI:
         return JSONResponse(fmt.full(text, reason, usage), headers={"X-Request-Id": request_id})
 
     return app
+
+
+class _BearerAuth:
+    """ASGI middleware: every HTTP route but /healthz needs ``Authorization: <expected>`` (401 otherwise)."""
+
+    def __init__(self, app, expected: bytes) -> None:
+        self.app = app
+        self.expected = expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path") != "/healthz":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401)
+                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _next(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:

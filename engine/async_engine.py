@@ -6,6 +6,14 @@ add requests and aborts to a queue; a daemon thread drains it between steps, run
 ``loop.call_soon_threadsafe``. When idle, the thread sleeps on a condition variable.
 A consumer that stops iterating (break, cancel, GeneratorExit) aborts its request, so
 barge-in frees KV blocks without any extra call.
+
+A failure inside one request or one step is handled by ``LLMEngine.step`` (the request,
+or the step's requests, finish with an error). If the loop breaks anyway, the thread
+fails every open stream with an error output naming the cause, resets the engine (all KV
+blocks freed, cached prefixes forgotten) and starts a new loop thread after a backoff
+(0.5 s, 1 s, 2 s, ... at most ``max_restarts`` times in ``restart_window_s``; each logged).
+``is_running()`` is False while it is down (``down_reason()`` says why), which is what
+``/healthz`` reports; after the last allowed restart it stays down and ``generate`` raises.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -34,28 +44,40 @@ class _Stream:
 class AsyncLLMEngine:
     """Thread-backed async wrapper around LLMEngine (the API the voice app uses)."""
 
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        engine: LLMEngine | None = None,
+        *,
+        max_restarts: int = 5,
+        restart_window_s: float = 300.0,
+        restart_backoff_s: float = 0.5,
+    ) -> None:
         self.engine = engine or LLMEngine(config or EngineConfig())
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.restart_backoff_s = restart_backoff_s
         self._cond = threading.Condition()
         self._adds: list[tuple[str, list[int] | str, SamplingParams]] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count(1)
         self._stop = False
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # set when the loop is down for good
+        self._down: str | None = None  # why the loop is down (restarting, or for good)
+        self._crashes: deque[float] = deque()
+        self.restarts_total = 0
         self._stats = self.engine.stats()
-        self._thread = threading.Thread(target=self._loop, name="parley-engine", daemon=True)
-        self._thread.start()
+        self._thread = self._start_thread()
 
     # --- public API ------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat (list of {"role", "content"}) in the model's own template."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
-            ids = ids["input_ids"]
-        return list(ids)
+        """Token ids of a chat (list of {"role", "content"}) in the model's own template, each message's
+        content tokenized as plain text: ``<|im_start|>`` typed into a message stays text (engine/chat.py
+        says what is and is not filtered)."""
+        return self.engine.apply_chat_template(messages, add_generation_prompt)
 
     async def generate(
         self,
@@ -67,7 +89,7 @@ class AsyncLLMEngine:
         if self._stop:
             raise RuntimeError("engine is shut down")
         if self._error is not None:
-            raise RuntimeError("engine loop crashed") from self._error
+            raise RuntimeError(self._down or "engine loop crashed") from self._error
         request_id = request_id or f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cond:
@@ -99,12 +121,22 @@ class AsyncLLMEngine:
             self._cond.notify()
 
     def is_running(self) -> bool:
-        """The step loop is alive and has not crashed (what /healthz reports)."""
-        return self._error is None and self._thread.is_alive()
+        """The step loop is alive and not down after a crash (what /healthz reports)."""
+        return self._error is None and self._down is None and self._thread.is_alive()
+
+    def down_reason(self) -> str | None:
+        """Why the loop is not running (None while it runs)."""
+        if self._down is not None:
+            return self._down
+        if self._stop:
+            return "engine is shut down"
+        if not self._thread.is_alive():
+            return "engine loop thread is not alive"
+        return None
 
     def stats(self) -> dict:
         """Latest engine metrics (a snapshot published by the engine thread after each step)."""
-        return dict(self._stats)
+        return dict(self._stats, loop_restarts_total=self.restarts_total)
 
     def model_info(self) -> dict:
         """What was loaded and how (precision, linear kernel, memory); fixed once built, so safe from any thread."""
@@ -113,45 +145,86 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stop = True
-            self._cond.notify()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+            self._cond.notify_all()
+        thread = self._thread
+        if thread.is_alive() and threading.current_thread() is not thread:
+            thread.join(timeout)
 
     # --- engine thread -----------------------------------------------------------------
+    def _start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="parley-engine", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the loop must not die silently
+            self._on_crash(e)
+
+    def _on_crash(self, error: BaseException) -> None:
+        """Fail every open stream, reset the engine, and restart the loop on a new thread after a backoff."""
+        reason = f"engine loop crashed: {type(error).__name__}: {error}"
+        log.exception("%s", reason)
+        self._down = reason
+        with self._cond:
+            streams = list(self._streams)
+            self._adds, self._aborts = [], []
+        message = f"{reason}; the request was stopped"
+        for rid in streams:
+            self._deliver(RequestOutput(rid, "", (), True, "error", message, error_type="internal"))
+        try:
+            self.engine.reset(reason)
+            self._stats = self.engine.stats()
+        except BaseException:
+            log.exception("engine reset failed; the engine stays down")
+            self._error = error
+            return
+        now = time.monotonic()
+        self._crashes.append(now)
+        while self._crashes and now - self._crashes[0] > self.restart_window_s:
+            self._crashes.popleft()
+        if len(self._crashes) > self.max_restarts:
+            log.error("engine loop crashed %d times in %.0f s: giving up", len(self._crashes), self.restart_window_s)
+            self._down = f"{reason} (gave up after {self.max_restarts} restarts)"
+            self._error = error
+            return
+        delay = self.restart_backoff_s * 2 ** (len(self._crashes) - 1)
+        log.warning("restarting the engine loop in %.1f s (restart %d)", delay, len(self._crashes))
+        with self._cond:
+            self._cond.wait_for(lambda: self._stop, timeout=delay)
+            if self._stop:
+                return
+            self.restarts_total += 1
+            self._thread = self._start_thread()
+            self._down = None
+
     def _loop(self) -> None:
         eng = self.engine
         if self.config.num_threads:
             import torch
 
             torch.set_num_threads(self.config.num_threads)  # also in this thread (OpenMP settings are per thread)
-        try:
-            while True:
-                with self._cond:
-                    while not (self._stop or self._adds or self._aborts or eng.has_unfinished()):
-                        self._stats = eng.stats()
-                        self._cond.wait(timeout=1.0)  # wake now and then so the idle rate decays
-                    if self._stop:
-                        break
-                    adds, self._adds = self._adds, []
-                    aborts, self._aborts = self._aborts, []
-                for rid, prompt, params in adds:
-                    try:
-                        eng.add_request(rid, prompt, params)
-                    except Exception as e:  # bad input: fail this request only
-                        self._deliver(RequestOutput(rid, "", (), True, "error", str(e)))
-                for rid in aborts:
-                    eng.abort(rid)
-                outputs = eng.step()
-                self._stats = eng.stats()
-                for out in outputs:
-                    self._deliver(out)
-        except BaseException as e:  # the loop must not die silently: fail every open stream
-            log.exception("engine loop crashed")
-            self._error = e
+        while True:
             with self._cond:
-                streams = list(self._streams.values())
-            for s in streams:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, e)
+                while not (self._stop or self._adds or self._aborts or eng.has_unfinished()):
+                    self._stats = eng.stats()
+                    self._cond.wait(timeout=1.0)  # wake now and then so the idle rate decays
+                if self._stop:
+                    break
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            for rid, prompt, params in adds:
+                try:
+                    eng.add_request(rid, prompt, params)
+                except Exception as e:  # bad input: fail this request only
+                    self._deliver(RequestOutput(rid, "", (), True, "error", str(e), error_type="invalid_request"))
+            for rid in aborts:
+                eng.abort(rid)
+            outputs = eng.step()
+            self._stats = eng.stats()
+            for out in outputs:
+                self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._cond:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("PARLEY_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $PARLEY_API_KEY)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -102,7 +108,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     engine = AsyncLLMEngine(config)
     try:
-        app = create_app(engine, args.served_model_name or served_name(args.model))
+        app = create_app(engine, args.served_model_name or served_name(args.model), api_key=args.api_key)
         asyncio.run(_serve(app, args.host, args.port, args.log_level))
     except KeyboardInterrupt:
         pass

@@ -191,6 +191,24 @@ class KVCacheManager:
                 self._num_cached[req.request_id] = num_full
         return True
 
+    def uncache_from(self, request_id: str, first_block: int) -> None:
+        """Forget the prefix hashes of ``request_id``'s blocks from ``first_block`` on (a failed step
+        registered them before their K/V were written); earlier blocks, shared hits included, keep theirs."""
+        table = self._tables.get(request_id, [])
+        for block in table[first_block:]:
+            self.pool._evict(block)
+        if request_id in self._num_cached:
+            self._num_cached[request_id] = min(self._num_cached[request_id], first_block)
+
+    def reset(self) -> None:
+        """Free every request's blocks and forget every cached prefix (after a crash, nothing is trusted)."""
+        for table in self._tables.values():
+            for block in table:
+                block.ref_cnt = 0
+        self._tables.clear()
+        self._num_cached.clear()
+        self.pool = BlockPool(self.pool.num_blocks, self.enable_prefix_caching)
+
     def free(self, req: Request) -> None:
         """Release all blocks of ``req`` (tail first, so shared prefixes are evicted last)."""
         table = self._tables.pop(req.request_id, None)

@@ -3,6 +3,14 @@
 Why: one place owns the order of a step and the per-request output state (detokenizer,
 seeded generator), so the async front only has to move requests and outputs across a
 thread boundary. Not thread-safe: drive it from one thread (AsyncLLMEngine does).
+
+Failures are contained where they happen: a failure that belongs to one request
+(sampling its row, a token id outside the vocabulary, detokenizing, a stop-string check)
+finishes that request with an error output and frees its KV blocks; a failed model
+forward fails the requests of that step (their blocks freed, and the prefix-cache
+entries that step would have filled forgotten, since their K/V may be half written) and
+the next step runs as usual. ``reset`` fails everything still open, for a caller whose
+loop broke anyway (``AsyncLLMEngine`` restarts its thread after it).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.chat import chat_token_ids, check_split_special_tokens
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
@@ -64,6 +73,7 @@ class LLMEngine:
         path = resolve_model(config.model)
         self.model_path = path
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        check_split_special_tokens(self.tokenizer)  # chat contents are tokenized as plain text (engine/chat.py)
         self.runner = ModelRunner(config, path, model)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -128,6 +138,11 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     # --- requests --------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat in the model's own template, each message's content tokenized as plain
+        text (special-token text in a message never becomes a special token; see engine/chat.py)."""
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
@@ -143,9 +158,13 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = Request(request_id, self.tokenize(prompt), params, eos_token_ids=self.eos_token_ids)
         try:
+            vocab = self.runner.model.args.vocab_size
+            bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:  # it would fail the embedding lookup of a whole batch
+                raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
             self.scheduler.add_request(req)
         except RequestRejected as e:
-            self._pending.append(self._final(req, "error", str(e)))
+            self._pending.append(self._final(req, "error", str(e), error_type="invalid_request"))
             self.requests_finished_total += 1
             return request_id
         row = SamplerRow(params, make_generator(params, self.runner.device, self._rng.getrandbits(63)))
@@ -166,7 +185,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
 
-    def _final(self, req: Request, reason: str, error: str | None = None, text: str = "") -> RequestOutput:
+    def _final(
+        self, req: Request, reason: str, error: str | None = None, text: str = "", error_type: str | None = None
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             text_delta=text,
@@ -174,6 +195,7 @@ class LLMEngine:
             finished=True,
             finish_reason=reason,
             error=error,
+            error_type=error_type or ("internal" if error else None),
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             arrival_time=req.arrival_time,
@@ -186,17 +208,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        sample_ids, logits = self.runner.execute(sched)
-        sampled: dict[str, int] = {}
-        errors: dict[str, str] = {}
-        if sample_ids:
-            rows = [self._states[i].row for i in sample_ids]
-            tokens, errs = sample(logits, rows)
-            for rid, tok, err in zip(sample_ids, tokens, errs, strict=True):
-                if err is None:
-                    sampled[rid] = tok
-                else:
-                    errors[rid] = err
+        try:
+            sample_ids, logits = self.runner.execute(sched)
+        except Exception as e:  # the whole step failed: fail its requests, keep the loop going
+            log.exception("model forward failed; failing the %d request(s) of this step", len(sched.chunks))
+            outputs += self._fail_step(sched, f"model forward failed: {type(e).__name__}: {e}")
+            return outputs
+        sampled, errors = self._sample(sample_ids, logits)
         now = time.monotonic()
         updates = self.scheduler.update_from_output(sched, sampled, errors, now=now)
         n_new = 0
@@ -206,31 +224,111 @@ class LLMEngine:
             if state is None:
                 continue
             n_new += len(u.new_token_ids)
-            finished = u.finished
-            text, stopped = state.detok.add(u.new_token_ids, finished)
-            if stopped and not finished:
-                self.scheduler.finish_request(req.request_id, "stop")
-                finished = True
-            outputs.append(
-                RequestOutput(
-                    request_id=req.request_id,
-                    text_delta=text,
-                    token_ids_delta=tuple(u.new_token_ids),
-                    finished=finished,
-                    finish_reason=req.finish_reason if finished else None,
-                    error=req.error,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    arrival_time=req.arrival_time,
-                    first_token_time=req.first_token_time,
-                )
-            )
-            if finished:
-                del self._states[req.request_id]
+            try:
+                outputs.append(self._output(state, u.new_token_ids, u.finished))
+            except Exception as e:  # detokenizing / stop strings of this request: fail it alone
+                log.exception("request %s failed after its step", req.request_id)
+                self.scheduler.finish_request(req.request_id, "error", f"{type(e).__name__}: {e}")
+                self._states.pop(req.request_id, None)
                 self.requests_finished_total += 1
+                outputs.append(self._final(req, "error", f"output processing failed: {type(e).__name__}: {e}"))
         self.generation_tokens_total += n_new
         if n_new:
             self._rate.append((now, n_new))
+        return outputs
+
+    def _output(self, state: _RequestState, new_token_ids: list[int], finished: bool) -> RequestOutput:
+        """Detokenize a request's new tokens, apply its stop strings, and build its output."""
+        req = state.request
+        text, stopped = state.detok.add(new_token_ids, finished)
+        if stopped and not finished:
+            self.scheduler.finish_request(req.request_id, "stop")
+            finished = True
+        out = RequestOutput(
+            request_id=req.request_id,
+            text_delta=text,
+            token_ids_delta=tuple(new_token_ids),
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            error=req.error,
+            error_type="internal" if req.error else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+        )
+        if finished:
+            del self._states[req.request_id]
+            self.requests_finished_total += 1
+        return out
+
+    def _sample(self, sample_ids: list[str], logits) -> tuple[dict[str, int], dict[str, str]]:
+        """One token per sampling request, or an error for the requests whose row failed.
+
+        The batch is sampled at once; if that raises, each row is sampled alone so only the
+        failing requests get an error (a seeded row's draw may then differ from an undisturbed
+        run: its generator advanced in the failed attempt). A token id outside the vocabulary
+        is an error too: it would fail the next step's embedding lookup for the whole batch.
+        """
+        sampled: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        if not sample_ids:
+            return sampled, errors
+        rows = [self._states[i].row for i in sample_ids]
+        try:
+            tokens, errs = sample(logits, rows)
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(rows))
+            tokens, errs = [], []
+            for i, row in enumerate(rows):
+                try:
+                    t, e = sample(logits[i : i + 1], [row])
+                    tokens.append(t[0])
+                    errs.append(e[0])
+                except Exception as e:
+                    log.exception("sampling failed for request %s", sample_ids[i])
+                    tokens.append(-1)
+                    errs.append(f"sampling failed: {type(e).__name__}: {e}")
+        vocab = self.runner.model.args.vocab_size
+        for rid, tok, err in zip(sample_ids, tokens, errs, strict=True):
+            if err is None and not 0 <= tok < vocab:
+                err = f"sampled token id {tok} is outside the vocabulary [0, {vocab})"
+            if err is None:
+                sampled[rid] = int(tok)
+            else:
+                errors[rid] = err
+        return sampled, errors
+
+    def _fail_step(self, sched, message: str) -> list[RequestOutput]:
+        """Finish every request of a failed step with ``message``; forget the prefix-cache blocks it was filling."""
+        outputs = []
+        for chunk in sched.chunks:
+            req = self.scheduler.requests.get(chunk.request_id)
+            if req is None:
+                continue
+            self.kv.uncache_from(req.request_id, chunk.start // self.config.block_size)
+            self.scheduler.finish_request(req.request_id, "error", message)
+            self._states.pop(req.request_id, None)
+            self.requests_finished_total += 1
+            outputs.append(self._final(req, "error", message))
+        return outputs
+
+    def reset(self, message: str) -> list[RequestOutput]:
+        """Fail every open request (queued outputs dropped), free all KV blocks, forget every cached prefix.
+
+        For a caller whose step loop broke outside the per-request and per-step handling:
+        the engine's state may be half updated, so nothing of it is trusted afterwards.
+        """
+        outputs = []
+        for rid in list(self.scheduler.requests):
+            req = self.scheduler.finish_request(rid, "error", message)
+            self._states.pop(rid, None)
+            if req is not None:
+                self.requests_finished_total += 1
+                outputs.append(self._final(req, "error", message))
+        self._states.clear()
+        self._pending = []
+        self.kv.reset()
         return outputs
 
     # --- metrics -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ class RequestOutput:
 
     ``first_token_time`` is the ``time.monotonic()`` at which the first token was sampled
     (TTFT = first_token_time - arrival_time); ``num_cached_tokens`` is the prefix-cache hit.
+    ``finish_reason == "error"`` comes with ``error`` (why) and ``error_type``.
     """
 
     request_id: str
@@ -19,6 +20,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    # with an error: "invalid_request" (the request can never be served: a client error) or "internal"
+    error_type: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
