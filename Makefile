@@ -23,9 +23,9 @@ run: setup
 
 # Debian packages the tests need: a real browser and PortAudio (installed only when missing).
 system-deps:
-	@if ! command -v chromium >/dev/null || ! ldconfig -p | grep -q libportaudio.so.2; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium libportaudio2; \
-	  else sudo apt-get update -q && sudo apt-get install -y -q chromium libportaudio2; fi; \
+	@if ! command -v chromium >/dev/null || ! command -v espeak-ng >/dev/null || ! ldconfig -p | grep -q libportaudio.so.2; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium libportaudio2 espeak-ng; \
+	  else sudo apt-get update -q && sudo apt-get install -y -q chromium libportaudio2 espeak-ng; fi; \
 	fi
 
 test: setup system-deps

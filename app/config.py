@@ -74,6 +74,16 @@ class Settings(BaseSettings):
     pause_ms: int = Field(96, ge=64, le=1000, description="silence after which the tail is transcribed")
     partial_interval_ms: int = Field(400, ge=100, description="how often partial transcripts are made")
     speculative_reply: bool = Field(True, description="start the reply during the endpoint silence")
+    turn_model: Literal["smart-turn-v3", "none"] = Field(
+        "smart-turn-v3", description="end-of-turn model heard at each pause ('none': the words alone)"
+    )
+    endpoint_complete_silence_ms: int = Field(
+        200, ge=50, le=3000, description="silence that ends a turn the end-of-turn model is sure is complete"
+    )
+    turn_complete_threshold: float = Field(0.5, ge=0, le=1, description="P(complete) at or above which a turn is over")
+    turn_incomplete_threshold: float = Field(
+        0.2, ge=0, le=1, description="P(complete) below which the endpoint waits as long as mid-clause"
+    )
     barge_in_ms: int = Field(400, ge=0, description="speech this long interrupts a reply (a cough does not)")
     first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
     asr_window_s: float = Field(10.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")

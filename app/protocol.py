@@ -173,6 +173,8 @@ class TurnMetrics(BaseModel):
     endpoint_ms: float | None = Field(None, description="end of speech to turn committed")
     asr_final_ms: float | None = Field(None, description="turn committed to final transcript ready")
     asr_compute_ms: float | None = Field(None, description="Whisper time for the final transcript")
+    turn_detect_ms: float | None = Field(None, description="end-of-turn model time at the last pause")
+    turn_probability: float | None = Field(None, description="the end-of-turn model's P(turn complete)")
     llm_ttft_ms: float | None = Field(None, description="LLM request to first token")
     tts_first_audio_ms: float | None = Field(None, description="first clause to its audio")
     voice_to_voice_ms: float | None = Field(None, description="end of speech to first reply audio sent")

@@ -3,8 +3,19 @@
 Each client holds one conversation and asks several different spoken questions (synthesized
 once with the bundled voice and cached), at real-time pace with natural trailing silence,
 waits for the reply to finish playing, and asks the next. Voice-to-voice latency and
-underruns are measured on the client, as a user would experience them; stage latencies come
-from the server's per-turn metrics.
+underruns are measured on the client, as a user would experience them: from the acoustic end
+of the question (its last frame above the noise floor; the clips are cut there) to the first
+reply audio received. The server's own figure, from where its VAD placed the end, is
+reported beside it; stage latencies come from the server's per-turn metrics.
+
+Sets (``--set``):
+* ``plain``: whole questions;
+* ``pauses``: questions with a pause in the middle of the sentence (``--pause-s``), which a
+  good endpoint does not take for the end of the turn; reports how many were split in two;
+* ``backchannels``: while a reply plays, the user says "mm-hmm", "yeah", ... (which must not
+  stop it) and, every fourth turn, really interrupts (which must).
+``--snr-db`` adds background noise under everything the users send; ``--rates`` cycles the
+voice's speaking rate (Piper length scales).
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import numpy as np
 
 from app import protocol
 from app.bench.launcher import ServerProcess
-from app.bench.samples import synthesize_speech
+from app.bench.samples import synthesize_speech, trim_to_speech, with_pause
 from app.clients.core import CLIENT_MEASURED, VoiceClient
 from app.voice.text import words
 
@@ -33,6 +44,21 @@ QUESTIONS = [
     "Why is the sky blue?",
     "Can you recommend a good book?",
 ]
+# Said whole, with a pause stretched into the middle (at the comma, where the voice breathes).
+PAUSED_QUESTIONS = [
+    "I want to visit Paris, and London next summer.",
+    "Can you tell me, what the weather is like in London?",
+    "What I would like to know is, how tall the Eiffel Tower is.",
+    "My favourite city is Rome, because of the food.",
+    "Tell me about dogs, and why they bark at night.",
+    "I was thinking about dinner, maybe something with rice.",
+    "Could you explain, why the sky is blue?",
+    "I need a good book, for a long train ride.",
+    "What should I pack, for a weekend in the mountains?",
+    "Remind me, how many days are in a leap year?",
+]
+BACKCHANNELS = ["Mm-hmm.", "Yeah.", "Right.", "Okay."]
+INTERRUPTION = "Wait, stop. Tell me about London instead."
 PLOT_HINT = "pip install -e '.[plot]'"
 
 
@@ -48,6 +74,9 @@ class TurnRecord:
     speech_s: float
     at_client: protocol.TurnMetrics  # voice-to-voice as heard, reply length, underruns
     server: protocol.TurnMetrics
+    split: bool = False  # (pauses) the question became more than one turn
+    spoken_over: str | None = None  # (backchannels) "backchannel" or "interruption"
+    reply_stopped: bool = False  # (backchannels) the reply was interrupted
 
     @property
     def transcript_correct(self) -> bool:
@@ -64,6 +93,9 @@ class TurnRecord:
             "speech_s": self.speech_s,
             "at_client": self.at_client.model_dump(exclude_none=True),
             "server": self.server.model_dump(exclude_none=True),
+            "split": self.split,
+            "spoken_over": self.spoken_over,
+            "reply_stopped": self.reply_stopped,
         }
 
 
@@ -71,27 +103,78 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-async def run_client(
-    url: str, client_index: int, turns: int, questions: list[tuple[str, np.ndarray]]
-) -> list[TurnRecord]:
+@dataclass(frozen=True)
+class Workload:
+    """What the simulated users say, and how."""
+
+    kind: str = "plain"  # plain | pauses | backchannels
+    questions: tuple[tuple[str, np.ndarray], ...] = ()
+    over_reply: tuple[tuple[str, np.ndarray], ...] = ()  # backchannels, then the interruption last
+    noise_rms: float = 0.0
+
+
+def build_workload(kind: str, snr_db: float | None, rates: list[float], pause_s: float) -> Workload:
+    texts = PAUSED_QUESTIONS if kind == "pauses" else QUESTIONS
+    questions = []
+    for index, text in enumerate(texts):
+        rate = rates[index % len(rates)]
+        audio = trim_to_speech(synthesize_speech(text, length_scale=rate))
+        if kind == "pauses":
+            audio, _ = with_pause(audio, pause_s)
+        questions.append((text, audio))
+    over_reply = ()
+    if kind == "backchannels":
+        over_reply = tuple((text, trim_to_speech(synthesize_speech(text))) for text in [*BACKCHANNELS, INTERRUPTION])
+    noise_rms = 0.0
+    if snr_db is not None:
+        speech = np.concatenate([audio for _, audio in questions])
+        loud = speech[np.abs(speech) > 0.01]
+        noise_rms = float(np.sqrt(np.mean(loud**2))) / 10 ** (snr_db / 20)
+    return Workload(kind, tuple(questions), over_reply, noise_rms)
+
+
+async def speak_over_reply(client: VoiceClient, result, audio: np.ndarray) -> bool:
+    """Say ``audio`` a second into the reply of ``result``; True if the server stopped that reply."""
+    done = result.turn_done
+    if result.first_audio_received is None or done is None:
+        return False
+    wait = result.first_audio_received + 1.0 - time.monotonic()
+    if wait > 0:
+        await client.send_silence(wait)
+    await client.send_audio(audio)
+    await client.send_silence(1.5)  # the server decides within barge_in_ms + an endpoint
+    return any(isinstance(e, protocol.Interrupt) and e.turn_id == done.turn_id for e in result.events)
+
+
+async def run_client(url: str, client_index: int, turns: int, workload: Workload) -> list[TurnRecord]:
     records = []
-    async with VoiceClient(url) as client:
+    async with VoiceClient(url, noise_rms=workload.noise_rms, seed=client_index) as client:
         await client.send_silence(0.5 + 0.37 * client_index)  # clients do not all speak at the same instant
         for turn in range(turns):
-            text, audio = questions[(client_index + turn) % len(questions)]
-            result = await client.ask(audio, trailing_silence_s=1.2)
-            records.append(
-                TurnRecord(
-                    client=client_index,
-                    turn=turn,
-                    question=text,
-                    transcript=result.final_transcript,
-                    reply=result.assistant_text,
-                    speech_s=len(audio) / client.sample_rate,
-                    at_client=result.client_metrics(),
-                    server=result.server_metrics,
-                )
+            text, audio = workload.questions[(client_index + turn) % len(workload.questions)]
+            result = await client.ask(audio, trailing_silence_s=1.2 if workload.kind != "pauses" else 1.6)
+            finals = {e.turn_id for e in result.all(protocol.Transcript) if e.final}
+            record = TurnRecord(
+                client=client_index,
+                turn=turn,
+                question=text,
+                transcript=result.final_transcript,
+                reply=result.assistant_text,
+                speech_s=len(audio) / client.sample_rate,
+                at_client=result.client_metrics(),
+                server=result.server_metrics,
+                split=len(finals) > 1,
             )
+            if workload.kind == "backchannels":
+                interrupt = turn % 4 == 3
+                backchannels = workload.over_reply[:-1]
+                _, over = workload.over_reply[-1] if interrupt else backchannels[turn % len(backchannels)]
+                record.spoken_over = "interruption" if interrupt else "backchannel"
+                record.reply_stopped = await speak_over_reply(client, result, over)
+                if interrupt and record.reply_stopped:  # the interruption is a turn of its own: hear its answer
+                    answer = await client.ask(np.zeros(0, np.float32), leading_silence_s=0, trailing_silence_s=0)
+                    await client.listen_until_played(answer)
+            records.append(record)
             await client.listen_until_played(result)
     return records
 
@@ -120,6 +203,11 @@ def summarize(records: list[TurnRecord], clients: int) -> dict:
         "asr_speed_min": min(asr_speed) if asr_speed else None,
         "transcripts_correct": sum(r.transcript_correct for r in records),
         "speculative_turns": sum(r.server.speculative for r in records),
+        "split_questions": sum(r.split for r in records),
+        "backchannels": sum(r.spoken_over == "backchannel" for r in records),
+        "backchannels_stopping_the_reply": sum(r.spoken_over == "backchannel" and r.reply_stopped for r in records),
+        "interruptions": sum(r.spoken_over == "interruption" for r in records),
+        "interruptions_caught": sum(r.spoken_over == "interruption" and r.reply_stopped for r in records),
     }
     for name in protocol.LATENCY_FIELDS:
         values = figures(records, name)
@@ -149,8 +237,13 @@ def print_table(summary: dict) -> None:
     )
     print(
         f"underruns {summary['underruns']}, transcripts correct {summary['transcripts_correct']}/{summary['turns']}, "
-        f"speculative replies used {summary['speculative_turns']}"
+        f"speculative replies used {summary['speculative_turns']}, questions split in two {summary['split_questions']}"
     )
+    if summary["backchannels"] or summary["interruptions"]:
+        print(
+            f"backchannels that stopped the reply {summary['backchannels_stopping_the_reply']}/{summary['backchannels']}, "
+            f"interruptions caught {summary['interruptions_caught']}/{summary['interruptions']}"
+        )
 
 
 def plot(records: list[TurnRecord], summary: dict, path: Path) -> bool:
@@ -201,9 +294,8 @@ def plot(records: list[TurnRecord], summary: dict, path: Path) -> bool:
     return True
 
 
-async def run(url: str, clients: int, turns: int) -> list[TurnRecord]:
-    questions = [(text, synthesize_speech(text)) for text in QUESTIONS]
-    results = await asyncio.gather(*(run_client(url, index, turns, questions) for index in range(clients)))
+async def run(url: str, clients: int, turns: int, workload: Workload) -> list[TurnRecord]:
+    results = await asyncio.gather(*(run_client(url, index, turns, workload) for index in range(clients)))
     return [record for client_records in results for record in client_records]
 
 
@@ -215,9 +307,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-output", help="folder for per-turn JSON and the PNG chart")
     parser.add_argument("--json", dest="json_path", help="write the summary as one JSON object here")
     parser.add_argument("--server-arg", action="append", default=[], help="extra `parley serve` flag (repeatable)")
+    parser.add_argument("--set", dest="kind", choices=["plain", "pauses", "backchannels"], default="plain")
+    parser.add_argument("--snr-db", type=float, help="background noise this many dB under the speech (default: none)")
+    parser.add_argument("--rates", default="1", help="speaking rates (Piper length scales) to cycle, e.g. 0.85,1,1.2")
+    parser.add_argument("--pause-s", type=float, default=0.7, help="the mid-sentence pause of --set pauses")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.turns < 1:
         parser.error("--clients and --turns must be at least 1")
+    try:
+        rates = [float(rate) for rate in args.rates.split(",")]
+    except ValueError:
+        parser.error(f"--rates: not numbers: {args.rates!r}")
+    if not rates or not all(0.5 <= rate <= 2.0 for rate in rates):
+        parser.error("--rates: each between 0.5 and 2.0")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -231,13 +333,15 @@ def main(argv: list[str] | None = None) -> int:
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:
         print(f"{args.clients} client(s) x {args.turns} turns against {url} ...", flush=True)
-        records = asyncio.run(run(url, args.clients, args.turns))
+        workload = build_workload(args.kind, args.snr_db, rates, args.pause_s)
+        records = asyncio.run(run(url, args.clients, args.turns, workload))
     finally:
         if server is not None:
             server.stop()
     summary = summarize(records, args.clients)
+    summary.update(set=args.kind, snr_db=args.snr_db, rates=rates)
     print_table(summary)
-    stem = f"voice-{args.clients}c"
+    stem = f"voice-{args.kind}-{args.clients}c"
     turns_path, chart_path = out / f"{stem}-turns.json", out / f"{stem}.png"
     turns_path.write_text(json.dumps([record.to_json() for record in records], indent=2))
     if args.json_path:

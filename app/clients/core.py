@@ -298,8 +298,17 @@ CLIENT_MEASURED = frozenset(TurnResult().client_metrics().model_fields_set)
 class VoiceClient:
     """One conversation over one WebSocket, sending microphone-like audio continuously."""
 
-    def __init__(self, url: str, sample_rate: int = protocol.INPUT_SAMPLE_RATE, realtime: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        sample_rate: int = protocol.INPUT_SAMPLE_RATE,
+        realtime: bool = True,
+        noise_rms: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         self.url, self.sample_rate, self.realtime = url, sample_rate, realtime
+        self.noise_rms = noise_rms  # background noise under everything sent, silences included
+        self._rng = np.random.default_rng(seed)
         self.frame = sample_rate * FRAME_MS // 1000
         self.connection: Connection | None = None
         self._receiver: asyncio.Task | None = None
@@ -358,7 +367,10 @@ class VoiceClient:
                     self._clock_start -= delay
             else:
                 await asyncio.sleep(0)  # let the receiver run between frames
-            await self.connection.send_audio(audio[index * self.frame : (index + 1) * self.frame])
+            frame = audio[index * self.frame : (index + 1) * self.frame]
+            if self.noise_rms:
+                frame = frame + self._rng.normal(0.0, self.noise_rms, len(frame)).astype(np.float32)
+            await self.connection.send_audio(frame)
             self._frames_sent += 1
             if mark_end_at is not None and index == mark_end_at and self._current is not None:
                 self._current.speech_end_sent = time.monotonic()

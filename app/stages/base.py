@@ -77,6 +77,13 @@ class SpeechRecognizer(Protocol):
         ...
 
 
+# ---------------------------------------------------------------- end of turn
+class TurnDetector(Protocol):
+    def complete_probability(self, audio: np.ndarray) -> float:
+        """P(the user has finished their turn), from 16 kHz audio ending where their speech paused (blocking)."""
+        ...
+
+
 # ---------------------------------------------------------------- LLM
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -128,6 +135,7 @@ class VoiceStages(Protocol):
     asr: SpeechRecognizer
     llm: ChatLLM
     tts: Synthesizer
+    turn: TurnDetector | None  # the end-of-turn model, when one is configured
 
     def vad_stream(self, config: VadConfig) -> VoiceActivity:
         """A fresh VAD state for one input stream (the model itself is shared)."""

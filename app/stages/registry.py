@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from app.config import Settings
 from app.stages.asr import Transcriber
-from app.stages.base import ChatLLM, GenerationSettings, Synthesizer, VadConfig
+from app.stages.base import ChatLLM, GenerationSettings, Synthesizer, TurnDetector, VadConfig
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad, VadStream
 
@@ -21,6 +21,7 @@ class Models:
     asr: Transcriber
     llm: ChatLLM
     tts: Synthesizer
+    turn: TurnDetector | None = None
 
     def vad_stream(self, config: VadConfig) -> VadStream:
         return VadStream(self.vad, config)
@@ -62,6 +63,19 @@ def make_tts(settings: Settings) -> Synthesizer:
     return PiperSynthesizer(settings.tts_voice, threads=settings.tts_threads)
 
 
+def make_turn_detector(settings: Settings, progress: Callable[[str], None] = print) -> TurnDetector | None:
+    """Smart Turn v3, or None (the words alone decide) when it is off or not installed."""
+    if settings.turn_model == "none":
+        return None
+    from app.stages.turn import SmartTurn
+
+    try:
+        return SmartTurn(threads=1)
+    except FileNotFoundError as missing:
+        progress(f"WARNING: {missing}; ending turns by the words alone")
+        return None
+
+
 def load_models(settings: Settings, progress: Callable[[str], None] = print) -> Models:
     """Load VAD, ASR, LLM and TTS, printing one line per model with its load time."""
 
@@ -87,7 +101,8 @@ def load_models(settings: Settings, progress: Callable[[str], None] = print) -> 
     )
     llm = timed(f"LLM ({settings.llm_backend}: {settings.llm_url or settings.llm_model})", lambda: make_llm(settings))
     tts = timed(f"TTS ({settings.tts_backend} {settings.tts_voice})", lambda: make_tts(settings))
-    models = Models(vad=vad, asr=asr, llm=llm, tts=tts)
+    turn = timed(f"end of turn ({settings.turn_model})", lambda: make_turn_detector(settings, progress))
+    models = Models(vad=vad, asr=asr, llm=llm, tts=tts, turn=turn)
     timed("warm-up (one pass through ASR, LLM and TTS)", lambda: warm_up(models))
     return models
 

@@ -106,8 +106,16 @@ class VoiceSession:
             next_turn_id=lambda: next(self._turn_ids),
             clock=self._clock,
             run_blocking=self._run,
+            turn_detector=self.models.turn,
+            language=lambda: self.prefs.language,
             options=heard.TrackerOptions(
-                endpointer=Endpointer(settings.endpoint_silence_ms, settings.endpoint_unfinished_silence_ms),
+                endpointer=Endpointer(
+                    settings.endpoint_silence_ms,
+                    settings.endpoint_unfinished_silence_ms,
+                    settings.endpoint_complete_silence_ms,
+                    settings.turn_complete_threshold,
+                    settings.turn_incomplete_threshold,
+                ),
                 partial_interval_ms=settings.partial_interval_ms,
                 max_utterance_s=settings.max_utterance_s,
             ),
@@ -227,8 +235,13 @@ class VoiceSession:
 
     async def _on_committed(self, turn: heard.Committed) -> None:
         await self._interrupt_reply()
-        figures = {"endpoint_ms": turn.endpoint_ms, "asr_final_ms": turn.asr_final_ms}
-        figures["asr_compute_ms"] = turn.asr_compute_ms
+        figures = {
+            "endpoint_ms": turn.endpoint_ms,
+            "asr_final_ms": turn.asr_final_ms,
+            "asr_compute_ms": turn.asr_compute_ms,
+            "turn_detect_ms": turn.turn_detect_ms,
+            "turn_probability": turn.turn_probability,
+        }
         speculation = self._speculation
         if speculation is not None and speculation.user_text == turn.text:
             self._speculation = None

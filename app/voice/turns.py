@@ -94,10 +94,29 @@ def _prefix_matches(tokens: list[str], prefix: list[str]) -> bool:
 
 @dataclass(frozen=True)
 class Endpointer:
-    """Silence needed to commit a turn: short after a finished sentence, longer mid-clause."""
+    """Silence needed to commit a turn, from two cues: the words, and the sound of the turn's end.
+
+    The words: ending mid-clause ("... and") always waits ``unfinished_silence_ms``. The sound:
+    an end-of-turn model's probability that the turn is complete (``complete_probability``,
+    None without a model). Confident it is over (>= ``complete_threshold``): commit after
+    ``complete_silence_ms``; confident it is not (< ``incomplete_threshold``): wait as long as
+    mid-clause, which also catches an "and" that Whisper heard as "then."; in between, or
+    without a model: ``silence_ms``.
+    """
 
     silence_ms: int = 400
     unfinished_silence_ms: int = 1200
+    complete_silence_ms: int = 200
+    complete_threshold: float = 0.5
+    incomplete_threshold: float = 0.2
 
-    def required_silence_ms(self, text: str | None) -> int:
-        return self.unfinished_silence_ms if text is not None and looks_unfinished(text) else self.silence_ms
+    def required_silence_ms(self, text: str | None, complete_probability: float | None = None) -> int:
+        if text is not None and looks_unfinished(text):
+            return self.unfinished_silence_ms
+        if complete_probability is None:
+            return self.silence_ms
+        if complete_probability >= self.complete_threshold:
+            return self.complete_silence_ms
+        if complete_probability < self.incomplete_threshold:
+            return self.unfinished_silence_ms
+        return self.silence_ms

@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from app.audio import ASR_SAMPLE_RATE
-from app.stages.base import SpeechRecognizer, VoiceActivity
+from app.stages.base import SpeechRecognizer, TurnDetector, VoiceActivity
 from app.voice.clock import ArrivalClock, Clock, RunBlocking
 from app.voice.turns import Endpointer, PartialStabilizer, is_filler
+
+log = logging.getLogger(__name__)
 
 SAMPLES_PER_MS = ASR_SAMPLE_RATE // 1000
 PREROLL_MS = 300  # audio kept before the VAD start so the first phoneme is not clipped
@@ -101,6 +104,8 @@ class Committed:
     endpoint_ms: float
     asr_final_ms: float  # transcript wait after the endpoint
     asr_compute_ms: float
+    turn_probability: float | None = None  # the end-of-turn model's verdict at the last pause
+    turn_detect_ms: float | None = None  # what that verdict cost
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,8 @@ class _Utterance:
     pause: int | None = None  # stream sample where the current silence began
     tail_task: asyncio.Task | None = None  # transcribing the tail up to ``pause``
     tail_text: str | None = None  # its result, once done
+    turn_probability: float | None = None  # the end-of-turn model's verdict at this pause
+    turn_ms: float | None = None
     asr_ms: float = 0.0
     partial_task: asyncio.Task | None = None
 
@@ -161,9 +168,13 @@ class UtteranceTracker:
         clock: Clock,
         run_blocking: RunBlocking,
         options: TrackerOptions | None = None,
+        turn_detector: TurnDetector | None = None,
+        language: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._vad = vad
         self._asr = asr
+        self._turn_detector = turn_detector
+        self._language = language  # read at each call, so a session's config applies to the next words
         self._emit = emit
         self._next_turn_id = next_turn_id
         self._clock = clock
@@ -240,6 +251,7 @@ class UtteranceTracker:
             utterance.stable_text = utterance.text()
             utterance.stable_until = utterance.pause + TAIL_PAD_MS * SAMPLES_PER_MS
         utterance.pause, utterance.tail_task, utterance.tail_text = None, None, None
+        utterance.turn_probability = utterance.turn_ms = None
         await self._emit(Resumed(utterance.turn_id))
 
     async def _on_pause(self, sample: int) -> None:
@@ -248,16 +260,40 @@ class UtteranceTracker:
             return
         utterance.pause = sample
         await self._emit(Paused(utterance.turn_id))
-        audio = self._slice(utterance.audio_start(), sample + TAIL_PAD_MS * SAMPLES_PER_MS)
-        utterance.tail_task = asyncio.create_task(self._transcribe_tail(utterance, audio), name="asr-tail")
+        end = sample + TAIL_PAD_MS * SAMPLES_PER_MS
+        audio = self._slice(utterance.audio_start(), end)
+        whole = self._slice(utterance.start - PREROLL_MS * SAMPLES_PER_MS, end)  # the turn model hears it all
+        utterance.tail_task = asyncio.create_task(self._transcribe_tail(utterance, audio, whole), name="asr-tail")
 
-    async def _transcribe_tail(self, utterance: _Utterance, audio: np.ndarray) -> None:
+    async def _detect_turn_end(self, audio: np.ndarray) -> tuple[float | None, float]:
+        """The end-of-turn model's probability (None when there is no model, or it failed) and its cost."""
+        detector, started = self._turn_detector, self._clock.now()
+        if detector is None:
+            return None, 0.0
+        try:
+            probability = await self._run(lambda: detector.complete_probability(audio))
+        except Exception:  # the words alone still decide
+            log.warning("end-of-turn model failed; using the words alone", exc_info=True)
+            probability = None
+        return probability, (self._clock.now() - started) * 1000
+
+    async def _transcribe_tail(self, utterance: _Utterance, audio: np.ndarray, whole: np.ndarray) -> None:
         started = self._clock.now()
-        result = await self._run(lambda: self._asr.transcribe(audio, context=utterance.stable_text))
+        turn_end = asyncio.ensure_future(self._detect_turn_end(whole))  # beside ASR, on another core
+        try:
+            language = self._language()
+            result = await self._run(
+                lambda: self._asr.transcribe(audio, context=utterance.stable_text, language=language)
+            )
+            asr_ms = (self._clock.now() - started) * 1000
+            probability, turn_ms = await turn_end
+        finally:
+            turn_end.cancel()
         if utterance.pause is None:
             return  # the user went on speaking; a newer tail will be transcribed
         utterance.tail_text = result.text if result is not None else ""
-        utterance.asr_ms = (self._clock.now() - started) * 1000
+        utterance.asr_ms = asr_ms
+        utterance.turn_probability, utterance.turn_ms = probability, turn_ms
         if utterance is not self._utterance:
             return  # already being committed; _commit reads tail_text
         await self._emit(TailText(utterance.turn_id, utterance.text(), self._arrivals.time_of(utterance.pause)))
@@ -274,7 +310,10 @@ class UtteranceTracker:
 
     async def _partial(self, utterance: _Utterance, audio: np.ndarray) -> None:
         # wait=False: a partial never queues behind another session's final transcript
-        result = await self._run(lambda: self._asr.transcribe(audio, wait=False, context=utterance.stable_text))
+        language = self._language()
+        result = await self._run(
+            lambda: self._asr.transcribe(audio, wait=False, context=utterance.stable_text, language=language)
+        )
         if result is None or utterance is not self._utterance:
             return
         shown = utterance.stabilizer.update(" ".join(p for p in (utterance.stable_text, result.text) if p))
@@ -290,7 +329,7 @@ class UtteranceTracker:
             if silence_ms >= endpointer.unfinished_silence_ms:
                 await self._commit(utterance)  # ASR is late: commit and wait for it
             return
-        if silence_ms >= endpointer.required_silence_ms(utterance.text()):
+        if silence_ms >= endpointer.required_silence_ms(utterance.text(), utterance.turn_probability):
             await self._commit(utterance)
 
     async def _commit(self, utterance: _Utterance, forced: bool = False) -> None:
@@ -319,5 +358,7 @@ class UtteranceTracker:
                 endpoint_ms=(commit - speech_end) * 1000,
                 asr_final_ms=(self._clock.now() - commit) * 1000,
                 asr_compute_ms=utterance.asr_ms,
+                turn_probability=utterance.turn_probability,
+                turn_detect_ms=utterance.turn_ms,
             )
         )

@@ -74,7 +74,7 @@ def test_without_matplotlib_the_chart_is_skipped_and_the_json_still_written(tmp_
             raise ImportError(f"No module named {name!r}")
         return real_import(name, *args, **kwargs)
 
-    async def fake_run(url, clients, turns):
+    async def fake_run(url, clients, turns, workload):
         return RECORDS
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
@@ -85,6 +85,34 @@ def test_without_matplotlib_the_chart_is_skipped_and_the_json_still_written(tmp_
     out = capsys.readouterr().out
     skipped = [line for line in out.splitlines() if "chart skipped" in line]
     assert len(skipped) == 1 and "pip install -e '.[plot]'" in skipped[0]
-    assert not (tmp_path / "voice-1c.png").exists()
-    assert len(json.loads((tmp_path / "voice-1c-turns.json").read_text())) == 3
+    assert not (tmp_path / "voice-plain-1c.png").exists()
+    assert len(json.loads((tmp_path / "voice-plain-1c-turns.json").read_text())) == 3
     assert json.loads(summary_path.read_text())["turns"] == 3
+
+
+def test_workloads_cut_at_the_acoustic_end_and_pause_mid_sentence():
+    from app.bench.samples import speech_bounds
+
+    plain = voice.build_workload("plain", None, [1.0], 0.7)
+    for _, audio in plain.questions:
+        start, end = speech_bounds(audio)
+        assert end == len(audio)  # the clip ends where the speech does: voice-to-voice starts there
+    paused = voice.build_workload("pauses", 20.0, [1.0, 1.2], 0.7)
+    assert len(paused.questions) == len(voice.PAUSED_QUESTIONS) >= 10
+    for _, audio in paused.questions:
+        gaps = _silent_runs(audio)
+        assert max(gaps) >= 0.65  # the stretched pause, inside the sentence
+    assert paused.noise_rms > 0
+    channels = voice.build_workload("backchannels", None, [1.0], 0.7)
+    assert [text for text, _ in channels.over_reply] == [*voice.BACKCHANNELS, voice.INTERRUPTION]
+
+
+def _silent_runs(audio, frame=160):
+    import numpy as np
+
+    quiet = np.sqrt(np.mean(audio[: len(audio) // frame * frame].reshape(-1, frame) ** 2, axis=1)) < 1e-3
+    runs, run = [], 0
+    for q in quiet:
+        run = run + 1 if q else 0
+        runs.append(run * frame / 16000)
+    return runs

@@ -51,15 +51,17 @@ class EnergyVadModel:
 class ScriptedASR:
     """Hears whatever the test says it hears: ``text`` for the final (tail) transcript, ``partial`` for partials."""
 
-    languages = ["en"]
+    languages = ["en", "de", ""]
 
     def __init__(self, text: str = "", partial: str | None = None) -> None:
+        self.languages_asked: list[str | None] = []
         self.text = text
         self.partial = partial
         self.calls: list[bool] = []  # the ``wait`` flag of each call (False: a partial)
 
-    def transcribe(self, audio, *, wait=True, context=""):
+    def transcribe(self, audio, *, wait=True, context="", language=None):
         self.calls.append(wait)
+        self.languages_asked.append(language)
         text = self.text if wait or self.partial is None else self.partial
         return Transcription(text, len(audio) / RATE, 0.0)
 
@@ -76,9 +78,23 @@ class WordTTS:
         yield np.full(samples, 0.1, np.float32)
 
 
+class ScriptedTurnModel:
+    """An end-of-turn model that says ``probability`` (or raises, when it is an exception)."""
+
+    def __init__(self, probability) -> None:
+        self.probability = probability
+        self.heard_seconds: list[float] = []
+
+    def complete_probability(self, audio):
+        self.heard_seconds.append(len(audio) / RATE)
+        if isinstance(self.probability, Exception):
+            raise self.probability
+        return self.probability
+
+
 class FakeStages:
-    def __init__(self, asr: ScriptedASR, llm: ScriptedLLM) -> None:
-        self.asr, self.llm, self.tts = asr, llm, WordTTS()
+    def __init__(self, asr: ScriptedASR, llm: ScriptedLLM, turn: ScriptedTurnModel | None = None) -> None:
+        self.asr, self.llm, self.tts, self.turn = asr, llm, WordTTS(), turn
 
     def vad_stream(self, config: VadConfig) -> VadStream:
         return VadStream(EnergyVadModel(), config)
@@ -87,7 +103,9 @@ class FakeStages:
 class Conversation:
     """One ``VoiceSession`` on fake stages; records every event and the reply audio it sends."""
 
-    def __init__(self, asr_text: str = "", llm_pieces: list[str] | None = None, **settings) -> None:
+    def __init__(
+        self, asr_text: str = "", llm_pieces: list[str] | None = None, turn_probability=None, **settings
+    ) -> None:
         self.clock = ManualClock()
         self.asr = ScriptedASR(asr_text)
         self.llm = ScriptedLLM(llm_pieces if llm_pieces is not None else ["Paris is the capital of France."])
@@ -95,7 +113,7 @@ class Conversation:
         self.audio_s = 0.0
         self.metrics: list[protocol.TurnMetrics] = []
         self.session = VoiceSession(
-            FakeStages(self.asr, self.llm),
+            FakeStages(self.asr, self.llm, None if turn_probability is None else ScriptedTurnModel(turn_probability)),
             Settings(**settings),
             self._send_json,
             self._send_bytes,

@@ -239,9 +239,9 @@ async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(co
     await conv.type("Hello?")
     assert conv.llm.calls[-1][0] == {"role": "system", "content": "Answer like a pirate."}
     await conv.session.handle_text('{"type": "config", "voice": "nobody"}')
-    await conv.session.handle_text('{"type": "config", "language": "de"}')
+    await conv.session.handle_text('{"type": "config", "language": "fr"}')
     errors = [e for e in conv.of(protocol.Error) if e.code == "bad_config"]
-    assert len(errors) == 2 and "nobody" in errors[0].message and "'de'" in errors[1].message
+    assert len(errors) == 2 and "nobody" in errors[0].message and "'fr'" in errors[1].message
     assert conv.session.prefs.voice == "other-tone"  # a rejected config changes nothing
 
 
@@ -264,3 +264,72 @@ async def test_half_duplex_ignores_the_microphone_while_the_reply_plays(conversa
     await conv.speak(0.8, "Now I speak.")
     await conv.silence_until(lambda: len(conv.finals()) == 2)
     assert conv.finals()[-1].text == "Now I speak."
+
+
+COMPLETE_MS = 200
+
+
+async def test_a_confident_end_of_turn_model_commits_after_a_short_silence(conversation):
+    conv = conversation(turn_probability=0.95)
+    await conv.speak(1.0, QUESTION)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    assert COMPLETE_MS <= waited_ms <= COMPLETE_MS + VAD_WINDOW_MS + FRAME_MS
+    metrics = (await _done(conv)).metrics
+    assert metrics.turn_probability == 0.95 and metrics.turn_detect_ms is not None
+
+
+async def test_a_model_sure_the_user_is_mid_thought_waits_as_long_as_mid_clause(conversation):
+    # Whisper heard "... Paris then." (no "and"): the words look finished, the sound does not
+    conv = conversation(turn_probability=0.05)
+    await conv.speak(1.0, "I would like to visit Paris then.")
+    await conv.silence(0.9)
+    assert not conv.finals()
+    waited_ms = 900 + await conv.silence_until(committed(conv)) * 1000
+    assert UNFINISHED_MS <= waited_ms <= UNFINISHED_MS + VAD_WINDOW_MS + FRAME_MS
+
+
+async def test_the_words_mid_clause_overrule_a_confident_model(conversation):
+    conv = conversation(turn_probability=0.99)
+    await conv.speak(1.0, "I would like to visit Paris and")
+    await conv.silence(0.9)
+    assert not conv.finals()
+
+
+async def test_an_unsure_model_leaves_the_usual_endpoint(conversation):
+    conv = conversation(turn_probability=0.35)
+    await conv.speak(1.0, QUESTION)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    assert ENDPOINT_MS <= waited_ms <= ENDPOINT_MS + VAD_WINDOW_MS + FRAME_MS
+
+
+async def test_a_failing_model_leaves_the_words_to_decide(conversation):
+    conv = conversation(turn_probability=RuntimeError("onnx session broke"))
+    await conv.speak(1.0, QUESTION)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    assert ENDPOINT_MS <= waited_ms <= ENDPOINT_MS + VAD_WINDOW_MS + FRAME_MS
+    assert (await _done(conv)).metrics.turn_probability is None
+
+
+async def test_the_model_hears_the_whole_utterance(conversation):
+    conv = conversation(turn_probability=0.9)
+    await conv.speak(2.0, QUESTION)
+    await conv.silence_until(committed(conv))
+    [heard] = conv.session.models.turn.heard_seconds
+    assert 2.0 <= heard <= 2.0 + 0.3 + 0.2  # the speech, the pre-roll and the tail pad
+
+
+async def _done(conv):
+    await conv.settle()
+    return conv.of(protocol.TurnDone)[-1]
+
+
+async def test_the_session_language_reaches_every_transcription(conversation):
+    conv = conversation()
+    await conv.speak(0.6, "Hello.")
+    await conv.silence_until(committed(conv))
+    assert set(conv.asr.languages_asked) == {"en"}
+    await conv.session.handle_text('{"type": "config", "language": ""}')  # detect it
+    conv.asr.languages_asked.clear()
+    await conv.speak(0.6, "Hallo.")
+    await conv.silence_until(lambda: len(conv.finals()) == 2)
+    assert conv.asr.languages_asked and set(conv.asr.languages_asked) == {""}
