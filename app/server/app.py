@@ -1,4 +1,5 @@
-"""The HTTP front: the web page at ``/``, ``/healthz``, ``/metrics``; voice sessions at ``/ws`` (``ws.py``)."""
+"""The HTTP front: the web page at ``/``, ``/healthz``, ``/metrics``; voice sessions at ``/ws`` (``ws.py``)
+and, in the OpenAI Realtime API, at ``/v1/realtime`` (``realtime.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from app.config import Settings
 from app.server.access import AccessPolicy, HostGuard
 from app.server.admission import Admission
 from app.server.metrics import VoiceMetrics
+from app.server.realtime import serve_realtime
 from app.server.ws import serve_voice
 from app.stages.registry import Models, load_models
 
@@ -89,6 +91,10 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
     @app.websocket("/ws")
     async def voice(websocket: WebSocket):
         await serve_voice(websocket, app.state, settings)
+
+    @app.websocket("/v1/realtime")
+    async def realtime(websocket: WebSocket):
+        await serve_realtime(websocket, app.state, settings)
 
     return app
 

@@ -1,0 +1,679 @@
+"""``/v1/realtime``: the OpenAI Realtime API (GA) over Parley's conversation.
+
+Most tests are model-free: the adapter is fed Parley's own events (or drives a ``VoiceSession``
+on scripted stages), and every event it sends must validate against the OpenAI SDK's GA
+server-event models. The conformance test at the end drives a real ``parley serve`` with the
+official ``openai`` client, spoken audio and all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import typing
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from harness import ScriptedLLM
+from openai.types.realtime import RealtimeServerEvent
+from starlette.websockets import WebSocketDisconnect
+
+from app import protocol
+from app.audio import float_to_pcm16, pcm16_to_float, resample
+from app.config import Settings
+from app.server.app import create_app
+from app.server.realtime import REALTIME_SAMPLE_RATE, RealtimeAdapter
+from app.stages.base import Transcription
+from app.stages.vad import VadStream
+from app.voice.session import VoiceSession
+from app.voice.text import words
+
+QUESTION = "What is the capital of France?"
+TTS_RATE = 22_050
+KEY = "k" * 24
+
+# ---------------------------------------------------------------- the GA server events, from the SDK
+_GA_EVENTS = {
+    typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+    for cls in typing.get_args(typing.get_args(RealtimeServerEvent)[0])
+}
+
+
+def check_ga(event: dict) -> None:
+    """The event is one the GA API defines, and its fields validate against the SDK's model."""
+    assert event["type"] in _GA_EVENTS, f"not a GA server event: {event['type']}"
+    _GA_EVENTS[event["type"]].model_validate(event)
+
+
+# ---------------------------------------------------------------- scripted stages (no model is loaded)
+class EnergyVadModel:
+    def probability(self, window_with_context, state):
+        window = window_with_context[-512:]
+        return (1.0 if float(np.sqrt(np.mean(window**2))) > 0.05 else 0.0), state
+
+
+class ScriptedASR:
+    languages = ["en"]
+
+    def __init__(self, text: str = QUESTION) -> None:
+        self.text = text
+        self.heard_s: list[float] = []
+
+    def transcribe(self, audio, *, wait=True, context="", language=None):
+        self.heard_s.append(len(audio) / 16_000)
+        return Transcription(self.text, len(audio) / 16_000, 0.0)
+
+
+class ToneTTS:
+    """A quarter second of tone per word, at Piper's rate (so the 24 kHz resampling is exercised)."""
+
+    sample_rate = TTS_RATE
+    voices = ["tone", "other-tone"]
+
+    def synthesize(self, text):
+        yield np.full(int(len(text.split()) * 0.25 * TTS_RATE), 0.1, np.float32)
+
+
+class FakeStages:
+    turn = None  # no end-of-turn model
+
+    def __init__(self, llm: ScriptedLLM, asr: ScriptedASR | None = None) -> None:
+        self.llm, self.asr, self.tts = llm, asr or ScriptedASR(), ToneTTS()
+
+    def vad_stream(self, config):
+        return VadStream(EnergyVadModel(), config)
+
+    def close(self) -> None:
+        pass
+
+
+class Rig:
+    """A ``RealtimeAdapter`` in front of a ``VoiceSession`` on scripted stages; records every event sent."""
+
+    def __init__(self, pieces: list[str] | None = None, gate: asyncio.Event | None = None, **settings) -> None:
+        self.settings = Settings(**{"max_audio_rate": 1000.0, **settings})
+        self.llm = ScriptedLLM(pieces or ["Paris is the capital of France."], gate=gate)
+        self.models = FakeStages(self.llm)
+        self.events: list[dict] = []
+        self.adapter = RealtimeAdapter(self._send, self.settings, self.models, drop_after_s=0.3)
+        self.session = VoiceSession(self.models, self.settings, self.adapter.on_parley, self.adapter.on_parley_audio)
+        self.adapter.attach(self.session)
+
+    async def _send(self, event: dict) -> None:
+        json.dumps(event)  # what goes on the wire is JSON
+        self.events.append(event)
+
+    async def start(self) -> None:
+        await self.session.start()
+        await self.adapter.start()
+
+    async def send(self, **event) -> None:
+        await self.adapter.handle_client(json.dumps(event))
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+    def types(self) -> list[str]:
+        return [e["type"] for e in self.events]
+
+    async def wait_for(self, kind: str, timeout: float = 20, after: int = 0, **match) -> dict:
+        async def poll():
+            while True:
+                for event in self.events[after:]:
+                    if event["type"] == kind and all(event.get(k) == v for k, v in match.items()):
+                        return event
+                await asyncio.sleep(0.01)
+
+        return await asyncio.wait_for(poll(), timeout)
+
+    async def append(self, samples_24k: np.ndarray, chunk_s: float = 0.1) -> None:
+        step = int(chunk_s * REALTIME_SAMPLE_RATE)
+        for offset in range(0, len(samples_24k), step):
+            pcm = float_to_pcm16(samples_24k[offset : offset + step])
+            await self.send(type="input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
+            await asyncio.sleep(0)
+
+    def audio_s(self, after: int = 0) -> float:
+        data = b"".join(
+            base64.b64decode(e["delta"]) for e in self.events[after:] if e["type"] == "response.output_audio.delta"
+        )
+        return len(data) / 2 / REALTIME_SAMPLE_RATE
+
+    def errors(self) -> list[dict]:
+        return [e["error"] for e in self.of("error")]
+
+
+def tone(seconds: float, level: float = 0.3) -> np.ndarray:
+    t = np.arange(int(seconds * REALTIME_SAMPLE_RATE)) / REALTIME_SAMPLE_RATE
+    return (level * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(int(seconds * REALTIME_SAMPLE_RATE), np.float32)
+
+
+def user_text(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+async def close(rig: Rig) -> None:
+    await rig.adapter.close()
+    await rig.session.close()
+
+
+# ---------------------------------------------------------------- session
+async def test_session_created_then_update_maps_onto_the_session():
+    rig = Rig()
+    await rig.start()
+    [created] = rig.events
+    check_ga(created)
+    assert created["type"] == "session.created"
+    assert created["session"]["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
+    await rig.send(
+        type="session.update",
+        event_id="evt_1",
+        session={
+            "type": "realtime",
+            "instructions": "You are a pirate.",
+            "output_modalities": ["audio"],
+            "audio": {
+                "input": {
+                    "format": {"type": "audio/pcm", "rate": 24000},
+                    "transcription": {"model": "whisper-1", "language": "en"},
+                    "noise_reduction": {"type": "near_field"},
+                    "turn_detection": {
+                        "type": "server_vad",
+                        "threshold": 0.6,
+                        "silence_duration_ms": 700,
+                        "prefix_padding_ms": 300,
+                        "interrupt_response": False,
+                    },
+                },
+                "output": {"voice": "other-tone"},
+            },
+            "tool_choice": "auto",
+            "tools": [],
+            "max_output_tokens": "inf",
+        },
+    )
+    updated = rig.of("session.updated")[-1]
+    check_ga(updated)
+    assert not rig.errors()
+    prefs, settings = rig.session.prefs, rig.session.settings
+    assert (prefs.system_prompt, prefs.voice, prefs.barge_in) == ("You are a pirate.", "other-tone", False)
+    assert (settings.vad_threshold, settings.endpoint_silence_ms) == (0.6, 700)
+    assert updated["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 700
+    assert updated["session"]["instructions"] == "You are a pirate."
+    # an OpenAI voice name keeps Parley's voice instead of failing the update
+    await rig.send(type="session.update", session={"type": "realtime", "audio": {"output": {"voice": "marin"}}})
+    assert not rig.errors() and rig.session.prefs.voice == "other-tone"
+    await close(rig)
+
+
+async def test_unsupported_fields_get_errors_and_the_rest_still_applies():
+    rig = Rig()
+    await rig.start()
+    await rig.send(
+        type="session.update",
+        event_id="evt_tools",
+        session={
+            "type": "realtime",
+            "instructions": "Be brief.",
+            "tools": [{"type": "function", "name": "weather", "parameters": {}}],
+            "tool_choice": "required",
+            "audio": {"input": {"format": {"type": "audio/pcmu"}}, "output": {"voice": "nobody"}},
+            "voice": "alloy",
+        },
+    )
+    errors = rig.errors()
+    params = {e["param"] for e in errors}
+    assert {
+        "session.tools",
+        "session.tool_choice",
+        "session.audio.input.format",
+        "session.audio.output.voice",
+        "session.voice",
+    } <= params
+    assert all(e["event_id"] == "evt_tools" and e["type"] == "invalid_request_error" for e in errors)
+    assert "session.audio.output.voice" in next(e["message"] for e in errors if e["param"] == "session.voice")
+    for event in rig.of("error"):
+        check_ga(event)
+    assert rig.types()[-1] == "session.updated"
+    assert rig.session.prefs.system_prompt == "Be brief."
+    rig.events.clear()
+    await rig.send(type="session.update", session={"type": "realtime", "instructions": "x" * 5000})
+    assert rig.errors()[0]["code"] == "string_above_max_length"
+    await close(rig)
+
+
+# ---------------------------------------------------------------- turns
+async def test_a_typed_turn_streams_a_response_in_the_realtime_order():
+    rig = Rig()
+    await rig.start()
+    await rig.send(type="conversation.item.create", item=user_text(QUESTION))
+    await rig.send(type="response.create")
+    done = await rig.wait_for("response.done")
+    for event in rig.events:
+        check_ga(event)
+    order = [t for t in rig.types() if not t.endswith(".delta")]
+    assert order == [
+        "session.created",
+        "conversation.item.added",
+        "conversation.item.done",
+        "response.created",
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.content_part.added",
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.done",
+    ]
+    assert done["response"]["status"] == "completed"
+    [item] = done["response"]["output"]
+    assert item["content"][0]["transcript"] == "Paris is the capital of France."
+    assert (
+        "".join(e["delta"] for e in rig.of("response.output_audio_transcript.delta"))
+        == item["content"][0]["transcript"]
+    )
+    # the tone is 6 words x 0.25 s at 22.05 kHz; resampled to 24 kHz it lasts as long
+    assert rig.audio_s() == pytest.approx(1.5, abs=0.02)
+    assert rig.llm.calls[0][-1] == {"role": "user", "content": QUESTION}
+    await close(rig)
+
+
+async def test_a_spoken_turn_with_server_vad():
+    rig = Rig()
+    await rig.start()
+    await rig.append(np.concatenate([silence(0.3), tone(1.2), silence(1.5)]))
+    done = await rig.wait_for("response.done")
+    for event in rig.events:
+        check_ga(event)
+    kinds = rig.types()
+    first = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
+    assert [k for k in kinds if k in first] == first
+    assert kinds.index("conversation.item.input_audio_transcription.completed") < kinds.index("response.created")
+    started, stopped = rig.of("input_audio_buffer.speech_started")[0], rig.of("input_audio_buffer.speech_stopped")[0]
+    assert started["item_id"] == stopped["item_id"] == rig.of("input_audio_buffer.committed")[0]["item_id"]
+    assert 200 <= started["audio_start_ms"] <= 500 < stopped["audio_end_ms"]
+    assert rig.of("conversation.item.input_audio_transcription.completed")[0]["transcript"] == QUESTION
+    assert done["response"]["status"] == "completed" and rig.audio_s() > 1.0
+    await close(rig)
+
+
+async def test_manual_turns_commit_then_response_create():
+    rig = Rig()
+    await rig.start()
+    await rig.send(type="session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+    assert rig.of("session.updated")[-1]["session"]["audio"]["input"]["turn_detection"] is None
+    await rig.send(type="input_audio_buffer.commit", event_id="c0")
+    assert rig.errors()[-1]["code"] == "input_audio_buffer_commit_empty"
+    await rig.append(np.concatenate([tone(1.0), silence(1.0)]))
+    await asyncio.sleep(0.2)
+    assert not rig.of("input_audio_buffer.speech_started"), "no server VAD in manual mode"
+    await rig.send(type="input_audio_buffer.commit")
+    await rig.send(type="response.create")
+    done = await rig.wait_for("response.done")
+    for event in rig.events:
+        if event["type"] != "error":
+            check_ga(event)
+    kinds = rig.types()
+    assert kinds.index("input_audio_buffer.committed") < kinds.index(
+        "conversation.item.input_audio_transcription.completed"
+    )
+    assert done["response"]["status"] == "completed"
+    assert rig.models.asr.heard_s == [pytest.approx(2.0, abs=0.05)]
+    assert rig.llm.calls[-1][-1] == {"role": "user", "content": QUESTION}
+    await close(rig)
+
+
+async def test_response_cancel_stops_the_reply_and_keeps_the_history():
+    gate = asyncio.Event()
+    rig = Rig(pieces=["Once upon a time, there was a dragon. ", "It lived in a cave. ", "The end."], gate=gate)
+    await rig.start()
+    await rig.send(type="response.cancel", event_id="nothing")
+    assert rig.errors()[-1] == {
+        "type": "invalid_request_error",
+        "code": "response_cancel_not_active",
+        "message": "there is no active response to cancel",
+        "param": "response_id",
+        "event_id": "nothing",
+    }
+    await rig.send(type="conversation.item.create", item=user_text("Tell me a story."))
+    await rig.send(type="response.create")
+    await rig.wait_for("response.output_audio.delta")
+    await rig.send(type="response.create", event_id="again")
+    assert rig.errors()[-1]["code"] == "conversation_already_has_active_response"
+    await rig.send(type="response.cancel")
+    done = await rig.wait_for("response.done")
+    check_ga(done)
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+    assert done["response"]["output"][0]["status"] == "incomplete"
+    assert rig.session.history[0] == {"role": "user", "content": "Tell me a story."}
+    gate.set()
+    mark = len(rig.events)
+    await rig.send(type="conversation.item.create", item=user_text("And then?"))
+    await rig.send(type="response.create")
+    done = await rig.wait_for("response.done", after=mark)
+    assert done["response"]["status"] == "completed"
+    prompt = rig.llm.calls[-1]
+    assert prompt[1] == {"role": "user", "content": "Tell me a story."}
+    assert prompt[-1] == {"role": "user", "content": "And then?"}
+    await close(rig)
+
+
+async def test_text_modality_sends_text_events_and_no_audio():
+    rig = Rig()
+    await rig.start()
+    await rig.send(type="session.update", session={"type": "realtime", "output_modalities": ["text"]})
+    await rig.send(type="conversation.item.create", item=user_text(QUESTION))
+    await rig.send(type="response.create")
+    done = await rig.wait_for("response.done")
+    for event in rig.events:
+        check_ga(event)
+    assert rig.of("response.output_text.delta") and not rig.of("response.output_audio.delta")
+    assert rig.of("response.output_text.done")[0]["text"] == "Paris is the capital of France."
+    assert done["response"]["output"][0]["content"] == [
+        {"type": "output_text", "text": "Paris is the capital of France."}
+    ]
+    assert not rig.session.busy, "a reply nobody hears must not count as playing"
+    await close(rig)
+
+
+async def test_history_items_and_a_response_with_nothing_to_answer():
+    rig = Rig()
+    await rig.start()
+    await rig.send(type="response.create")
+    failed = await rig.wait_for("response.done")
+    check_ga(failed)
+    assert failed["response"]["status"] == "failed" and not rig.of("error")
+    assert failed["response"]["status_details"]["error"]["code"] == "no_user_message"
+    mark = len(rig.events)
+    await rig.send(type="conversation.item.create", item=user_text("My name is Ada."))
+    assert rig.of("conversation.item.added")[-1]["item"]["role"] == "user"
+    await rig.send(
+        type="conversation.item.create",
+        item={"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello Ada."}]},
+    )
+    await rig.send(type="conversation.item.create", item=user_text("What is my name?"))
+    await rig.send(type="response.create", response={"metadata": {"topic": "names"}})
+    done = await rig.wait_for("response.done", after=mark)
+    assert done["response"]["metadata"] == {"topic": "names"}
+    assert rig.llm.calls[-1][1:] == [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": "Hello Ada."},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    item_id = done["response"]["output"][0]["id"]
+    await rig.send(type="conversation.item.retrieve", item_id=item_id)
+    assert rig.of("conversation.item.retrieved")[-1]["item"]["id"] == item_id
+    await rig.send(type="conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=500)
+    assert rig.of("conversation.item.truncated")[-1]["audio_end_ms"] == 500
+    await close(rig)
+
+
+async def test_bad_events_get_realtime_errors_and_the_session_goes_on():
+    rig = Rig()
+    await rig.start()
+    sends = [
+        ("{oops", "invalid_json"),
+        ("[1, 2]", "invalid_event"),
+        (json.dumps({"type": "session.frobnicate", "event_id": "e1"}), "unknown_event_type"),
+        (json.dumps({"type": "input_audio_buffer.append", "audio": "not base64!"}), "invalid_audio"),
+        (
+            json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00" * 3).decode()}),
+            "invalid_audio",
+        ),
+        (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 700_000}), "audio_too_large"),
+        (json.dumps({"type": "input_audio_buffer.append"}), "missing_required_parameter"),
+        (json.dumps({"type": "input_audio_buffer.commit"}), "input_audio_buffer_commit_unsupported"),
+        (
+            json.dumps({"type": "conversation.item.create", "item": {"type": "function_call_output"}}),
+            "unsupported_parameter",
+        ),
+        (json.dumps({"type": "conversation.item.create", "item": user_text("x" * 3000)}), "string_above_max_length"),
+        (
+            json.dumps({"type": "response.create", "response": {"tools": [{"type": "function"}]}}),
+            "unsupported_parameter",
+        ),
+        (json.dumps({"type": "output_audio_buffer.clear"}), "unsupported_parameter"),
+        (
+            json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 1}),
+            "item_truncate_invalid_item_id",
+        ),
+        ('{"type": "session.update", "session": {"type": "realtime", "instructions": 1e999}}', "invalid_json"),
+    ]
+    for raw, code in sends:
+        before = len(rig.events)
+        await rig.adapter.handle_client(raw)
+        [event] = rig.events[before:]
+        check_ga(event)
+        assert event["error"]["code"] == code, (raw[:80], event)
+    assert rig.of("error")[2]["error"]["event_id"] == "e1"
+    await rig.adapter.handle_binary()
+    assert rig.errors()[-1]["code"] == "invalid_event"
+    await rig.send(type="conversation.item.create", item=user_text(QUESTION))
+    await rig.send(type="response.create")
+    assert (await rig.wait_for("response.done"))["response"]["status"] == "completed"
+    await close(rig)
+
+
+# ---------------------------------------------------------------- the translator alone
+class StubSession:
+    def __init__(self) -> None:
+        self.busy = False
+        self.history: list[dict] = []
+        self.sent: list[dict] = []
+
+    async def handle_text(self, raw: str) -> None:
+        self.sent.append(json.loads(raw))
+
+
+async def translator(**settings) -> tuple[RealtimeAdapter, StubSession, list[dict]]:
+    events: list[dict] = []
+
+    async def send(event):
+        events.append(event)
+
+    adapter = RealtimeAdapter(send, Settings(**settings), FakeStages(ScriptedLLM([])), drop_after_s=0.2)
+    stub = StubSession()
+    adapter.attach(stub)
+    return adapter, stub, events
+
+
+def reply_audio(seconds: float) -> list[bytes]:
+    samples = np.full(int(seconds * TTS_RATE), 0.1, np.float32)
+    chunk = TTS_RATE // 10
+    return [float_to_pcm16(samples[i : i + chunk]) for i in range(0, len(samples), chunk)]
+
+
+async def test_speech_over_an_audible_reply_is_announced_only_when_parley_barges_in():
+    adapter, stub, events = await translator()
+    feed = adapter.on_parley
+    await feed(protocol.SpeechStarted())
+    await feed(protocol.Transcript(turn_id=1, text="Hi", final=False))
+    await feed(protocol.SpeechStopped())
+    await feed(protocol.Transcript(turn_id=1, text="Hi there", final=True))
+    await feed(protocol.AssistantText(turn_id=1, delta="Hello! "))
+    await feed(protocol.AudioStart(turn_id=1, sample_rate=TTS_RATE))
+    for chunk in reply_audio(1.0):
+        await adapter.on_parley_audio(chunk)
+    stub.busy = True
+    assert [e["type"] for e in events].count("input_audio_buffer.speech_started") == 1
+    # a cough while the reply plays: held back, then dropped by Parley (nothing follows), never announced
+    mark = len(events)
+    await feed(protocol.SpeechStarted())
+    await feed(protocol.SpeechStopped())
+    await asyncio.sleep(0.4)
+    assert not [e for e in events[mark:] if e["type"].startswith("input_audio_buffer.")]
+    # real speech: announced once Parley interrupts the reply, before the response is cancelled
+    await feed(protocol.SpeechStarted())
+    await feed(protocol.Transcript(turn_id=3, text="Wait", final=False))
+    assert not [e for e in events[mark:] if e["type"].startswith("input_audio_buffer.")]
+    await feed(protocol.Interrupt(turn_id=1))
+    await feed(protocol.TurnDone(turn_id=1, text="Hello!", interrupted=True))
+    kinds = [e["type"] for e in events[mark:]]
+    assert kinds[0] == "input_audio_buffer.speech_started" and kinds[-1] == "response.done"
+    done = events[-1]["response"]
+    assert (done["status"], done["status_details"]["reason"]) == ("cancelled", "turn_detected")
+    assert done["output"][0]["content"][0]["transcript"] == "Hello!"
+    for event in events:
+        check_ga(event)
+    audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+    assert len(audio) / 2 / REALTIME_SAMPLE_RATE == pytest.approx(1.0, abs=0.05)  # cut: no resampler flush
+    await adapter.close()
+
+
+async def test_turn_metrics_travel_only_when_included():
+    adapter, stub, events = await translator()
+    await adapter.on_parley(protocol.Transcript(turn_id=1, text="Hi", final=True))
+    await adapter.on_parley(protocol.TurnDone(turn_id=1, text="", metrics=protocol.TurnMetrics(llm_ttft_ms=12.0)))
+    assert not [e for e in events if e["type"].startswith("parley.")]
+    await adapter.handle_client(
+        json.dumps({"type": "session.update", "session": {"type": "realtime", "include": ["parley.turn_metrics"]}})
+    )
+    await adapter.on_parley(protocol.Transcript(turn_id=2, text="Hi", final=True))
+    await adapter.on_parley(protocol.TurnDone(turn_id=2, text="Hello.", metrics=protocol.TurnMetrics(llm_ttft_ms=12.0)))
+    [metrics] = [e for e in events if e["type"] == "parley.turn_metrics"]
+    assert metrics["turn_id"] == 2 and metrics["metrics"]["llm_ttft_ms"] == 12.0
+    assert events[-2]["type"] == "response.done" and metrics["response_id"] == events[-2]["response"]["id"]
+    await adapter.close()
+
+
+async def test_a_failed_turn_fails_its_response():
+    adapter, stub, events = await translator()
+    await adapter.on_parley(protocol.Transcript(turn_id=1, text="Hi", final=True))
+    await adapter.on_parley(protocol.AssistantText(turn_id=1, delta="Hel"))
+    await adapter.on_parley(protocol.Error(code="turn_failed", message="could not answer: boom"))
+    done = events[-1]
+    check_ga(done)
+    assert done["response"]["status"] == "failed"
+    assert done["response"]["status_details"]["error"]["code"] == "turn_failed"
+    await adapter.close()
+
+
+# ---------------------------------------------------------------- the route: admission and keys (in-process)
+def realtime_app(**settings):
+    return create_app(Settings(**settings), models=FakeStages(ScriptedLLM(["Hello there."])))
+
+
+def test_route_takes_the_key_as_bearer_or_openai_subprotocol_and_refuses_without():
+    app = realtime_app(api_key=KEY)
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+        url = "ws://127.0.0.1:8000/v1/realtime?model=gpt-realtime"
+        with pytest.raises(WebSocketDisconnect) as refused:
+            with client.websocket_connect(url) as ws:
+                ws.receive_text()
+        assert refused.value.code == 1008
+        with client.websocket_connect(url, headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            created = json.loads(ws.receive_text())
+            check_ga(created)
+            assert created["session"]["model"] == "gpt-realtime"
+        protocols = ["realtime", f"openai-insecure-api-key.{KEY}", "openai-beta.realtime-v1"]
+        with client.websocket_connect(url, subprotocols=protocols) as ws:
+            assert ws.accepted_subprotocol == "realtime"
+            assert json.loads(ws.receive_text())["type"] == "session.created"
+            ws.send_text(json.dumps({"type": "conversation.item.create", "item": user_text("Hi")}))
+            ws.send_text(json.dumps({"type": "response.create"}))
+            kinds = []
+            while "response.done" not in kinds:
+                kinds.append(json.loads(ws.receive_text())["type"])
+            assert "response.output_audio.delta" in kinds
+        with pytest.raises(WebSocketDisconnect) as hostile:
+            with client.websocket_connect(
+                url, headers={"Authorization": f"Bearer {KEY}", "Origin": "http://evil.example"}
+            ) as ws:
+                ws.receive_text()
+        assert hostile.value.code == 1008
+
+
+def test_route_refuses_over_capacity_with_a_realtime_error():
+    with TestClient(realtime_app(max_sessions=1), base_url="http://127.0.0.1:8000") as client:
+        url = "ws://127.0.0.1:8000/v1/realtime"
+        with client.websocket_connect(url) as first:
+            assert json.loads(first.receive_text())["type"] == "session.created"
+            with client.websocket_connect(url) as second:
+                event = json.loads(second.receive_text())
+                check_ga(event)
+                assert (event["error"]["type"], event["error"]["code"]) == ("server_error", "overloaded")
+
+
+# ---------------------------------------------------------------- conformance: the official SDK, real models
+async def test_openai_sdk_drives_a_spoken_turn_and_a_cancel(live_server, speech):
+    """``AsyncOpenAI(base_url=.../v1).realtime.connect()`` against ``parley serve`` with the bundled models."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=live_server + "/v1", api_key="sk-unused")
+    async with client.realtime.connect(model="gpt-realtime") as conn:
+        received: list = []
+
+        async def until(kind: str, timeout: float = 90):
+            async def loop():
+                while True:
+                    event = await conn.recv()
+                    received.append(event)
+                    if event.type == "error":
+                        raise AssertionError(f"server error: {event.error}")
+                    if event.type == kind:
+                        return event
+
+            return await asyncio.wait_for(loop(), timeout)
+
+        assert (await until("session.created")).session.type == "realtime"
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "audio": {
+                    "input": {"transcription": {"model": "whisper-1"}, "turn_detection": {"type": "server_vad"}},
+                    "output": {"voice": "marin"},
+                },
+            }
+        )
+        await until("session.updated")
+
+        # turn 1: spoken, at about real-time pace, then silence
+        question = resample(np.asarray(speech(QUESTION), np.float32), 16_000, REALTIME_SAMPLE_RATE)
+        audio = np.concatenate([silence(0.3), question, silence(1.5)])
+
+        async def talk():
+            step = REALTIME_SAMPLE_RATE // 10
+            for offset in range(0, len(audio), step):
+                pcm = float_to_pcm16(audio[offset : offset + step])
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+                await asyncio.sleep(0.1)
+
+        talking = asyncio.create_task(talk())
+        done = await until("response.done", timeout=120)
+        await talking
+        kinds = [e.type for e in received]
+        assert "input_audio_buffer.speech_started" in kinds and "input_audio_buffer.committed" in kinds
+        transcript = next(
+            e.transcript for e in received if e.type == "conversation.item.input_audio_transcription.completed"
+        )
+        assert "capital" in words(transcript), transcript
+        reply = b"".join(base64.b64decode(e.delta) for e in received if e.type == "response.output_audio.delta")
+        assert len(reply) / 2 / REALTIME_SAMPLE_RATE > 0.5
+        assert done.response.status == "completed"
+        assert np.abs(pcm16_to_float(reply)).max() > 0.01, "reply audio is silent"
+
+        # turn 2: typed, cancelled as soon as its audio starts
+        received.clear()
+        await conn.conversation.item.create(item=user_text("Tell me a long story about a dragon and a princess."))
+        await conn.response.create()
+        await until("response.output_audio.delta")
+        await conn.response.cancel()
+        cancelled = await until("response.done")
+        assert cancelled.response.status == "cancelled"
+
+        # turn 3: the conversation goes on after the cancel
+        received.clear()
+        await conn.conversation.item.create(item=user_text("Thank you. What is two plus two?"))
+        await conn.response.create()
+        last = await until("response.done", timeout=120)
+        assert last.response.status == "completed"
+        assert any(e.type == "response.output_audio.delta" for e in received)
