@@ -85,6 +85,9 @@ class Settings(BaseSettings):
         0.2, ge=0, le=1, description="P(complete) below which the endpoint waits as long as mid-clause"
     )
     barge_in_ms: int = Field(400, ge=0, description="speech this long interrupts a reply (a cough does not)")
+    barge_in_confirm: bool = Field(
+        True, description="hear the words before interrupting: 'mm-hmm', 'yeah', 'right' do not stop a reply"
+    )
     first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
     asr_window_s: float = Field(10.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
     min_speech_ms: int = Field(96, ge=0)

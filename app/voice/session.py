@@ -34,7 +34,7 @@ from app.voice import utterance as heard
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
 from app.voice.context import Fitted, estimate_tokens, fit_to_context
 from app.voice.reply import Reply, SendBytes, SendJson, cancel_task
-from app.voice.turns import Endpointer, history_window, is_filler, looks_unfinished
+from app.voice.turns import Endpointer, history_window, is_backchannel, is_filler, looks_unfinished
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class SessionPrefs:
     half_duplex: bool = False
 
 
+BARGE_IN_RECHECK_MS = 300  # after a backchannel verdict, listen this much more speech before judging again
 HISTORY_KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
 
 
@@ -77,6 +78,9 @@ class VoiceSession:
         self._reply: Reply | None = None  # the released reply (producing or playing)
         self._speculation: Reply | None = None  # a reply to the utterance in progress, held back
         self._warm_task: asyncio.Task | None = None
+        self._barge_in_check: asyncio.Task | None = None
+        self._barge_in_checked_ms = 0.0  # speech length at the last barge-in check of this utterance
+        self._reply_playing_at_speech_start = False
         self._closed = False
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
         self.prefs = SessionPrefs(
@@ -214,6 +218,8 @@ class VoiceSession:
     async def _on_utterance_event(self, event: heard.UtteranceEvent) -> None:
         match event:
             case heard.SpeechStarted():
+                self._barge_in_checked_ms = 0.0
+                self._reply_playing_at_speech_start = self.busy
                 await self._send_json(protocol.SpeechStarted())
             case heard.Resumed():
                 await self._cancel_speculation()
@@ -224,14 +230,44 @@ class VoiceSession:
                 await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=False))
             case heard.Speaking(speech_ms=speech_ms):
                 if self.prefs.barge_in and speech_ms >= self.settings.barge_in_ms:
-                    await self._interrupt_reply()
+                    await self._consider_barge_in(speech_ms)
             case heard.TailText():
-                if self.settings.speculative_reply and not is_filler(event.text) and not looks_unfinished(event.text):
-                    await self._speculate(event)
+                said_over_reply = self._reply_playing_at_speech_start and is_backchannel(event.text)
+                if self.settings.speculative_reply and not said_over_reply:
+                    if not is_filler(event.text) and not looks_unfinished(event.text):
+                        await self._speculate(event)
             case heard.Dropped():
                 await self._cancel_speculation()  # a cough or "mm": not a turn, and the reply goes on
             case heard.Committed():
+                if self._reply_playing_at_speech_start and self.busy and is_backchannel(event.text):
+                    await self._cancel_speculation()  # "mm-hmm" said over the reply: it goes on
+                    return
                 await self._on_committed(event)
+
+    async def _consider_barge_in(self, speech_ms: float) -> None:
+        """Sustained speech over a reply: stop it, unless the words so far are only a backchannel.
+
+        Hearing the words costs one short transcription (~0.1 s) before the reply stops; it is what
+        keeps "mm-hmm" or "yeah, right" from cutting the assistant off. The check is repeated as the
+        speech goes on, so "yeah, but wait" still interrupts.
+        """
+        reply = self._reply
+        if reply is None or not reply.active():
+            return
+        if not self.settings.barge_in_confirm:
+            await self._interrupt_reply()
+            return
+        checking = self._barge_in_check is not None and not self._barge_in_check.done()
+        if checking or speech_ms < self._barge_in_checked_ms + BARGE_IN_RECHECK_MS:
+            return
+        self._barge_in_checked_ms = speech_ms
+        self._barge_in_check = asyncio.create_task(self._confirm_barge_in(reply), name="barge-in-check")
+
+    async def _confirm_barge_in(self, reply: Reply) -> None:
+        text = await self._tracker.transcribe_speech_so_far()
+        if reply is not self._reply or is_backchannel(text):
+            return
+        await self._interrupt_reply()
 
     async def _on_committed(self, turn: heard.Committed) -> None:
         await self._interrupt_reply()
@@ -405,5 +441,6 @@ class VoiceSession:
         reply, self._reply = self._reply, None
         if reply is not None:
             await reply.cancel()
-        if self._warm_task is not None:
-            await cancel_task(self._warm_task)
+        for task in (self._warm_task, self._barge_in_check):
+            if task is not None:
+                await cancel_task(task)

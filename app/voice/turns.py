@@ -34,6 +34,19 @@ def looks_unfinished(text: str) -> bool:
     return bool(spoken) and spoken[-1] in _CONTINUATIONS and not stripped.endswith(("?", "!"))
 
 
+# What a listener says to show they are following, not to take the turn ("mm-hmm", "yeah", "I see").
+_BACKCHANNELS = frozenset(
+    "mm mhm hmm hm uh um er ah oh huh yeah yep yup yes right okay ok sure alright i see wow cool nice got it "
+    "exactly true indeed uh-huh mm-hmm".split()
+)
+
+
+def is_backchannel(text: str) -> bool:
+    """A short acknowledgement ("mm-hmm", "yeah", "right", "I see"): said over a reply, it is not an interruption."""
+    spoken = words(text)
+    return len(spoken) <= 3 and all(word in _BACKCHANNELS for word in spoken)
+
+
 def is_filler(text: str) -> bool:
     """A transcript with no content words: noise, "mm", "uh" (never a turn, never a barge-in)."""
     return all(word in _FILLERS for word in words(text))

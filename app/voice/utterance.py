@@ -223,6 +223,16 @@ class UtteranceTracker:
         else:
             await self._maybe_commit(utterance)
 
+    async def transcribe_speech_so_far(self) -> str:
+        """The words of the utterance in progress, up to now (to judge a barge-in: "yeah" or "wait, stop")."""
+        utterance = self._utterance
+        if utterance is None:
+            return ""
+        audio = self._slice(utterance.audio_start(), self._audio_end)
+        language = self._language()
+        result = await self._run(lambda: self._asr.transcribe(audio, context=utterance.stable_text, language=language))
+        return result.text if result is not None else ""
+
     async def drop(self) -> None:
         """Forget the utterance in progress (reset, new input format, session closed)."""
         utterance, self._utterance = self._utterance, None

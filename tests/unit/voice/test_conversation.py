@@ -333,3 +333,41 @@ async def test_the_session_language_reaches_every_transcription(conversation):
     await conv.speak(0.6, "Hallo.")
     await conv.silence_until(lambda: len(conv.finals()) == 2)
     assert conv.asr.languages_asked and set(conv.asr.languages_asked) == {""}
+
+
+async def test_a_long_backchannel_over_a_reply_neither_stops_it_nor_becomes_a_turn(conversation):
+    conv = conversation(barge_in_ms=400)
+    await reply_playing(conv)
+    await conv.silence(0.5)
+    await conv.speak(0.8, "Mm-hmm, yeah.")  # longer than barge_in_ms: only its words tell it apart
+    await conv.silence(1.5)
+    assert not conv.of(protocol.Interrupt)
+    assert [f.turn_id for f in conv.finals()] == [1]
+    assert len(conv.llm.calls) == 1
+
+
+async def test_a_backchannel_that_goes_on_into_words_interrupts(conversation):
+    conv = conversation(barge_in_ms=400)
+    await reply_playing(conv)
+    await conv.silence(0.5)
+    conv.asr.text = "Yeah."
+    await conv.speak(0.5)
+    assert not conv.of(protocol.Interrupt)
+    conv.asr.text = "Yeah, but wait, what about London?"
+    await conv.speak(0.6)
+    assert conv.of(protocol.Interrupt)
+
+
+async def test_yeah_as_an_answer_is_a_turn_when_nothing_is_playing(conversation):
+    conv = conversation()
+    await conv.speak(0.6, "Yeah.")
+    await conv.silence_until(committed(conv))
+    assert conv.finals()[-1].text == "Yeah."
+
+
+async def test_without_confirmation_sustained_speech_interrupts_whatever_it_says(conversation):
+    conv = conversation(barge_in_ms=400, barge_in_confirm=False)
+    await reply_playing(conv)
+    await conv.silence(0.5)
+    await conv.speak(0.6, "Mm-hmm, yeah.")
+    assert conv.of(protocol.Interrupt)
