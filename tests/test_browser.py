@@ -8,10 +8,12 @@ system chromium.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import http.server
 import json
+import math
 import re
 import shutil
 import threading
@@ -206,7 +208,10 @@ def test_spoken_question_is_transcribed_answered_and_played(
             timeout=2_000,
         )
         sent = page.evaluate("window.__sent")
-        assert sent["text"][0] == {"type": "start", "sample_rate": 16000}
+        # `config` goes out on connecting (the settings); `start` comes before any audio.
+        kinds = [m["type"] for m in sent["text"]]
+        assert sent["text"][kinds.index("start")] == {"type": "start", "sample_rate": 16000}
+        assert set(kinds[: kinds.index("start")]) <= {"config"}
         assert sent["binary_sizes"] == [640]
         reports = [m["played_ms"] for m in sent["text"] if m["type"] == "playback" and m["turn_id"] == int(turn)]
         assert len(reports) >= 2 and reports == sorted(reports), reports
@@ -430,6 +435,333 @@ def test_a_ws_parameter_cannot_send_the_page_elsewhere(playwright, tmp_path):
         assert other.connections == 0 and site.connections == 1
 
 
+def tone(ms: int, rate: int = 16_000, freq: float = 440.0) -> bytes:
+    """``ms`` of a quiet sine as PCM16 LE: reply audio for a scripted server."""
+    n = rate * ms // 1000
+    return array.array("h", (int(6000 * math.sin(2 * math.pi * freq * i / rate)) for i in range(n))).tobytes()
+
+
+STORY_METRICS = {
+    "endpoint_ms": 412.0,
+    "asr_final_ms": 95.5,
+    "llm_ttft_ms": 310.2,
+    "tts_first_audio_ms": 205.9,
+    "voice_to_voice_ms": 1023.6,
+    "reply_audio_s": 1.3,
+    "rtf": 0.42,
+    "underruns": 0,
+}
+
+
+class Storyteller:
+    """Answers each typed question like the server: its transcript, a streamed reply, a notice and 10 s
+    of audio; then holds the turn open until the page sends `cancel` (interrupt + turn_done
+    interrupted, as the server does) or the test sets ``finish`` (the rest of the reply)."""
+
+    def __init__(self) -> None:
+        self.finish = threading.Event()
+        self.turns = 0
+        self.cancels: list[threading.Event] = []
+
+    def __call__(self, ws, site, n):
+        def on_message(ws, message):
+            if message["type"] == "text":
+                self.turns += 1
+                cancelled = threading.Event()
+                self.cancels.append(cancelled)
+                threading.Thread(
+                    target=self.tell, args=(ws, self.turns, message["text"], cancelled), daemon=True
+                ).start()
+            elif message["type"] == "cancel" and self.cancels:
+                self.cancels[-1].set()
+
+        site.converse(ws, on_message)
+
+    def tell(self, ws, turn, text, cancelled):
+        def send(**event):
+            ws.send(json.dumps(event))
+
+        with contextlib.suppress(Exception):
+            send(type="transcript", turn_id=turn, text=text, final=True)
+            for word in ("Once ", "upon ", "a ", "time"):
+                send(type="assistant_text", turn_id=turn, delta=word)
+            send(type="notice", turn_id=turn, code="truncated", message="Your message was too long and was cut to fit.")
+            send(type="audio_start", turn_id=turn, sample_rate=16000)
+            chunk = tone(100)
+            for _ in range(100):  # 10 s, sent at once: the page queues it
+                ws.send(chunk)
+            while not (cancelled.is_set() or self.finish.wait(0.05)):
+                pass
+            if cancelled.is_set():
+                send(type="interrupt", turn_id=turn)
+                metrics = {k: v for k, v in STORY_METRICS.items() if k != "rtf"} | {"barge_in": False}
+                send(type="turn_done", turn_id=turn, text="Once upon", interrupted=True, metrics=metrics)
+            else:
+                send(type="assistant_text", turn_id=turn, delta=", the end.")
+                send(type="turn_done", turn_id=turn, text="Once upon a time, the end.", metrics=STORY_METRICS)
+
+
+def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    """Poll a Python-side condition (what a scripted server saw)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+AUTOPLAY = "--autoplay-policy=no-user-gesture-required"
+
+
+def test_stop_and_esc_silence_the_reply_at_once_and_keep_the_conversation(playwright, tmp_path):
+    story = Storyteller()
+    with (
+        scripted_site(story) as (url, site),
+        browser_page(playwright, tmp_path / "profile", [*BASE_ARGS, AUTOPLAY], []) as page,
+    ):
+        page.goto(f"{url}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        stop = page.locator("#stop")
+        assert stop.get_attribute("aria-disabled") == "true"  # nothing to stop yet
+
+        page.fill("#text", "Tell me a story")
+        page.press("#text", "Enter")
+        # The reply streams: marked busy for screen readers until it is done.
+        reply = page.locator('#log .msg.assistant[data-turn="1"]')
+        page.locator('#log .msg.assistant[data-turn="1"][aria-busy="true"]').wait_for(timeout=15_000)
+        assert reply.locator(".text").inner_text() == "Once upon a time"
+        # The server's notice is shown in the conversation.
+        notice = page.locator("#log .notice.server")
+        notice.wait_for(timeout=15_000)
+        assert "too long" in notice.inner_text()
+        page.wait_for_function("window.parley.playing === true", timeout=15_000)
+        page.wait_for_function("document.getElementById('stop').getAttribute('aria-disabled') === 'false'")
+
+        # Esc (focus is still in the text box): silent at once, before the server even answers.
+        page.keyboard.press("Escape")
+        assert page.evaluate("window.parley.playing") is False
+        frozen = page.evaluate("window.parley.playedSamples")
+        assert 0 < frozen < page.evaluate("window.parley.receivedSamples")
+        wait_until(lambda: site.messages("cancel"), what="the cancel message")
+        sent = [m["type"] for m in site.received]
+        assert sent.index("playback") < sent.index("cancel")  # what was heard, then the cancel
+        heard = [m for m in site.messages("playback") if m["turn_id"] == 1]
+        assert heard and heard[-1]["played_ms"] > 0
+
+        # The server's interrupt + turn_done settle the bubble; the question and the reply stay.
+        page.locator('#log .msg.assistant.interrupted[data-turn="1"]:not([aria-busy])').wait_for(timeout=15_000)
+        page.wait_for_function("window.parley.events.some(e => e.type === 'turn_done' && e.turn_id === 1)")
+        assert page.locator('#log .msg.user[data-turn="1"] .text').inner_text() == "Tell me a story"
+        assert reply.locator(".text").inner_text() == "Once upon"
+        assert reply.locator(".meta .flag").inner_text() == "interrupted"
+        page.wait_for_timeout(500)
+        assert page.evaluate("window.parley.playedSamples") == frozen  # nothing more played
+        page.wait_for_function("window.parley.state === 'ready'", timeout=10_000)
+
+        # The stage breakdown is a disclosure: reachable by keyboard, read as a list.
+        summary = reply.locator("details.stages summary")
+        assert summary.inner_text() == "reply in 1024 ms"
+        summary.focus()
+        page.keyboard.press("Enter")
+        figures = reply.locator("details.stages[open] dl")
+        figures.wait_for()
+        text = figures.inner_text()
+        assert "LLM first token (ms)" in text and "310" in text and "endpoint (ms)" in text
+
+        # The Stop button does the same for the next reply.
+        page.fill("#text", "Another one")
+        page.press("#text", "Enter")
+        page.locator('#log .msg.assistant[data-turn="2"]').wait_for(timeout=15_000)
+        page.wait_for_function("window.parley.playing === true", timeout=15_000)
+        page.wait_for_function("document.getElementById('stop').getAttribute('aria-disabled') === 'false'")
+        stop.click()
+        assert page.evaluate("window.parley.playing") is False
+        wait_until(lambda: len(site.messages("cancel")) == 2, what="the second cancel")
+        page.locator('#log .msg.assistant.interrupted[data-turn="2"]').wait_for(timeout=15_000)
+        assert page.locator("#log .msg").count() == 4  # both questions, both (cut) replies
+        page.wait_for_function("document.getElementById('stop').getAttribute('aria-disabled') === 'true'")
+        assert not page.page_errors, page.page_errors
+
+
+def busy_then_open(ws, site, n):
+    if n == 1:  # what the server does when admission refuses a session
+        ws.send(
+            json.dumps(
+                {
+                    "type": "error",
+                    "code": "overloaded",
+                    "message": "all 1 sessions are in use; try again later",
+                    "fatal": True,
+                    "retry_after_s": 4,
+                }
+            )
+        )
+        ws.close(1013, "overloaded")
+        return
+    site.converse(ws)
+
+
+def test_overloaded_server_is_counted_down_then_joined(playwright, tmp_path):
+    with (
+        scripted_site(busy_then_open) as (url, site),
+        browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page,
+    ):
+        page.goto(f"{url}/")
+        error = page.locator("#error")
+        page.wait_for_function("/Server busy, retrying in [34] s/.test(document.getElementById('error').textContent)")
+        assert page.locator("#status").inner_text() == "Server busy"
+        assert "overloaded" not in error.inner_text()  # the countdown, not a raw error
+        # A live countdown, not a silent wait.
+        page.wait_for_function("/Server busy, retrying in [12] s/.test(document.getElementById('error').textContent)")
+        assert site.connections == 1  # it waits as told instead of hammering the server
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        assert site.connections == 2
+        assert "Server busy" not in error.inner_text()
+        assert not page.page_errors, page.page_errors
+
+
+def idle_then_open(ws, site, n):
+    if n == 1:
+        ws.send(json.dumps(READY))
+        time.sleep(1.0)
+        ws.close(4000, "idle for 1 s")
+        return
+    site.converse(ws)
+
+
+def test_idle_close_is_not_retried_until_the_user_asks(playwright, tmp_path):
+    with (
+        scripted_site(idle_then_open) as (url, site),
+        browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page,
+    ):
+        page.goto(f"{url}/")
+        error = page.locator("#error")
+        page.wait_for_function("document.getElementById('error').textContent.includes('Closed after being idle')")
+        assert page.locator("#conn").inner_text() == "Disconnected"
+        reconnect = error.get_by_role("button", name="Reconnect")
+        assert reconnect.is_visible()
+        # A dropped connection is retried after 0.5 s; an idle one is not retried at all.
+        page.wait_for_timeout(3000)
+        assert site.connections == 1
+        assert page.evaluate("window.parley.socketState") == "idle_closed"
+        reconnect.click()
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        assert site.connections == 2
+        assert "idle" not in error.inner_text()
+        assert not page.page_errors, page.page_errors
+
+
+def test_push_to_talk_duplex_switch_mic_picker_and_settings(playwright, tmp_path):
+    args = [*BASE_ARGS, *FAKE_MIC_ARGS]
+    with (
+        scripted_site(lambda ws, site, n: site.converse(ws)) as (url, site),
+        browser_page(playwright, tmp_path / "profile", args, ["microphone"]) as page,
+    ):
+        page.goto(f"{url}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        wait_until(lambda: site.messages("config"), what="the first config")
+        assert site.messages("config")[0] == {"type": "config"}  # learns the defaults, changes nothing
+
+        # Hold Space: the mic runs while the key is down.
+        page.evaluate("document.activeElement && document.activeElement.blur()")
+        page.keyboard.down("Space")
+        page.wait_for_function("window.parley.micOn === true", timeout=15_000)
+        wait_until(lambda: site.messages("start") and site.audio_bytes > 0, what="mic audio")
+        page.keyboard.up("Space")
+        page.wait_for_function("window.parley.micOn === false", timeout=15_000)
+        # ...but not while typing: Space is a space there.
+        page.click("#text")
+        page.keyboard.down("Space")
+        page.keyboard.up("Space")
+        assert page.input_value("#text") == " "
+        assert page.evaluate("window.parley.micOn") is False
+
+        # The half-duplex switch asks the server, and shows what it applied.
+        duplex = page.locator("#duplex")
+        assert duplex.get_attribute("aria-checked") == "false"
+        duplex.click()
+        page.locator('#duplex[aria-checked="true"]').wait_for()
+        assert site.messages("config")[-1] == {"type": "config", "half_duplex": True}
+
+        # Settings: voice and language from `ready`, the microphone from the browser's list.
+        page.click("#settings-open")
+        page.locator("#settings-dialog").wait_for()
+        assert page.locator("#set-voice option").all_inner_texts() == ["joe", "amy"]
+        assert page.locator("#set-language option").all_inner_texts() == ["en", "Detect automatically"]
+        assert page.is_checked("#set-half-duplex")
+        mics = page.locator("#set-mic option")
+        page.wait_for_function("document.querySelectorAll('#set-mic option').length > 1", timeout=10_000)
+        chosen = mics.nth(1).get_attribute("value")
+        page.select_option("#set-mic", chosen)
+        page.select_option("#set-voice", "amy")
+        page.select_option("#set-language", "")
+        page.uncheck("#set-barge-in")
+        page.click("#settings-apply")
+        page.locator("#settings-status", has_text="Applied by the server.").wait_for()
+        applied = site.messages("config")[-1]
+        assert applied["voice"] == "amy" and applied["language"] == "" and applied["barge_in"] is False
+        assert applied["half_duplex"] is True and applied["system_prompt"] == DEFAULT_PREFS["system_prompt"]
+        page.keyboard.press("Escape")  # closes the dialog
+        page.locator("#settings-dialog").wait_for(state="hidden")
+        assert "Settings applied" in page.locator("#log .notice").last.inner_text()
+
+        # The picked microphone is the one used.
+        page.evaluate("document.activeElement && document.activeElement.blur()")
+        page.keyboard.down("Space")
+        page.wait_for_function("window.parley.micOn === true", timeout=15_000)
+        assert page.evaluate("window.parley.micDevice") == chosen
+        page.keyboard.up("Space")
+        page.wait_for_function("window.parley.micOn === false", timeout=15_000)
+
+        # A reload keeps the choices: they go to the server on the new connection.
+        before = len(site.messages("config"))
+        page.reload()
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        wait_until(lambda: len(site.messages("config")) >= before + 2, what="the settings after a reload")
+        resent = site.messages("config")[-1]
+        assert resent["voice"] == "amy" and resent["half_duplex"] is True and resent["barge_in"] is False
+        assert "system_prompt" not in resent  # the default prompt is not pinned
+        page.locator('#duplex[aria-checked="true"]').wait_for()
+        assert not page.page_errors, page.page_errors
+
+
+def test_page_screenshots_desktop_and_phone(playwright, output_dir, tmp_path):
+    """The finished page, with a reply and its stage breakdown, at desktop and phone size."""
+    story = Storyteller()
+    story.finish.set()
+    profile = tmp_path / "profile"
+    with scripted_site(story) as (url, site):
+        with browser_page(playwright, profile, [*BASE_ARGS, AUTOPLAY], []) as page:
+            page.goto(f"{url}/")
+            page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+            page.fill("#text", "Tell me a story about a lighthouse keeper")
+            page.press("#text", "Enter")
+            page.locator("#log .msg.assistant details.stages summary").wait_for(timeout=15_000)
+            page.click("#log .msg.assistant details.stages summary")
+            page.evaluate("window.parley.sendText('And then?')")
+            page.locator('#log .msg.assistant[data-turn="2"] details.stages').wait_for(timeout=15_000)
+            page.click("body", position={"x": 5, "y": 5})
+            page.screenshot(path=str(output_dir / "browser-desktop.png"))
+            page.click("#settings-open")
+            page.locator("#settings-dialog").wait_for()
+            page.screenshot(path=str(output_dir / "browser-settings.png"))
+            assert not page.page_errors, page.page_errors
+        phone = {
+            "viewport": {"width": 390, "height": 844},
+            "device_scale_factor": 2,
+            "is_mobile": True,
+            "has_touch": True,
+        }
+        with browser_page(playwright, profile, BASE_ARGS, [], **phone) as page:
+            page.goto(f"{url}/")  # the same profile: the conversation comes back from localStorage
+            page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+            page.locator("#log .notice.divider").wait_for()
+            page.screenshot(path=str(output_dir / "browser-phone.png"))
+            assert not page.page_errors, page.page_errors
+
+
 def test_denied_microphone_shows_a_clear_message(playwright, live_server, tmp_path):
     # No fake-UI flag and no granted permission: chromium denies getUserMedia itself.
     args = [*BASE_ARGS, "--use-fake-device-for-media-stream"]
@@ -446,6 +778,260 @@ def test_denied_microphone_shows_a_clear_message(playwright, live_server, tmp_pa
         # The typed-question fallback stays usable.
         assert page.locator("#text").is_enabled()
         assert not page.page_errors, page.page_errors
+
+
+# ---------------------------------------------------------------- the page against the real server
+CSP_MARKERS = ("Content Security Policy", "Refused to")
+
+
+@pytest.fixture(scope="module")
+def silence_wav(tmp_path_factory) -> Path:
+    """Ten seconds of silence for the fake microphone: audio flows, nobody speaks."""
+    path = tmp_path_factory.mktemp("browser-audio") / "silence.wav"
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(16000)
+        wav.writeframes(b"\0\0" * 16000 * 10)
+    return path
+
+
+def ask(page, text: str) -> int:
+    """Type a question; returns its turn id once the server has numbered it."""
+    count = len(page.evaluate("window.parley.events"))
+    page.fill("#text", text)
+    page.press("#text", "Enter")
+    return page.wait_for_function(
+        f"""() => {{
+            const e = window.parley.events.slice({count}).find(e => e.type === 'transcript' || e.type === 'assistant_text');
+            return e && e.turn_id;
+        }}""",
+        timeout=TURN_TIMEOUT_MS,
+    ).json_value()
+
+
+def turn_done(page, turn: int) -> dict:
+    return page.wait_for_function(
+        f"window.parley.events.find(e => e.type === 'turn_done' && e.turn_id === {turn})", timeout=TURN_TIMEOUT_MS
+    ).json_value()
+
+
+def test_page_runs_under_the_servers_csp(playwright, live_server, silence_wav, tmp_path):
+    """The real page from the real server, CSP enforced: it connects, applies settings, answers,
+    exports and runs the microphone without one policy violation. Only locators drive it here
+    (a string `wait_for_function` is eval, which this very policy forbids)."""
+    args = [*BASE_ARGS, *FAKE_MIC_ARGS, f"--use-file-for-fake-audio-capture={silence_wav}"]
+    with browser_page(playwright, tmp_path / "profile", args, ["microphone"], bypass_csp=False) as page:
+        response = page.goto(f"{live_server}/")
+        assert "script-src 'self'" in response.headers["content-security-policy"]
+        page.locator("#conn[data-state=open]").wait_for(timeout=60_000)
+        page.locator("#status", has_text="Ready").wait_for(timeout=10_000)
+
+        page.click("#settings-open")
+        page.locator("#settings-dialog").wait_for()
+        page.fill("#set-prompt", "You are Parley. Answer in one short sentence.")
+        page.click("#settings-apply")
+        page.locator("#settings-status", has_text="Applied by the server.").wait_for(timeout=30_000)
+        page.click("#settings-close")
+
+        page.fill("#text", "Say hello.")
+        page.press("#text", "Enter")
+        summary = page.locator("#log .msg.assistant details.stages summary")
+        summary.wait_for(timeout=TURN_TIMEOUT_MS)
+        summary.click()
+        page.locator("#log .msg.assistant details.stages[open] dl").wait_for()
+
+        page.click("#export-menu summary")
+        with page.expect_download() as download:
+            page.click("#export-txt")
+        assert "You: Say hello." in Path(download.value.path()).read_text()
+
+        page.click("#start")  # the capture worklet is a script too
+        page.locator('#start[aria-pressed="true"]').wait_for(timeout=15_000)
+        page.click("#start")
+        page.locator('#start[aria-pressed="false"]').wait_for(timeout=15_000)
+
+        violations = [line for line in page.console if any(marker in line for marker in CSP_MARKERS)]
+        assert not violations, violations
+        assert not page.page_errors, page.page_errors
+
+
+def test_settings_change_reaches_the_next_turn(playwright, live_server, tmp_path):
+    prompt = "You are Parley. Answer every question with one short sentence."
+    with browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page:
+        page.add_init_script(RECORD_SENT)
+        page.goto(f"{live_server}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=60_000)
+        page.wait_for_function("window.parley.applied !== null", timeout=30_000)  # the server's defaults
+        default_prompt = page.evaluate("window.parley.applied.system_prompt")
+        assert default_prompt and default_prompt != prompt
+
+        page.click("#settings-open")
+        page.locator("#settings-dialog").wait_for()
+        assert page.get_attribute("#set-prompt", "placeholder") == default_prompt
+        page.fill("#set-prompt", prompt)
+        page.click("#settings-apply")
+        page.locator("#settings-status", has_text="Applied by the server.").wait_for(timeout=30_000)
+        page.click("#settings-close")
+        notice = page.locator("#log .notice", has_text="Settings applied")
+        assert "your system prompt" in notice.inner_text()
+        applied = [e for e in page.evaluate("window.parley.events") if e["type"] == "config_applied"][-1]
+        assert applied["system_prompt"] == prompt
+
+        turn = ask(page, "What is two plus two?")
+        done = turn_done(page, turn)
+        assert done["text"].strip()
+        sent = page.evaluate("window.__sent.text")
+        config_at = next(i for i, m in enumerate(sent) if m["type"] == "config" and m.get("system_prompt") == prompt)
+        text_at = next(i for i, m in enumerate(sent) if m["type"] == "text")
+        assert config_at < text_at  # the turn was asked under the new prompt
+
+        # The choice is remembered: the next connection gets it again.
+        page.reload()
+        page.locator("#conn[data-state=open]").wait_for(timeout=60_000)
+        page.wait_for_function(
+            f"window.parley.events.some(e => e.type === 'config_applied' && e.system_prompt === {json.dumps(prompt)})",
+            timeout=30_000,
+        )
+        page.click("#settings-open")
+        assert page.input_value("#set-prompt") == prompt
+        assert not page.page_errors, page.page_errors
+
+
+def test_stop_keeps_the_history_and_silences_playback(playwright, live_server, tmp_path):
+    with browser_page(playwright, tmp_path / "profile", [*BASE_ARGS, AUTOPLAY], []) as page:
+        page.add_init_script(RECORD_SENT)
+        page.goto(f"{live_server}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=60_000)
+        question = "Tell me a long story about a brave knight and a dragon."
+        turn = ask(page, question)
+        page.wait_for_function("window.parley.playedSamples > 0 && window.parley.playing", timeout=TURN_TIMEOUT_MS)
+
+        page.click("#stop")
+        assert page.evaluate("window.parley.playing") is False  # silent at once, not after a round trip
+        frozen = page.evaluate("window.parley.playedSamples")
+        sent = page.evaluate("window.__sent.text")
+        cancel_at = sent.index({"type": "cancel"})
+        before = sent[cancel_at - 1]
+        assert before["type"] == "playback" and before["turn_id"] == turn  # what was heard came first
+
+        done = turn_done(page, turn)
+        assert done["interrupted"] is True
+        page.wait_for_function("window.parley.state === 'ready'", timeout=30_000)
+        assert page.evaluate("window.parley.playedSamples") == frozen  # no late audio got through
+        # The conversation stays: the question, and the reply as far as it went.
+        assert page.locator(f'#log .msg.user[data-turn="{turn}"] .text').inner_text() == question
+        reply = page.locator(f'#log .msg.assistant[data-turn="{turn}"]')
+        assert "interrupted" in reply.get_attribute("class")
+        assert reply.locator(".text").inner_text().strip()
+        assert page.locator("#stop").get_attribute("aria-disabled") == "true"
+        assert not page.page_errors, page.page_errors
+
+
+def test_transcript_survives_reload_and_exports(playwright, live_server, tmp_path):
+    question = "What is the capital of France?"
+    with browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page:
+        page.goto(f"{live_server}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=60_000)
+        turn = ask(page, question)
+        done = turn_done(page, turn)
+        answer = page.locator(f'#log .msg.assistant[data-turn="{turn}"] .text').inner_text().strip()
+        assert answer
+
+        page.click("#export-menu summary")
+        with page.expect_download() as text_file:
+            page.click("#export-txt")
+        assert text_file.value.suggested_filename.endswith(".txt")
+        text = Path(text_file.value.path()).read_text()
+        assert f"You: {question}" in text and f"Parley: {answer}" in text
+
+        page.click("#export-menu summary")
+        with page.expect_download() as json_file:
+            page.click("#export-json")
+        assert json_file.value.suggested_filename.endswith(".json")
+        exported = json.loads(Path(json_file.value.path()).read_text())
+        entries = [e for e in exported["entries"] if e["role"] != "notice"]
+        assert [(e["role"], e["text"]) for e in entries] == [("user", question), ("assistant", answer)]
+        if done.get("metrics", {}).get("llm_ttft_ms") is not None:
+            assert entries[1]["metrics"]["llm_ttft_ms"] == done["metrics"]["llm_ttft_ms"]
+
+        page.reload()
+        page.locator("#log .notice.divider").wait_for(timeout=10_000)
+        assert page.locator("#log .msg.user .text").all_inner_texts() == [question]
+        assert [t.strip() for t in page.locator("#log .msg.assistant .text").all_inner_texts()] == [answer]
+        page.locator("#conn[data-state=open]").wait_for(timeout=60_000)
+
+        page.click("#reset")  # a new conversation forgets the saved one too
+        page.reload()
+        page.locator("#conn[data-state=open]").wait_for(timeout=60_000)
+        assert page.locator("#log .msg").count() == 0
+        assert page.locator("#empty").is_visible()
+        assert not page.page_errors, page.page_errors
+
+
+API_KEY = "browser-test-key-0123456789"
+IDLE_TIMEOUT_S = 10
+
+
+@pytest.fixture(scope="module")
+def keyed_server(output_dir):
+    """A real server that wants an API key, takes one session at a time and closes idle ones."""
+    from conftest import start_server, stop_server
+
+    args = ["serve", "--api-key", API_KEY, "--max-sessions", "1", "--idle-timeout-s", str(IDLE_TIMEOUT_S)]
+    server, base_url = start_server(args, output_dir / "server-browser-key.log")
+    yield base_url
+    stop_server(server)
+
+
+def enter_key(page, key: str) -> None:
+    page.locator("#key-dialog").wait_for(timeout=30_000)
+    page.fill("#key-input", key)
+    page.click("#key-submit")
+
+
+def test_api_key_form_busy_countdown_and_idle_close_on_a_real_server(playwright, keyed_server, silence_wav, tmp_path):
+    args = [*BASE_ARGS, *FAKE_MIC_ARGS, f"--use-file-for-fake-audio-capture={silence_wav}"]
+    with contextlib.ExitStack() as first_tab:
+        a = first_tab.enter_context(browser_page(playwright, tmp_path / "a", args, ["microphone"]))
+        sockets: list[str] = []
+        a.on("websocket", lambda ws: sockets.append(ws.url))
+        a.goto(f"{keyed_server}/")
+        # /healthz says a key is needed and none is stored: the page asks before dialing.
+        enter_key(a, "not-the-right-key-000000")
+        a.locator("#key-error", has_text="did not accept").wait_for(timeout=30_000)
+        assert a.locator("#key-dialog").is_visible()
+        assert a.locator("#conn").inner_text() == "Key needed"
+        enter_key(a, API_KEY)
+        a.locator("#conn[data-state=open]").wait_for(timeout=30_000)
+        assert a.evaluate("sessionStorage.getItem('parley.apiKey')") == API_KEY
+        # A reload in the same tab keeps the key: no question this time.
+        a.reload()
+        a.locator("#conn[data-state=open]").wait_for(timeout=30_000)
+        assert not a.locator("#key-dialog").is_visible()
+        assert sockets and all(url.endswith("/ws") for url in sockets)  # the key went as a subprotocol
+        # Keep this session busy (silence streams in), so it holds the only slot.
+        a.click("#start")
+        a.locator('#start[aria-pressed="true"]').wait_for(timeout=15_000)
+
+        with browser_page(playwright, tmp_path / "b", BASE_ARGS, []) as b:
+            b.goto(f"{keyed_server}/")
+            enter_key(b, API_KEY)
+            # Refused for capacity: a countdown from retry_after_s, not silent reconnects.
+            b.locator("#error", has_text="Server busy, retrying in").wait_for(timeout=30_000)
+            b.locator("#status", has_text="Server busy").wait_for(timeout=10_000)
+            first_tab.close()  # the first tab goes: its slot frees up
+            b.locator("#conn[data-state=open]").wait_for(timeout=60_000)
+            assert "Server busy" not in b.locator("#error").inner_text()
+
+            # Left alone, the session is closed as idle; the page waits for the user.
+            b.locator("#error", has_text="Closed after being idle").wait_for(timeout=(IDLE_TIMEOUT_S + 30) * 1000)
+            assert b.locator("#conn").inner_text() == "Disconnected"
+            b.wait_for_timeout(3000)
+            assert b.evaluate("window.parley.socketState") == "idle_closed"
+            b.locator("#error").get_by_role("button", name="Reconnect").click()
+            b.locator("#conn[data-state=open]").wait_for(timeout=30_000)
+            assert not b.page_errors, b.page_errors
 
 
 # ---------------------------------------------------------------- audio building blocks

@@ -85,46 +85,9 @@ const socket = new ParleySocket(
       if (state.micOn) sendStart();
     },
     onState(s, info) {
-      if (s === "open") {
-        ui.setConnection("open", "Connected");
-        return;
-      }
-      if (s === "checking") return;
-      // The server session is gone: its turns, speech state and audio go with it.
-      state.startSent = false;
-      state.userSpeaking = false;
-      state.thinkingUntil = 0;
-      state.replyTurn = null;
-      state.stoppedTurns.clear();
-      player.interrupt();
-      ui.archiveTurns(state.session);
-      state.seenTurns.clear();
-      if (s === "connecting") ui.setConnection("connecting", "Connecting…");
-      else if (s === "reconnecting") {
-        if (info.delay === undefined) return; // a retry is dialing; the last message still holds
-        ui.setConnection("reconnecting", `Reconnecting in ${Math.max(1, Math.ceil(info.delay / 1000))} s`);
-        const msg = info.wasOpen
-          ? `Lost the connection to the Parley server. Reconnecting (attempt ${info.attempt})…`
-          : `Can't reach the Parley server at ${socket.url}. Is it running? Retrying (attempt ${info.attempt})…`;
-        ui.showError("connection", msg, { action: { label: "Retry now", onClick: () => socket.retryNow() } });
-      } else if (s === "busy") {
-        ui.clearError("server"); // the `overloaded` error is shown as this countdown instead
-        showBusy();
-      } else if (s === "need_key") {
-        ui.setConnection("offline", "Key needed");
-        ui.clearError("connection");
-        keyDialog.open({ refused: info.reason === "refused" });
-        if (info.reason === "refused") apiKey.set(null);
-      } else if (s === "idle_closed") {
-        if (state.micOn) stopMic();
-        ui.setConnection("offline", "Disconnected");
-        ui.showError("connection", "Closed after being idle. Reconnect when you want to talk again.", {
-          action: { label: "Reconnect", onClick: () => socket.retryNow() },
-        });
-      } else if (s === "closed") {
-        ui.setConnection("offline", "Offline");
-        if (info.reason) ui.showError("connection", info.reason);
-      }
+      showState(s, info);
+      state.status = computeStatus(); // now, not at the next tick: the two lines must agree
+      ui.setStatus(state.status);
     },
     onEvent: handleEvent,
     onAudio(buf) {
@@ -133,6 +96,50 @@ const socket = new ParleySocket(
   },
   { getKey: () => apiKey.get() },
 );
+
+/** What the connection state means for the page: the pill, the banner, the key dialog. */
+function showState(s, info) {
+  if (s === "open") {
+    ui.setConnection("open", "Connected");
+    return;
+  }
+  if (s === "checking") return;
+  // The server session is gone: its turns, speech state and audio go with it.
+  state.startSent = false;
+  state.userSpeaking = false;
+  state.thinkingUntil = 0;
+  state.replyTurn = null;
+  state.stoppedTurns.clear();
+  player.interrupt();
+  ui.archiveTurns(state.session);
+  state.seenTurns.clear();
+  if (s === "connecting") ui.setConnection("connecting", "Connecting…");
+  else if (s === "reconnecting") {
+    if (info.delay === undefined) return; // a retry is dialing; the last message still holds
+    ui.setConnection("reconnecting", `Reconnecting in ${Math.max(1, Math.ceil(info.delay / 1000))} s`);
+    const msg = info.wasOpen
+      ? `Lost the connection to the Parley server. Reconnecting (attempt ${info.attempt})…`
+      : `Can't reach the Parley server at ${socket.url}. Is it running? Retrying (attempt ${info.attempt})…`;
+    ui.showError("connection", msg, { action: { label: "Retry now", onClick: () => socket.retryNow() } });
+  } else if (s === "busy") {
+    ui.clearError("server"); // the `overloaded` error is shown as this countdown instead
+    showBusy();
+  } else if (s === "need_key") {
+    ui.setConnection("offline", "Key needed");
+    ui.clearError("connection");
+    keyDialog.open({ refused: info.reason === "refused" });
+    if (info.reason === "refused") apiKey.set(null);
+  } else if (s === "idle_closed") {
+    if (state.micOn) stopMic();
+    ui.setConnection("offline", "Disconnected");
+    ui.showError("connection", "Closed after being idle. Reconnect when you want to talk again.", {
+      action: { label: "Reconnect", onClick: () => socket.retryNow() },
+    });
+  } else if (s === "closed") {
+    ui.setConnection("offline", "Offline");
+    if (info.reason) ui.showError("connection", info.reason);
+  }
+}
 
 /** "Server busy, retrying in N s": refreshed every tick while the countdown runs. */
 function showBusy() {
@@ -563,6 +570,9 @@ window.parley = {
   },
   get applied() {
     return state.applied;
+  },
+  get micDevice() {
+    return mic.deviceId;
   },
   get events() {
     return state.events.slice();

@@ -25,6 +25,8 @@ export const METRIC_LABELS = {
   endpoint_ms: "endpoint (ms)",
   asr_final_ms: "ASR final (ms)",
   asr_compute_ms: "ASR compute (ms)",
+  turn_detect_ms: "turn detection (ms)",
+  turn_probability: "turn complete (P)",
   llm_ttft_ms: "LLM first token (ms)",
   tts_first_audio_ms: "TTS first audio (ms)",
   reply_audio_s: "reply audio (s)",
@@ -329,12 +331,12 @@ export class UI {
     const out = [];
     this.log.querySelectorAll(".msg, .notice[data-keep]").forEach((el) => {
       if (el.classList.contains("partial")) return; // not yet said
-      const text = el.querySelector(".text")?.textContent ?? el.textContent;
+      const text = (el.querySelector(".text")?.textContent ?? el.textContent).trim();
       if (el.classList.contains("notice")) {
         out.push({ role: "notice", text, time: el.dataset.time || null });
         return;
       }
-      if (!text.trim()) return;
+      if (!text) return;
       const entry = { role: el.classList.contains("user") ? "user" : "assistant", text, time: el.dataset.time || null };
       if (el.classList.contains("interrupted")) entry.interrupted = true;
       if (el.classList.contains("streaming")) entry.incomplete = true;
