@@ -653,12 +653,56 @@ def test_idle_close_is_not_retried_until_the_user_asks(playwright, tmp_path):
         assert not page.page_errors, page.page_errors
 
 
+FAKE_WAKE_LOCK = """
+// Headless chromium has no screen to keep on: count what the page asks of navigator.wakeLock.
+window.__wake = {requests: 0, releases: 0, held: false};
+Object.defineProperty(navigator, 'wakeLock', {configurable: true, value: {request: async () => {
+  window.__wake.requests++;
+  window.__wake.held = true;
+  const sentinel = new EventTarget();
+  sentinel.released = false;
+  sentinel.release = async () => { window.__wake.releases++; window.__wake.held = false; sentinel.released = true; };
+  return sentinel;
+}}});
+"""
+
+
+def test_half_duplex_keeps_the_mic_quiet_while_a_reply_plays(playwright, tmp_path):
+    story = Storyteller()
+    args = [*BASE_ARGS, *FAKE_MIC_ARGS, AUTOPLAY]
+    with (
+        scripted_site(story) as (url, site),
+        browser_page(playwright, tmp_path / "profile", args, ["microphone"]) as page,
+    ):
+        page.goto(f"{url}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        page.click("#duplex")
+        page.locator('#duplex[aria-checked="true"]').wait_for()
+        page.fill("#text", "Tell me a story")
+        page.press("#text", "Enter")
+        page.wait_for_function("window.parley.playing === true", timeout=15_000)
+
+        page.evaluate("document.activeElement && document.activeElement.blur()")
+        page.keyboard.down("Space")
+        page.wait_for_function("window.parley.micOn === true", timeout=15_000)
+        wait_until(lambda: site.messages("start"), what="start")
+        page.wait_for_timeout(1000)  # 50 mic frames' worth, all held back: the reply is still playing
+        assert page.evaluate("window.parley.playing") is True
+        assert site.audio_bytes == 0
+        page.keyboard.press("Escape")  # the reply stops: the mic is heard again
+        wait_until(lambda: site.audio_bytes > 0, what="mic audio after the reply")
+        page.keyboard.up("Space")
+        page.wait_for_function("window.parley.micOn === false", timeout=15_000)
+        assert not page.page_errors, page.page_errors
+
+
 def test_push_to_talk_duplex_switch_mic_picker_and_settings(playwright, tmp_path):
     args = [*BASE_ARGS, *FAKE_MIC_ARGS]
     with (
         scripted_site(lambda ws, site, n: site.converse(ws)) as (url, site),
         browser_page(playwright, tmp_path / "profile", args, ["microphone"]) as page,
     ):
+        page.add_init_script(FAKE_WAKE_LOCK)
         page.goto(f"{url}/")
         page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
         wait_until(lambda: site.messages("config"), what="the first config")
@@ -669,8 +713,10 @@ def test_push_to_talk_duplex_switch_mic_picker_and_settings(playwright, tmp_path
         page.keyboard.down("Space")
         page.wait_for_function("window.parley.micOn === true", timeout=15_000)
         wait_until(lambda: site.messages("start") and site.audio_bytes > 0, what="mic audio")
+        page.wait_for_function("window.__wake.held === true")  # the screen stays on while talking
         page.keyboard.up("Space")
         page.wait_for_function("window.parley.micOn === false", timeout=15_000)
+        page.wait_for_function("window.__wake.held === false && window.__wake.releases === 1")
         # ...but not while typing: Space is a space there.
         page.click("#text")
         page.keyboard.down("Space")
@@ -759,6 +805,13 @@ def test_page_screenshots_desktop_and_phone(playwright, output_dir, tmp_path):
             page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
             page.locator("#log .notice.divider").wait_for()
             page.screenshot(path=str(output_dir / "browser-phone.png"))
+            assert not page.page_errors, page.page_errors
+        with browser_page(playwright, profile, BASE_ARGS, [], color_scheme="dark") as page:
+            page.goto(f"{url}/")
+            page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+            page.click("#log .msg.assistant details.stages summary")
+            page.click("#export-menu summary")
+            page.screenshot(path=str(output_dir / "browser-dark.png"))
             assert not page.page_errors, page.page_errors
 
 
@@ -998,6 +1051,10 @@ def test_api_key_form_busy_countdown_and_idle_close_on_a_real_server(playwright,
         a.on("websocket", lambda ws: sockets.append(ws.url))
         a.goto(f"{keyed_server}/")
         # /healthz says a key is needed and none is stored: the page asks before dialing.
+        a.locator("#key-dialog").wait_for(timeout=30_000)
+        a.keyboard.press("Escape")  # dismissed: the page says why it is not connected, and offers the form again
+        a.locator("#error", has_text="needs an API key").wait_for()
+        a.locator("#error").get_by_role("button", name="Enter key").click()
         enter_key(a, "not-the-right-key-000000")
         a.locator("#key-error", has_text="did not accept").wait_for(timeout=30_000)
         assert a.locator("#key-dialog").is_visible()
