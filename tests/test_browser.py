@@ -296,6 +296,7 @@ class Site:
 
     def __init__(self) -> None:
         self.connections = 0
+        self.refused = 0
         self.received: list[dict] = []
         self.audio_bytes = 0
         self.prefs = dict(DEFAULT_PREFS)
@@ -325,10 +326,11 @@ class Site:
 
 
 @contextlib.contextmanager
-def scripted_site(handler, health: dict | None = None):
+def scripted_site(handler, health: dict | None = None, admit=None):
     """Serve the page (``/``, ``/static/*``, ``/healthz``) and a scripted ``/ws`` from one origin.
 
-    ``handler(ws, site, n)`` runs for the n-th WebSocket connection (1-based). The page only
+    ``handler(ws, site, n)`` runs for the n-th WebSocket connection (1-based); ``admit(request)``,
+    if given, may refuse an upgrade (HTTP 403, as the real server refuses an origin or a key). The page only
     ever connects to its own origin, so the scripted server has to serve the page too: the
     ``process_request`` hook answers the plain HTTP requests, and upgrades go to ``handler``.
     """
@@ -353,6 +355,10 @@ def scripted_site(handler, health: dict | None = None):
     def process_request(connection, request):
         path = request.path.split("?", 1)[0]
         if path == "/ws" and request.headers.get("Upgrade", "").lower() == "websocket":
+            if admit is not None and not admit(request):
+                with site.lock:
+                    site.refused += 1
+                return respond(403, b"refused", "text/plain")
             return None  # the WebSocket handshake proceeds
         if path == "/healthz":
             return respond(200, health_body, "application/json")
@@ -379,6 +385,48 @@ def scripted_site(handler, health: dict | None = None):
             yield f"http://127.0.0.1:{server.socket.getsockname()[1]}", site
         finally:
             server.shutdown()
+
+
+def test_a_refused_upgrade_is_told_apart_from_a_down_server(playwright, tmp_path):
+    with (
+        scripted_site(lambda ws, site, n: site.converse(ws), admit=lambda request: False) as (url, site),
+        browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page,
+    ):
+        page.goto(f"{url}/")
+        page.locator("#error", has_text="answers but refused the voice connection").wait_for(timeout=15_000)
+        assert site.refused >= 1 and site.connections == 0
+        assert not page.locator("#key-dialog").is_visible()  # /healthz says no key is needed
+
+
+def test_key_form_with_a_scripted_server(playwright, tmp_path):
+    """The key goes as the `parley.key.<KEY>` subprotocol next to `parley`; a refused one is asked again."""
+    offered: list[str] = []
+
+    def admit(request):
+        offered.append(request.headers.get("Sec-WebSocket-Protocol", ""))
+        return "parley.key.s3cret-key" in offered[-1]
+
+    health = {"status": "ok", "auth_required": True, "accepting_sessions": True}
+    with (
+        scripted_site(lambda ws, site, n: site.converse(ws), health=health, admit=admit) as (url, site),
+        browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page,
+    ):
+        page.goto(f"{url}/")
+        dialog = page.get_by_role("dialog", name="API key needed")
+        dialog.wait_for(timeout=15_000)
+        assert offered == []  # asked before dialing
+        page.locator("#key-input").focus()
+        assert page.evaluate("document.activeElement.id") == "key-input"
+        page.fill("#key-input", "wrong")
+        page.keyboard.press("Enter")
+        page.locator("#key-error", has_text="did not accept").wait_for(timeout=15_000)
+        assert page.get_attribute("#key-input", "aria-invalid") == "true"
+        assert offered == ["parley, parley.key.wrong"]
+        page.fill("#key-input", "s3cret-key")
+        page.keyboard.press("Enter")
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        assert offered[-1] == "parley, parley.key.s3cret-key" and site.connections == 1
+        assert not page.page_errors, page.page_errors
 
 
 def flaky(ws, site, n):

@@ -119,7 +119,9 @@ function showState(s, info) {
     ui.setConnection("reconnecting", `Reconnecting in ${Math.max(1, Math.ceil(info.delay / 1000))} s`);
     const msg = info.wasOpen
       ? `Lost the connection to the Parley server. Reconnecting (attempt ${info.attempt})…`
-      : `Can't reach the Parley server at ${socket.url}. Is it running? Retrying (attempt ${info.attempt})…`;
+      : info.reachable
+        ? `The Parley server answers but refused the voice connection at ${socket.url} (is the page opened through an address the server does not allow?). Retrying (attempt ${info.attempt})…`
+        : `Can't reach the Parley server at ${socket.url}. Is it running? Retrying (attempt ${info.attempt})…`;
     ui.showError("connection", msg, { action: { label: "Retry now", onClick: () => socket.retryNow() } });
   } else if (s === "busy") {
     ui.clearError("server"); // the `overloaded` error is shown as this countdown instead
