@@ -13,7 +13,9 @@ Client events -> the conversation
                                  no transcription events (Parley still transcribes: it needs the words);
                                  turn_detection: server_vad/semantic_vad -> Parley's own VAD and endpoint
                                  (threshold -> VAD threshold, silence_duration_ms -> endpoint silence,
-                                 semantic eagerness -> endpoint silences, interrupt_response -> barge-in),
+                                 semantic eagerness -> endpoint silences, interrupt_response -> barge-in:
+                                 when false, speaking over a reply does not stop it, but a turn that
+                                 commits still does, as Parley answers the latest turn),
                                  null -> manual turns (commit + response.create); output_modalities
                                  ["audio"] or ["text"]; include ["parley.turn_metrics", "parley.notice"]
                                  opts in to Parley's own extra events.
@@ -347,10 +349,11 @@ def parse_client_event(raw: str) -> dict[str, Any]:
     return data
 
 
-def _field(data: dict, key: str, kinds: type | tuple, param: str, *, required: bool = False, nullable: bool = True):
+def _field(data: dict, key: str, kinds: type | tuple, param: str, *, required: bool = False):
+    """``data[key]`` if it has one of ``kinds`` (None when absent or null, unless ``required``)."""
     value = data.get(key)
     if value is None:
-        if required or (key in data and not nullable):
+        if required:
             raise RealtimeError("missing_required_parameter", f"missing required parameter: '{param}'", param)
         return None
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):

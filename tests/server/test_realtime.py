@@ -245,6 +245,20 @@ async def test_unsupported_fields_get_errors_and_the_rest_still_applies():
     rig.events.clear()
     await rig.send(type="session.update", session={"type": "realtime", "instructions": "x" * 5000})
     assert rig.errors()[0]["code"] == "string_above_max_length"
+    rig.events.clear()
+    semantic = {"type": "semantic_vad", "eagerness": "low", "create_response": False}
+    await rig.send(
+        type="session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": semantic}}}
+    )
+    assert [e["param"] for e in rig.errors()] == ["session.audio.input.turn_detection.create_response"]
+    assert rig.session.settings.endpoint_silence_ms == 400, "a refused turn_detection changes nothing"
+    del semantic["create_response"]
+    await rig.send(
+        type="session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": semantic}}}
+    )
+    assert (
+        rig.session.settings.endpoint_silence_ms == 800 and rig.session.settings.endpoint_unfinished_silence_ms == 2500
+    )
     await close(rig)
 
 
@@ -274,6 +288,13 @@ async def test_a_typed_turn_streams_a_response_in_the_realtime_order():
         "response.done",
     ]
     assert done["response"]["status"] == "completed"
+    # fields strict clients read (pipecat validates these and reads usage on every response.done)
+    assert done["response"]["status_details"] is None and done["response"]["object"] == "realtime.response"
+    assert {"input_tokens", "output_tokens", "input_token_details", "output_token_details"} <= set(
+        done["response"]["usage"]
+    )
+    transcription = rig.events[0]["session"]["audio"]["input"]["transcription"]
+    assert set(transcription) == {"model", "language", "prompt"}
     [item] = done["response"]["output"]
     assert item["content"][0]["transcript"] == "Paris is the capital of France."
     assert (
