@@ -388,7 +388,9 @@ def _check_format(value: Any, param: str) -> None:
     kind, rate = value.get("type", "audio/pcm"), value.get("rate", REALTIME_SAMPLE_RATE)
     if kind != "audio/pcm" or rate != REALTIME_SAMPLE_RATE:
         raise RealtimeError(
-            "unsupported_audio_format", f"only audio/pcm at {REALTIME_SAMPLE_RATE} Hz is supported, not {value}", param
+            "unsupported_audio_format",
+            f"only audio/pcm at {REALTIME_SAMPLE_RATE} Hz is supported, not {str(kind)[:40]!r} at {str(rate)[:12]}",
+            param,
         )
 
 
@@ -407,7 +409,7 @@ def _check_tools(data: dict, prefix: str) -> list[RealtimeError]:
         errors.append(_unsupported(f"{prefix}.tools", "function calling (tools)"))
     choice = data.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        errors.append(_unsupported(f"{prefix}.tool_choice", f"tool_choice {choice!r}"))
+        errors.append(_unsupported(f"{prefix}.tool_choice", f"tool_choice {repr(choice)[:60]}"))
     if data.get("prompt") is not None:
         errors.append(_unsupported(f"{prefix}.prompt", "prompt templates"))
     return errors
@@ -878,7 +880,9 @@ class RealtimeAdapter:
         if kind == "transcription":
             raise RealtimeError("unsupported_session_type", "transcription sessions are not supported", "session.type")
         if kind != "realtime":
-            raise RealtimeError("invalid_value", f"session.type must be 'realtime', not {kind!r}", "session.type")
+            raise RealtimeError(
+                "invalid_value", f"session.type must be 'realtime', not {repr(kind)[:40]}", "session.type"
+            )
         errors: list[RealtimeError] = _check_tools(session, "session")
         config = replace(self.config)
         parley: dict[str, Any] = {}
