@@ -123,6 +123,7 @@ class Transcript(_Message):
     turn_id: int
     text: str
     final: bool
+    language: str | None = None  # on a spoken final: the language it was heard in (detected when set to "")
 
 
 class AssistantText(_Message):

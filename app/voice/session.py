@@ -281,7 +281,9 @@ class VoiceSession:
         speculation = self._speculation
         if speculation is not None and speculation.user_text == turn.text:
             self._speculation = None
-            await self._send_json(protocol.Transcript(turn_id=speculation.turn_id, text=turn.text, final=True))
+            await self._send_json(
+                protocol.Transcript(turn_id=speculation.turn_id, text=turn.text, final=True, language=turn.language)
+            )
             self._remember({"role": "user", "content": turn.text})
             speculation.commit, speculation.speech_end = turn.commit, turn.speech_end
             speculation.metrics = speculation.metrics.model_copy(update={**figures, "speculative": True})
@@ -289,7 +291,9 @@ class VoiceSession:
             await speculation.release()
             return
         await self._cancel_speculation()
-        await self._start_turn(turn.turn_id, turn.text, speech_end=turn.speech_end, commit=turn.commit, **figures)
+        await self._start_turn(
+            turn.turn_id, turn.text, speech_end=turn.speech_end, commit=turn.commit, language=turn.language, **figures
+        )
 
     async def _drop_utterance(self) -> None:
         await self._tracker.drop()
@@ -313,8 +317,10 @@ class VoiceSession:
             on_metrics=self.on_turn_metrics,
         )
 
-    async def _start_turn(self, turn_id: int, text: str, *, speech_end: float, commit: float, **figures) -> None:
-        await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True))
+    async def _start_turn(
+        self, turn_id: int, text: str, *, speech_end: float, commit: float, language: str | None = None, **figures
+    ) -> None:
+        await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True, language=language))
         fitted = self._prompt(text)
         if fitted.truncated_chars:
             text = fitted.messages[-1]["content"]

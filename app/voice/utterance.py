@@ -106,6 +106,7 @@ class Committed:
     asr_compute_ms: float
     turn_probability: float | None = None  # the end-of-turn model's verdict at the last pause
     turn_detect_ms: float | None = None  # what that verdict cost
+    language: str | None = None  # the language the words were heard in
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class _Utterance:
     tail_text: str | None = None  # its result, once done
     turn_probability: float | None = None  # the end-of-turn model's verdict at this pause
     turn_ms: float | None = None
+    language: str | None = None  # what ASR heard the tail in
     asr_ms: float = 0.0
     partial_task: asyncio.Task | None = None
 
@@ -302,6 +304,7 @@ class UtteranceTracker:
         if utterance.pause is None:
             return  # the user went on speaking; a newer tail will be transcribed
         utterance.tail_text = result.text if result is not None else ""
+        utterance.language = result.language if result is not None and result.language else None
         utterance.asr_ms = asr_ms
         utterance.turn_probability, utterance.turn_ms = probability, turn_ms
         if utterance is not self._utterance:
@@ -370,5 +373,6 @@ class UtteranceTracker:
                 asr_compute_ms=utterance.asr_ms,
                 turn_probability=utterance.turn_probability,
                 turn_detect_ms=utterance.turn_ms,
+                language=utterance.language,
             )
         )

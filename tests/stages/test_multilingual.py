@@ -136,3 +136,21 @@ def test_speed_base_vs_tiny_on_a_3_s_clip(base, speech):
             runs.append(time.perf_counter() - started)
         timings[name] = min(runs)
     print("\n3 s clip, best of 3: " + ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in timings.items()))
+
+
+@needs_espeak
+async def test_a_spoken_german_question_is_a_german_turn_in_a_session(base, tmp_path):
+    """Through a real session (Silero VAD, Whisper base with language "" from the client's config):
+    the final transcript reports the language it was heard in."""
+    from harness import Harness, ScriptedLLM
+
+    from app.stages.tts import PiperSynthesizer
+    from app.stages.vad import SileroVad
+
+    harness = Harness((SileroVad(), base, PiperSynthesizer()), ScriptedLLM(["Gut."]), asr_language="")
+    await harness.session.handle_text('{"type": "config", "language": ""}')
+    sentence, content = SPOKEN["de"]
+    await harness.speak(espeak(sentence, "de", tmp_path), trailing_s=2.0)
+    final = await harness.wait_for("transcript", final=True)
+    assert final["language"] == "de", final
+    assert len(words(final["text"]) & content) >= 2, final

@@ -63,7 +63,7 @@ class ScriptedASR:
         self.calls.append(wait)
         self.languages_asked.append(language)
         text = self.text if wait or self.partial is None else self.partial
-        return Transcription(text, len(audio) / RATE, 0.0)
+        return Transcription(text, len(audio) / RATE, 0.0, language="de" if language == "" else (language or "en"))
 
 
 class WordTTS:

@@ -333,6 +333,7 @@ async def test_the_session_language_reaches_every_transcription(conversation):
     await conv.speak(0.6, "Hallo.")
     await conv.silence_until(lambda: len(conv.finals()) == 2)
     assert conv.asr.languages_asked and set(conv.asr.languages_asked) == {""}
+    assert [f.language for f in conv.finals()] == ["en", "de"]  # the detected language is reported
 
 
 async def test_a_long_backchannel_over_a_reply_neither_stops_it_nor_becomes_a_turn(conversation):
