@@ -41,12 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--int8-method",
         choices=["auto", "int8pack", "ao", "bitsandbytes"],
         default="auto",
-        help="int8 kernel (with --quantization int8): auto = bitsandbytes on CUDA if installed, else int8pack",
+        help="int8 kernel (with --quantization int8): auto = bitsandbytes LLM.int8 on CUDA, int8pack on the CPU",
     )
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="cap on requests in the running batch")
     serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    serve.add_argument("--kv-cache-mb", type=int, default=512, help="memory for the paged KV cache")
+    serve.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=None,
+        help="memory for the paged KV cache (default: 512 on the CPU; on CUDA from --gpu-memory-fraction)",
+    )
+    serve.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.9,
+        help="CUDA: the share of the GPU's memory the engine may use, weights and KV cache together (vLLM's notion)",
+    )
+    serve.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run decode steps eagerly")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -70,7 +82,9 @@ def engine_config(args: argparse.Namespace):
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
+        kv_cache_bytes=args.kv_cache_mb * 1024 * 1024 if args.kv_cache_mb else None,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        cuda_graphs=not args.no_cuda_graphs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
@@ -107,6 +121,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"parley engine: {e}", file=sys.stderr)
         return 2
     engine = AsyncLLMEngine(config)
+    print(engine.engine.describe(), flush=True)  # the start-up line: which kernels are in use
     try:
         app = create_app(engine, args.served_model_name or served_name(args.model), api_key=args.api_key)
         asyncio.run(_serve(app, args.host, args.port, args.log_level))

@@ -19,9 +19,17 @@ class EngineConfig:
     defaults to the model's context length (capped by the pool size).
 
     ``int8_method`` picks the int8 kernel (``quantization="int8"`` only): ``auto`` is
-    bitsandbytes LLM.int8 on CUDA when installed, else weight-only ``int8pack``
-    (``torch._weight_int8pack_mm``); ``ao`` is torch.ao dynamic int8 (CPU, activations
-    quantized too); ``bitsandbytes`` requires CUDA and the package. See engine/quant.py.
+    bitsandbytes LLM.int8 on CUDA (threshold 6.0, lm_head 16-bit) and weight-only
+    ``int8pack`` (``torch._weight_int8pack_mm``) on the CPU; ``bitsandbytes`` forces
+    LLM.int8 on either device (bitsandbytes >= 0.46 runs it on the CPU too: what the CPU
+    tests check the GPU path with); ``int8pack`` forces that one; ``ao`` is torch.ao
+    dynamic int8 (CPU, activations quantized too). See engine/quant.py.
+
+    CUDA only (see engine/cuda.py): ``cuda_graphs`` captures decode steps as CUDA graphs
+    per batch-size bucket (eager for the rest, and wherever capture fails);
+    ``gpu_memory_fraction`` (vLLM's ``gpu_memory_utilization``) sizes the KV pool from the
+    GPU's free memory when neither ``num_blocks`` nor ``kv_cache_bytes`` is set. On the
+    CPU ``kv_cache_bytes`` defaults to 512 MiB.
     """
 
     model: str = "bundled"
@@ -32,8 +40,10 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     block_size: int = 16
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    kv_cache_bytes: int | None = None  # None: 512 MiB on the CPU, from gpu_memory_fraction on CUDA
     num_blocks: int | None = None
+    gpu_memory_fraction: float = 0.9
+    cuda_graphs: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     num_threads: int | None = None
@@ -56,6 +66,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be positive")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes must be positive")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], not {self.gpu_memory_fraction}")
 
     def resolved_device(self) -> str:
         """``auto`` means CUDA when a GPU is visible, else CPU."""

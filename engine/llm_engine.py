@@ -100,6 +100,10 @@ class LLMEngine:
         """The loaded model, to share with another engine: ``LLMEngine(config, model=eng.model)``."""
         return self.runner.model
 
+    def describe(self) -> str:
+        """One start-up line: model, device, precision, the linear kernel in use, CUDA graphs, KV pool."""
+        return self.runner.describe()
+
     @property
     def linear_kernel(self) -> str:
         """The kernel the layer linears run (dense, onednn-packed, int8pack, ao, bitsandbytes, int4pack)."""
@@ -118,6 +122,7 @@ class LLMEngine:
             "linear_kernel": model.linear_kernel,
             "quant_info": dict(model.quant_info) if model.quant_info else None,
             "fused_kernels": runner.fused_kernels,
+            "cuda_graphs": runner.cuda_graphs_note,
             "packed_linears": runner.num_packed_linears,
             "weight_bytes": model.weight_bytes(),
             "linear_weight_bytes": model.linear_weight_bytes(),

@@ -202,6 +202,13 @@ class LlamaModel:
         """The kernel the layer linears run: dense, onednn-packed, int8pack, ao, bitsandbytes or int4pack."""
         return getattr(self.layers[0].qkv, "kernel", "dense") if self.layers else "dense"
 
+    def graph_safe(self) -> bool:
+        """Every linear can be captured in a CUDA graph (bitsandbytes LLM.int8 cannot: see engine/quant.py)."""
+        linears = [self.lm_head_linear] + [
+            getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")
+        ]
+        return all(getattr(lin, "graph_safe", True) for lin in linears)
+
     def use_fused_kernels(self) -> bool:
         """Switch the forward to the fused CPU kernels where they apply (16-bit, CPU); returns whether it did.
 

@@ -24,6 +24,7 @@ from engine.scheduler import ScheduledChunk, SchedulerOutput
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
 @dataclass
@@ -174,33 +175,80 @@ class ModelRunner:
         bs = self.block_size
         elem = torch.empty((), dtype=dtype).element_size()
         bytes_per_block = a.num_layers * 2 * a.num_kv_heads * bs * a.head_dim * elem
-        self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
         self.max_model_len = min(config.max_model_len or limit, limit)
+        if config.num_blocks:
+            self.num_blocks = config.num_blocks
+        elif config.kv_cache_bytes:
+            self.num_blocks = max(1, config.kv_cache_bytes // bytes_per_block)
+        elif torch.device(self.device).type == "cuda":  # vLLM's gpu_memory_utilization (engine/cuda.py)
+            from engine.cuda import gpu_kv_cache_bytes
+
+            self.num_blocks = max(
+                1, gpu_kv_cache_bytes(self.model, config, bytes_per_block, self.max_model_len) // bytes_per_block
+            )
+        else:
+            self.num_blocks = max(1, DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_block)
+        # one block more than the KV manager hands out: the scratch block padded CUDA-graph rows write to
+        self.scratch_block = self.num_blocks
         self.kv_cache = torch.zeros(
-            a.num_layers, 2, a.num_kv_heads, self.num_blocks, bs, a.head_dim, dtype=dtype, device=self.device
+            a.num_layers, 2, a.num_kv_heads, self.num_blocks + 1, bs, a.head_dim, dtype=dtype, device=self.device
         )
+        self.bytes_per_block = bytes_per_block
         self.quant_info: dict | None = self.model.quant_info
         self.num_packed_linears = self.model.num_packed_linears
         self.fused_kernels = config.fused_kernels and self.model.use_fused_kernels()
-        log.info(
-            "model %s dtype=%s quant=%s linears=%s device=%s, KV cache %d blocks x %d tokens (%.0f MiB)",
-            a.architecture,
-            config.dtype,
-            config.quantization,
-            self.model.linear_kernel,
-            self.device,
-            self.num_blocks,
-            bs,
-            self.kv_cache_bytes / 2**20,
+        self.graphs = None  # engine.cuda.DecodeGraphRunner on CUDA (decode steps as CUDA graphs)
+        self.cuda_graphs_note = "off (CPU)"
+        if torch.device(self.device).type == "cuda":
+            if not config.cuda_graphs:
+                self.cuda_graphs_note = "off (cuda_graphs=False)"
+            elif not self.model.graph_safe():
+                self.cuda_graphs_note = f"off ({self.model.linear_kernel} linears cannot be captured)"
+            else:
+                self.enable_graphs()
+        log.info("%s", self.describe())
+
+    def enable_graphs(self, capture=None) -> None:
+        """Run decode-only steps through ``engine.cuda.DecodeGraphRunner`` (``capture``: how graphs are
+        captured, ``torch.cuda.graph`` by default; the CPU tests pass ``engine.cuda.eager_capture``)."""
+        from engine.cuda import DecodeGraphRunner
+
+        self.graphs = DecodeGraphRunner(
+            self.model,
+            self.kv_cache,
+            self.block_size,
+            self.config.max_num_seqs,
+            self.max_model_len,
+            self.scratch_block,
+            capture=capture,
+        )
+        self.cuda_graphs_note = f"on (batch buckets {','.join(map(str, self.graphs.buckets))}, captured lazily)"
+
+    def describe(self) -> str:
+        """The start-up line: model, precision, the linear kernel in use, CUDA graphs, the KV pool."""
+        a = self.model.args
+        kernel = self.model.linear_kernel
+        if kernel == "bitsandbytes":
+            kernel = "bitsandbytes LLM.int8 (threshold 6.0, lm_head 16-bit)"
+        return (
+            f"engine: {a.architecture} on {self.device}, {str(self.dtype).removeprefix('torch.')} activations, "
+            f"quantization {self.config.quantization or 'none'}, linears {kernel}, "
+            f"fused CPU kernels {'on' if self.fused_kernels else 'off'}, CUDA graphs {self.cuda_graphs_note}, "
+            f"KV cache {self.num_blocks} blocks x {self.block_size} tokens ({self.kv_cache_bytes / 2**20:.0f} MiB)"
         )
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        """Bytes of the blocks the KV manager hands out (the scratch block not counted)."""
+        return self.num_blocks * self.bytes_per_block
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
         """Run one step; returns the ids of requests that sample and their logits rows."""
+        if self.graphs is not None:
+            out = self.graphs.run(sched.chunks)
+            if out is not None:
+                return out
         inputs = prepare_inputs(sched.chunks, self.block_size, self.device)
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache)
         return inputs.sample_request_ids, logits

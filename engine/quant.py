@@ -27,8 +27,15 @@ linearly with M, so above ``INT8PACK_MAX_M`` tokens (prefill) the same int8 weig
 dequantized to bf16 per call and multiplied in bf16. ``torch.ao`` dynamic quantization
 is faster at batch >= 8 but quantizes activations per tensor, which changed answers in
 our measurements; it remains selectable (``EngineConfig(int8_method="ao")``) for comparison.
-On CUDA, bitsandbytes LLM.int8 (outlier threshold 6.0) is used when importable, else
-the same weight-only int8pack path (``int8_method="auto"``, the default).
+
+On CUDA, int8 is bitsandbytes LLM.int8 (``bnb.nn.Linear8bitLt``, ``has_fp16_weights=False``,
+outlier threshold 6.0, as ``load_in_8bit`` sets it up; embedding and ``lm_head`` stay 16-bit):
+``int8_method="auto"`` (the default) picks it on CUDA and int8pack on the CPU;
+``"bitsandbytes"`` forces it on either device. bitsandbytes >= 0.46 runs the very same
+module on the CPU (its CPU backend: ~0.4-0.7 % relative error per layer, ~10x slower than
+fp32 there), so the CPU tests run the GPU's int8 path through the whole engine. The
+``gpu`` extra installs it; on CUDA without it, ``auto`` falls back to int8pack with a
+warning (int8pack's CUDA kernel is a simple loop, far from cuBLAS).
 
 The model builder (``engine/model.py``) applies the method while it builds the layers
 (``get_quant_method`` picks it from the config); nothing patches a built model.
@@ -208,20 +215,32 @@ class AoDynamicLinear:
         return self._nbytes
 
 
+BNB_THRESHOLD = 6.0
+
+
 class BnbLinear:
-    """CUDA: bitsandbytes LLM.int8 (int8 matmul with fp16 outlier columns above threshold 6.0)."""
+    """bitsandbytes LLM.int8: an int8 matmul, with the input columns holding an outlier above
+    ``BNB_THRESHOLD`` (6.0) multiplied in fp16. CUDA, and the CPU with bitsandbytes >= 0.46.
+
+    The weight is quantized (per row, int8 + scale ``SCB``) when the module is moved to its
+    device, as ``load_in_8bit`` does. Activations go in as fp16, LLM.int8's dtype. Not safe to
+    capture in a CUDA graph: the outlier columns are found per call (a data-dependent size).
+    """
 
     kernel = "bitsandbytes"
+    graph_safe = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
         import bitsandbytes as bnb
 
         out_f, in_f = weight.shape
-        lin = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias is not None, has_fp16_weights=False, threshold=6.0)
+        lin = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias is not None, has_fp16_weights=False, threshold=BNB_THRESHOLD)
         lin.weight = bnb.nn.Int8Params(weight.detach().to("cpu", torch.float16), requires_grad=False)
         if bias is not None:
             lin.bias = torch.nn.Parameter(bias.detach().to("cpu", torch.float16), requires_grad=False)
-        self.module = lin.to(weight.device)
+        self.module = lin.to(weight.device)  # quantizes the weight (Int8Params.to)
+        if self.module.weight.dtype != torch.int8:
+            raise RuntimeError(f"bitsandbytes {bnb.__version__} did not quantize the weight on {weight.device}")
         self.act_dtype = act_dtype
         self._nbytes = out_f * in_f + out_f * 4
 
@@ -240,11 +259,22 @@ def _bitsandbytes_importable() -> bool:
     return True
 
 
+def bitsandbytes_version() -> str | None:
+    """The installed bitsandbytes version, or None (found without importing it: the import is slow)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bitsandbytes")
+    except PackageNotFoundError:
+        return None
+
+
 def int8_linear_class(int8_method: str, device: str | torch.device) -> type:
     """The int8 layer-linear kernel for ``EngineConfig.int8_method`` on ``device``.
 
-    ``auto``: bitsandbytes on CUDA when importable, else weight-only int8pack (CPU and CUDA).
-    An explicit method the device cannot run is an error, not a silent fallback.
+    ``auto``: bitsandbytes LLM.int8 on CUDA (int8pack, with a warning, when bitsandbytes is
+    missing), int8pack on the CPU. ``bitsandbytes`` forces LLM.int8 on either device. An
+    explicit method the device cannot run is an error, not a silent fallback.
     """
     dev = torch.device(device).type
     if int8_method == "int8pack":
@@ -254,16 +284,19 @@ def int8_linear_class(int8_method: str, device: str | torch.device) -> type:
             raise ValueError("int8_method='ao' (torch.ao dynamic int8, fbgemm) runs on the CPU only")
         return AoDynamicLinear
     if int8_method == "bitsandbytes":
-        if dev != "cuda":
-            raise ValueError("int8_method='bitsandbytes' needs a CUDA device")
+        if dev not in ("cuda", "cpu"):
+            raise ValueError(f"int8_method='bitsandbytes' runs on CUDA or the CPU, not {dev}")
         if not _bitsandbytes_importable():
-            raise ValueError("int8_method='bitsandbytes' needs the bitsandbytes package")
+            raise ValueError("int8_method='bitsandbytes' needs the bitsandbytes package (pip install -e '.[gpu]')")
         return BnbLinear
     if int8_method == "auto":
         if dev == "cuda":
             if _bitsandbytes_importable():
                 return BnbLinear
-            log.info("bitsandbytes not installed; using weight-only int8pack on CUDA")
+            log.warning(
+                "bitsandbytes is not installed: int8 on CUDA falls back to int8pack (torch._weight_int8pack_mm, "
+                "much slower than LLM.int8 there); install the gpu extra: pip install -e '.[gpu]'"
+            )
         return Int8PackLinear
     raise ValueError(f"int8_method must be one of {', '.join(INT8_METHODS)}, not {int8_method!r}")
 
@@ -303,7 +336,9 @@ def get_quant_method(
         method = QuantMethod("int4", Int4PackLinear, quantize_vocab=False)
     elif quantization == "int8":
         cls = int8_linear_class(int8_method, device)
-        method = QuantMethod("int8", cls, quantize_vocab=torch.device(device).type == "cpu")
+        # LLM.int8 keeps the embedding and lm_head 16-bit (load_in_8bit's recipe), on either device
+        vocab = torch.device(device).type == "cpu" and cls is not BnbLinear
+        method = QuantMethod("int8", cls, quantize_vocab=vocab)
     else:
         raise ValueError(f"unknown quantization {quantization!r}")
     log.info("%s weights: layer linears run the %s kernel (int8_method=%s)", method.name, method.kernel, int8_method)
