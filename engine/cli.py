@@ -1,4 +1,5 @@
-"""``parley engine ...``: run the engine as an OpenAI-compatible HTTP server.
+"""``parley engine ...``: run the engine as an OpenAI-compatible HTTP server (``serve``); merge a LoRA
+adapter into a model's weights (``merge-lora``, engine/lora.py).
 
 ``app/cli.py`` forwards ``parley engine <args>`` here as ``main(args)``; it also runs
 standalone (``python -m engine.cli serve``). The model loads before the socket opens, and
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $PARLEY_API_KEY)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    merge = sub.add_parser("merge-lora", help="merge a PEFT LoRA adapter into a model's weights (offline)")
+    merge.add_argument("--base", required=True, help="the base model directory ('bundled' for the bundled model)")
+    merge.add_argument("--adapter", required=True, help="the adapter (adapter_config.json + adapter_model.safetensors)")
+    merge.add_argument("--out", required=True, help="where to write the merged model (must not exist or be empty)")
+    merge.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
@@ -140,7 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
+    if args.command == "merge-lora":
+        return merge_lora(args)
     return 2
+
+
+def merge_lora(args: argparse.Namespace) -> int:
+    from engine.lora import merge_lora as merge
+
+    try:
+        out = merge(args.base, args.adapter, args.out)
+    except (OSError, ValueError) as e:
+        print(f"parley engine merge-lora: {e}", file=sys.stderr)
+        return 2
+    print(f"merged {args.adapter} into {args.base}: {out}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ def test_batch_buckets_and_pick():
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     buckets = batch_buckets(32)
-    assert [pick_bucket(n, buckets) for n in (1, 2, 3, 5, 8, 9, 17, 25, 32, 33)] == [1, 2, 4, 8, 8, 16, 24, 32, 32, None]
+    picked = [pick_bucket(n, buckets) for n in (1, 2, 3, 5, 8, 9, 17, 25, 32, 33)]
+    assert picked == [1, 2, 4, 8, 8, 16, 24, 32, 32, None]
 
 
 def test_context_bucket():
@@ -41,7 +42,7 @@ def test_kv_sizing_arithmetic():
 def test_kv_pool_from_faked_gpu_memory(fp32_model, monkeypatch):
     """gpu_kv_cache_bytes as the runner calls it on CUDA, with torch.cuda.mem_get_info and the profile faked."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (calls.append(dev) or (30 * GIB, 40 * GIB)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: calls.append(dev) or (30 * GIB, 40 * GIB))
     monkeypatch.setattr(cuda, "profile_activation_bytes", lambda model, n, bs: n * 1024 * 1024)
     config = EngineConfig(dtype="float32", device="cpu", gpu_memory_fraction=0.5, max_num_batched_tokens=512)
     per_block = 1 << 20
