@@ -2,8 +2,7 @@
 
 The fake microphone is fed from a WAV file (chromium loops it), so the page hears a
 real spoken question, the real server answers it, and the page plays the answer.
-Recipe: DESIGN.md, "Testing recipes". Never run `playwright install` here: we drive the
-system chromium.
+Never run `playwright install` here (it downloads a browser): we drive the system chromium.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 QUESTION = "What is the capital of France?"
 TURN_TIMEOUT_MS = 90_000  # a slow 2-core CPU runs ASR, the LLM and TTS for each turn
 
