@@ -294,8 +294,10 @@ def _json_depth(raw: str) -> int:
     return deepest
 
 
-def _load_json(raw: str):
-    """``json.loads`` bounded in depth and number size, with NaN/Infinity refused (all ``bad_json``)."""
+def load_json(raw: str):
+    """``json.loads`` bounded in depth and number size, with NaN/Infinity refused (``ProtocolError`` ``bad_json``).
+
+    Every JSON a client sends (``/ws`` and ``/v1/realtime``) goes through this one parser."""
     if _json_depth(raw) > MAX_JSON_DEPTH:
         raise ProtocolError("bad_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
@@ -310,7 +312,7 @@ def parse_client_text(raw: str) -> ClientMessageType:
     """Validate one JSON text frame from the client."""
     if len(raw.encode("utf-8", "replace")) > MAX_TEXT_FRAME_BYTES:
         raise ProtocolError("frame_too_large", f"text frame over {MAX_TEXT_FRAME_BYTES} bytes")
-    data = _load_json(raw)
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise ProtocolError("bad_message", "message must be a JSON object")
     kind = data.get("type")
