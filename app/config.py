@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     tts_backend: Literal["piper", "coqui"] = Field("piper", description="coqui needs the [coqui] extra (GPU image)")
     tts_threads: int | None = Field(1, ge=1, description="Piper CPU threads (empty: all cores)")
     tts_voice: str = Field("bundled", description="'bundled' (en_US joe medium) or a Piper .onnx path")
+    tts_voices: dict[str, str] = Field(
+        default_factory=dict,
+        description='a Piper voice per language, JSON: {"de": "/voices/de_DE-thorsten-medium.onnx"}',
+    )
 
     # VAD / turn-taking
     vad_threshold: float = Field(0.5, gt=0.0, lt=1.0)

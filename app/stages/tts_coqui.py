@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+XTTS_LANGUAGES = frozenset("en es fr de it pt pl tr ru nl cs ar zh ja hu ko hi".split())
 INSTALL_HINT = "pip install 'parley[coqui]' (needs a CUDA torch build; see docker/Dockerfile)"
 DEFAULT_SPEAKER = "Ana Florence"  # one of the studio speakers shipped in XTTS-v2's speakers_xtts.pth
 
@@ -82,7 +83,11 @@ class CoquiSynthesizer:
             device=getattr(settings, "tts_device", "cuda"),
         )
 
-    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+    def voice_for(self, language: str) -> str | None:
+        """XTTS-v2 speaks its 17 languages with the same (cloned or studio) speaker."""
+        return self.voices[0] if language in XTTS_LANGUAGES else None
+
+    def synthesize(self, text: str, voice: str | None = None) -> Iterator[np.ndarray]:
         with self._lock, self._torch.inference_mode():
             for chunk in self.model.inference_stream(
                 text,

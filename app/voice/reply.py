@@ -44,6 +44,7 @@ class Reply:
         run_blocking: RunBlocking,
         request_id: str,
         first_clause_chars: int = 0,
+        voice: str | None = None,
         on_complete: Callable[[Reply], None] | None = None,
         on_failed: Callable[[Reply], None] | None = None,
         on_metrics: Callable[[protocol.TurnMetrics], None] | None = None,
@@ -62,6 +63,7 @@ class Reply:
         self._send_json, self._send_bytes = send_json, send_bytes
         self._clock, self._run = clock, run_blocking
         self._first_clause_chars = first_clause_chars
+        self._voice = voice
         self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
         self._held: list[protocol.ServerMessage | bytes] = []
         self._task: asyncio.Task | None = None
@@ -174,7 +176,7 @@ class Reply:
             if not text:
                 continue
             tts_started = self._clock.now()
-            audio = await self._run(lambda t=text: list(self._tts.synthesize(t)))
+            audio = await self._run(lambda t=text: list(self._tts.synthesize(t, self._voice)))
             if self.metrics.tts_first_audio_ms is None:
                 self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
                 await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))

@@ -33,6 +33,8 @@ from app.stages.base import Message, VadConfig, VoiceStages
 from app.voice import utterance as heard
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
 from app.voice.context import Fitted, estimate_tokens, fit_to_context
+from app.voice.language import name as language_name
+from app.voice.language import reply_in
 from app.voice.reply import Reply, SendBytes, SendJson, cancel_task
 from app.voice.turns import Endpointer, history_window, is_backchannel, is_filler, looks_unfinished
 
@@ -81,6 +83,9 @@ class VoiceSession:
         self._barge_in_check: asyncio.Task | None = None
         self._barge_in_checked_ms = 0.0  # speech length at the last barge-in check of this utterance
         self._reply_playing_at_speech_start = False
+        self._turn_language: str | None = None  # the language of the turn being answered, when known
+        self._voice_chosen = False  # the client named a voice: it answers whatever the language
+        self._voiceless_languages_told: set[str] = set()
         self._closed = False
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
         self.prefs = SessionPrefs(
@@ -158,6 +163,7 @@ class VoiceSession:
             self._configure_input(message.sample_rate)
             await self._ready()
         elif isinstance(message, protocol.UserText):
+            self._turn_language = self._set_language()
             await self._interrupt_reply()
             now = self._clock.now()
             await self._start_turn(next(self._turn_ids), message.text, speech_end=now, commit=now)
@@ -194,6 +200,7 @@ class VoiceSession:
             )
             return
         changes = message.model_dump(exclude_none=True, exclude={"type"})
+        self._voice_chosen = self._voice_chosen or "voice" in changes
         new_prompt = changes.get("system_prompt", self.prefs.system_prompt) != self.prefs.system_prompt
         self.prefs = replace(self.prefs, **changes)
         await self._send_json(protocol.ConfigApplied(**asdict(self.prefs)))
@@ -232,6 +239,7 @@ class VoiceSession:
                 if self.prefs.barge_in and speech_ms >= self.settings.barge_in_ms:
                     await self._consider_barge_in(speech_ms)
             case heard.TailText():
+                self._turn_language = event.language or self._turn_language
                 said_over_reply = self._reply_playing_at_speech_start and is_backchannel(event.text)
                 if self.settings.speculative_reply and not said_over_reply:
                     if not is_filler(event.text) and not looks_unfinished(event.text):
@@ -270,6 +278,7 @@ class VoiceSession:
         await self._interrupt_reply()
 
     async def _on_committed(self, turn: heard.Committed) -> None:
+        self._turn_language = turn.language or self._set_language()
         await self._interrupt_reply()
         figures = {
             "endpoint_ms": turn.endpoint_ms,
@@ -284,6 +293,7 @@ class VoiceSession:
             await self._send_json(
                 protocol.Transcript(turn_id=speculation.turn_id, text=turn.text, final=True, language=turn.language)
             )
+            await self._tell_if_voiceless(turn.turn_id)
             self._remember({"role": "user", "content": turn.text})
             speculation.commit, speculation.speech_end = turn.commit, turn.speech_end
             speculation.metrics = speculation.metrics.model_copy(update={**figures, "speculative": True})
@@ -312,6 +322,7 @@ class VoiceSession:
             run_blocking=self._run,
             request_id=f"{self.session_id}-{turn_id}-{next(self._request_ids)}",
             first_clause_chars=self.settings.first_clause_chars,
+            voice=self._voice(),
             on_complete=self._record_reply,
             on_failed=self._forget_failed_turn,
             on_metrics=self.on_turn_metrics,
@@ -331,6 +342,7 @@ class VoiceSession:
                     message=f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out.",
                 )
             )
+        await self._tell_if_voiceless(turn_id)
         reply = self._new_reply(turn_id, text)
         reply.speech_end, reply.commit = speech_end, commit
         reply.metrics = reply.metrics.model_copy(update=figures)
@@ -351,10 +363,37 @@ class VoiceSession:
         self._speculation = reply
         reply.start(fitted.messages, released=False)
 
+    def _set_language(self) -> str | None:
+        """The session's language when it is fixed ("" means: detect it per utterance)."""
+        return self.prefs.language or None
+
+    def _voice(self) -> str:
+        """The voice for the turn being answered: the client's choice, else the one for its language."""
+        language = self._turn_language
+        if self._voice_chosen or not language:
+            return self.prefs.voice
+        return self.models.tts.voice_for(language) or self.prefs.voice
+
+    async def _tell_if_voiceless(self, turn_id: int) -> None:
+        language = self._turn_language
+        if not language or self._voice_chosen or self.models.tts.voice_for(language) is not None:
+            return
+        if language not in self._voiceless_languages_told:
+            self._voiceless_languages_told.add(language)
+            await self._send_json(
+                protocol.Notice(
+                    turn_id=turn_id,
+                    code="no_voice",
+                    message=f"There is no {language_name(language)} voice here; answering with {self.prefs.voice}. "
+                    "A server adds one with tts_voices.",
+                )
+            )
+
     def _prompt(self, user_text: str) -> Fitted:
         """The next turn's messages, fitted by tokens into what the LLM can take with its reply."""
         llm, settings = self.models.llm, self.settings
         messages = self._messages([*self.history, {"role": "user", "content": user_text}])
+        messages[0] = {"role": "system", "content": reply_in(self.prefs.system_prompt, self._turn_language)}
         limits = [n for n in (llm.context_tokens, settings.llm_context_tokens) if n]
         if not limits:
             return Fitted(messages)  # a remote server of unknown size: it will say if it is too long

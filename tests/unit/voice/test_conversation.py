@@ -372,3 +372,36 @@ async def test_without_confirmation_sustained_speech_interrupts_whatever_it_says
     await conv.silence(0.5)
     await conv.speak(0.6, "Mm-hmm, yeah.")
     assert conv.of(protocol.Interrupt)
+
+
+async def test_a_turn_in_another_language_gets_that_language_s_voice_and_reply(conversation):
+    conv = conversation()
+    await conv.session.handle_text('{"type": "config", "language": ""}')  # detect it (the fake hears German)
+    await conv.speak(0.8, "Wie spät ist es?")
+    await conv.silence_until(committed(conv))
+    await conv.settle()
+    assert conv.finals()[-1].language == "de"
+    assert {voice for voice, _ in conv.session.models.tts.spoken} == {"other-tone"}
+    assert conv.llm.calls[-1][0]["content"].endswith("The user speaks German: answer in German.")
+    assert not conv.of(protocol.Notice)
+
+
+async def test_a_language_without_a_voice_is_answered_in_the_default_one_with_a_notice(conversation):
+    conv = conversation()
+    conv.session.models.tts.voice_for = lambda language: "tone" if language == "en" else None
+    await conv.session.handle_text('{"type": "config", "language": ""}')
+    for _ in range(2):
+        await conv.speak(0.8, "Wie spät ist es?")
+        await conv.silence(1.5)
+    notices = [n for n in conv.of(protocol.Notice) if n.code == "no_voice"]
+    assert len(notices) == 1 and "German" in notices[0].message  # said once, not every turn
+    assert {voice for voice, _ in conv.session.models.tts.spoken} == {"tone"}
+
+
+async def test_a_voice_the_client_chose_answers_in_every_language(conversation):
+    conv = conversation()
+    await conv.session.handle_text('{"type": "config", "language": "", "voice": "tone"}')
+    await conv.speak(0.8, "Wie spät ist es?")
+    await conv.silence_until(committed(conv))
+    await conv.settle()
+    assert {voice for voice, _ in conv.session.models.tts.spoken} == {"tone"}

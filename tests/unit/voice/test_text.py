@@ -63,3 +63,16 @@ def test_first_piece_is_capped_at_ten_words_when_nothing_joins():
         stream(SentenceSplitter(first_clause_chars=16), words_only)[0]
         == "one two three four five six seven eight nine ten"
     )
+
+
+def test_words_in_any_script():
+    assert words("Wie spät ist es? It's naïve, señor.") == ["wie", "spät", "ist", "es", "it's", "naïve", "señor"]
+    assert words("你好世界。") == ["你好世界"]
+
+
+def test_cjk_sentences_end_without_a_space():
+    splitter = SentenceSplitter()
+    assert splitter.push("你好。今天天气很好！我们去") == ["你好。今天天气很好！"]
+    assert splitter.flush() == "我们去"
+    first = SentenceSplitter(first_clause_chars=16)
+    assert first.push("今天天气很好，我们去公园散步吧") == ["今天天气很好，"]

@@ -94,3 +94,12 @@ def test_history_window_jumps_and_starts_at_a_user_message():
     odd = _chat(9)
     odd.insert(4, {"role": "assistant", "content": "x"})  # an assistant message where the window would start
     assert history_window(odd, 8)[0]["role"] == "user"
+
+
+def test_english_word_cues_apply_to_english_only():
+    assert looks_unfinished("I would like to visit Paris and")
+    assert looks_unfinished("I would like to visit Paris and", "en")
+    assert not looks_unfinished("Ich möchte nach Paris und", "de")  # the model hears the rest
+    assert looks_unfinished("Ich möchte nach Paris,", "de")  # punctuation counts in every language
+    assert looks_unfinished("我想去巴黎，", "zh")
+    assert not is_filler("你好") and not is_filler("Hola")
