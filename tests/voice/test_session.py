@@ -33,7 +33,7 @@ async def test_spoken_turn_produces_transcript_text_audio_in_order(shared_models
     assert types.index("speech_started") < types.index("speech_stopped") < types.index("transcript")
     assert types.index("transcript") < types.index("assistant_text") < types.index("audio_start")
     finals = [e for e in harness.events if e["type"] == "transcript" and e["final"]]
-    assert finals == [{"type": "transcript", "turn_id": 1, "text": QUESTION, "final": True}]
+    assert finals == [{"type": "transcript", "turn_id": 1, "text": QUESTION, "final": True, "language": "en"}]
     assert done["text"] == "Paris is the capital of France. It is lovely."
     assert {"endpoint_ms", "asr_final_ms", "llm_ttft_ms", "tts_first_audio_ms", "rtf"} <= done["metrics"].keys()
     seconds = len(harness.audio) / 2 / shared_models[2].sample_rate
