@@ -72,7 +72,10 @@ class ToneTTS:
     sample_rate = TTS_RATE
     voices = ["tone", "other-tone"]
 
-    def synthesize(self, text):
+    def voice_for(self, language):
+        return "tone" if language == "en" else None
+
+    def synthesize(self, text, voice=None):
         yield np.full(int(len(text.split()) * 0.25 * TTS_RATE), 0.1, np.float32)
 
 
