@@ -234,15 +234,36 @@ async def test_an_idle_connection_is_closed(guarded):
         assert time.monotonic() - started >= IDLE_TIMEOUT_S - 1
 
 
-async def test_an_audio_flood_is_rate_limited(guarded):
+async def first_audio_after_typing(base: str) -> float:
+    """Seconds from a typed question to its first reply audio, on a fresh session."""
+    async with connect(base) as ws:
+        await ws.recv()
+        started = time.monotonic()
+        await ws.send(json.dumps({"type": "text", "text": "What is the capital of France?"}))
+        while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):
+            pass
+        return time.monotonic() - started
+
+
+async def test_an_audio_flood_is_rate_limited_and_another_user_is_still_served(guarded):
     _, base = guarded
+    quiet = min([await first_audio_after_typing(base) for _ in range(2)])
     noise = float_to_pcm16(np.random.default_rng(0).normal(0, 0.05, 320).astype(np.float32))
     async with connect(base) as ws:
         await ws.recv()
-        for _ in range(1500):  # 30 s of audio, sent as fast as the socket takes it
-            await ws.send(noise)
+
+        async def flood() -> None:
+            for _ in range(1500):  # 30 s of audio, sent as fast as the socket takes it
+                await ws.send(noise)
+
+        flooding = asyncio.create_task(flood())
+        await asyncio.sleep(0.2)
+        during = await first_audio_after_typing(base)
+        await flooding
         [error] = await events_until(ws, lambda e: isinstance(e, protocol.Error) and e.code == "rate_limited", 30)
         assert not error.fatal
+    # the flood costs the other user little: generous bounds, far from a real-time margin
+    assert during < 2 * quiet + 1.5, (quiet, during)
     metrics = httpx.get(base + "/metrics", headers=AUTH).text
     dropped = next(
         float(line.split()[-1])
