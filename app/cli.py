@@ -86,6 +86,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_voice(args.rest)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from engine.doctor import main as doctor_main
+
+    return doctor_main(args.rest)
+
+
 def _mic(args: argparse.Namespace) -> int:
     from app.clients.mic import main as mic_main
 
@@ -114,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     mic = commands.add_parser("mic", help="talk to a server from this computer: `parley mic --help`", prefix_chars="+")
     mic.add_argument("rest", nargs=argparse.REMAINDER)
     mic.set_defaults(func=_mic)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="print the environment and self-test the engine on each device: `parley doctor --help`",
+        prefix_chars="+",  # every "--flag" is left to engine.doctor's own parser
+    )
+    doctor.add_argument("rest", nargs=argparse.REMAINDER)
+    doctor.set_defaults(func=_doctor)
 
     config = commands.add_parser("config", help="print the effective settings")
     add_settings_flags(config)

