@@ -8,9 +8,9 @@ callbacks to send events and audio. It is thin on purpose; the work is in two un
 * ``Reply`` (``app.voice.reply``): messages -> LLM -> clauses -> TTS -> audio, held back
   while speculative, cancellable.
 
-What stays here is what ties them together: the history, the speculative reply and its
-swap into the real one at the endpoint, barge-in, and warming the LLM's prefix cache for
-the next turn. Models come in through ``app.stages.base.VoiceStages``; time through an
+What stays here is what ties them together: the speculative reply and its swap into the
+real one at the endpoint, barge-in, and warming the LLM's prefix cache for the next turn,
+with the history (``app.voice.history``) and the client's preferences (``app.voice.prefs``). Models come in through ``app.stages.base.VoiceStages``; time through an
 injected ``Clock``, and blocking model calls through an injected runner, so that the
 whole conversation runs in tests with scripted stand-ins and a manual clock.
 """
@@ -22,7 +22,6 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -32,28 +31,17 @@ from app.config import Settings
 from app.stages.base import Message, VadConfig, VoiceStages
 from app.voice import utterance as heard
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
-from app.voice.context import Fitted, estimate_tokens, fit_to_context
-from app.voice.language import name as language_name
+from app.voice.context import Fitted
+from app.voice.history import History
 from app.voice.language import reply_in
+from app.voice.prefs import Preferences, SessionPrefs
 from app.voice.reply import Reply, SendBytes, SendJson, cancel_task
-from app.voice.turns import Endpointer, history_window, is_backchannel, is_filler, looks_unfinished
+from app.voice.turns import Endpointer, is_backchannel, is_filler, looks_unfinished
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SessionPrefs:
-    """What a client may change about its own conversation (the ``config`` message)."""
-
-    system_prompt: str
-    voice: str
-    language: str
-    barge_in: bool = True
-    half_duplex: bool = False
-
-
 BARGE_IN_RECHECK_MS = 300  # after a backchannel verdict, listen this much more speech before judging again
-HISTORY_KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
 
 
 class VoiceSession:
@@ -74,7 +62,7 @@ class VoiceSession:
         self._clock = clock or MonotonicClock()
         self._run = run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
-        self.history: list[Message] = []
+        self._history = History(settings.max_history_messages)
         self._turn_ids = itertools.count(1)
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._reply: Reply | None = None  # the released reply (producing or playing)
@@ -84,15 +72,9 @@ class VoiceSession:
         self._barge_in_checked_ms = 0.0  # speech length at the last barge-in check of this utterance
         self._reply_playing_at_speech_start = False
         self._turn_language: str | None = None  # the language of the turn being answered, when known
-        self._voice_chosen = False  # the client named a voice: it answers whatever the language
-        self._voiceless_languages_told: set[str] = set()
         self._closed = False
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
-        self.prefs = SessionPrefs(
-            system_prompt=settings.system_prompt,
-            voice=models.tts.voices[0] if models.tts.voices else "default",
-            language=models.asr.languages[0] if models.asr.languages else "en",
-        )
+        self._prefs = Preferences(settings.system_prompt, models.asr, models.tts)
         self._configure_input(protocol.INPUT_SAMPLE_RATE)
 
     # ------------------------------------------------------------------ input
@@ -144,6 +126,14 @@ class VoiceSession:
         )
 
     @property
+    def history(self) -> list[Message]:
+        return self._history.messages
+
+    @property
+    def prefs(self) -> SessionPrefs:
+        return self._prefs.current
+
+    @property
     def busy(self) -> bool:
         """A reply is being produced or played: the user is listening, not idle."""
         return self._reply is not None and self._reply.active()
@@ -163,14 +153,14 @@ class VoiceSession:
             self._configure_input(message.sample_rate)
             await self._ready()
         elif isinstance(message, protocol.UserText):
-            self._turn_language = self._set_language()
+            self._turn_language = self._prefs.fixed_language
             await self._interrupt_reply()
             now = self._clock.now()
             await self._start_turn(next(self._turn_ids), message.text, speech_end=now, commit=now)
         elif isinstance(message, protocol.Reset):
             await self._interrupt_reply()
             await self._drop_utterance()
-            self.history.clear()
+            self._history.clear()
         elif isinstance(message, protocol.Playback):
             reply = self._reply
             if reply is not None and reply.turn_id == message.turn_id:
@@ -182,29 +172,10 @@ class VoiceSession:
             await self._configure(message)
 
     async def _configure(self, message: protocol.SessionConfig) -> None:
-        """Apply per-session preferences; an unsupported value is an error and changes nothing."""
-        if message.voice is not None and message.voice not in self.models.tts.voices:
-            await self._send_json(
-                protocol.Error(
-                    code="bad_config", message=f"no voice {message.voice!r}; voices: {self.models.tts.voices}"
-                )
-            )
-            return
-        if message.language is not None and message.language not in self.models.asr.languages:
-            await self._send_json(
-                protocol.Error(
-                    code="bad_config",
-                    message=f"the speech model does not take language {message.language!r}; "
-                    f"it takes {self.models.asr.languages}",
-                )
-            )
-            return
-        changes = message.model_dump(exclude_none=True, exclude={"type"})
-        self._voice_chosen = self._voice_chosen or "voice" in changes
-        new_prompt = changes.get("system_prompt", self.prefs.system_prompt) != self.prefs.system_prompt
-        self.prefs = replace(self.prefs, **changes)
-        await self._send_json(protocol.ConfigApplied(**asdict(self.prefs)))
-        if new_prompt and self.history:
+        old_prompt = self.prefs.system_prompt
+        answer = self._prefs.apply(message)
+        await self._send_json(answer)
+        if isinstance(answer, protocol.ConfigApplied) and answer.system_prompt != old_prompt and self.history:
             self._warm_next_prompt()  # the prompt's start changed: prefill it while the user is silent
 
     async def handle_audio(self, data: bytes) -> None:
@@ -278,7 +249,7 @@ class VoiceSession:
         await self._interrupt_reply()
 
     async def _on_committed(self, turn: heard.Committed) -> None:
-        self._turn_language = turn.language or self._set_language()
+        self._turn_language = turn.language or self._prefs.fixed_language
         await self._interrupt_reply()
         figures = {
             "endpoint_ms": turn.endpoint_ms,
@@ -294,7 +265,7 @@ class VoiceSession:
                 protocol.Transcript(turn_id=speculation.turn_id, text=turn.text, final=True, language=turn.language)
             )
             await self._tell_if_voiceless(turn.turn_id)
-            self._remember({"role": "user", "content": turn.text})
+            self._history.remember({"role": "user", "content": turn.text})
             speculation.commit, speculation.speech_end = turn.commit, turn.speech_end
             speculation.metrics = speculation.metrics.model_copy(update={**figures, "speculative": True})
             self._reply = speculation
@@ -322,7 +293,7 @@ class VoiceSession:
             run_blocking=self._run,
             request_id=f"{self.session_id}-{turn_id}-{next(self._request_ids)}",
             first_clause_chars=self.settings.first_clause_chars,
-            voice=self._voice(),
+            voice=self._prefs.voice_for(self._turn_language),
             on_complete=self._record_reply,
             on_failed=self._forget_failed_turn,
             on_metrics=self.on_turn_metrics,
@@ -346,7 +317,7 @@ class VoiceSession:
         reply = self._new_reply(turn_id, text)
         reply.speech_end, reply.commit = speech_end, commit
         reply.metrics = reply.metrics.model_copy(update=figures)
-        self._remember({"role": "user", "content": text})
+        self._history.remember({"role": "user", "content": text})
         self._reply = reply
         reply.start(fitted.messages, released=True)
 
@@ -363,78 +334,33 @@ class VoiceSession:
         self._speculation = reply
         reply.start(fitted.messages, released=False)
 
-    def _set_language(self) -> str | None:
-        """The session's language when it is fixed ("" means: detect it per utterance)."""
-        return self.prefs.language or None
-
-    def _voice(self) -> str:
-        """The voice for the turn being answered: the client's choice, else the one for its language."""
-        language = self._turn_language
-        if self._voice_chosen or not language:
-            return self.prefs.voice
-        return self.models.tts.voice_for(language) or self.prefs.voice
-
     async def _tell_if_voiceless(self, turn_id: int) -> None:
-        language = self._turn_language
-        if not language or self._voice_chosen or self.models.tts.voice_for(language) is not None:
-            return
-        if language not in self._voiceless_languages_told:
-            self._voiceless_languages_told.add(language)
-            await self._send_json(
-                protocol.Notice(
-                    turn_id=turn_id,
-                    code="no_voice",
-                    message=f"There is no {language_name(language)} voice here; answering with {self.prefs.voice}. "
-                    "A server adds one with tts_voices.",
-                )
-            )
+        notice = self._prefs.voiceless_notice(self._turn_language, turn_id)
+        if notice is not None:
+            await self._send_json(notice)
 
     def _prompt(self, user_text: str) -> Fitted:
-        """The next turn's messages, fitted by tokens into what the LLM can take with its reply."""
-        llm, settings = self.models.llm, self.settings
-        messages = self._messages([*self.history, {"role": "user", "content": user_text}])
-        messages[0] = {"role": "system", "content": reply_in(self.prefs.system_prompt, self._turn_language)}
-        limits = [n for n in (llm.context_tokens, settings.llm_context_tokens) if n]
-        if not limits:
-            return Fitted(messages)  # a remote server of unknown size: it will say if it is too long
-
-        def count(candidate: list[Message]) -> int:
-            return llm.count_tokens(candidate) or estimate_tokens(candidate)
-
-        return fit_to_context(messages, count, max(64, min(limits) - settings.llm_max_tokens))
-
-    def _remember(self, message: Message) -> None:
-        """Append to the history, which is bounded: the oldest messages go, in whole window steps.
-
-        Dropping a multiple of the window's step keeps ``history_window``'s start where it was,
-        so the prompt's prefix (cached by the LLM) does not change when the history is cut.
-        """
-        self.history.append(message)
-        limit = self.settings.max_history_messages
-        step = max(2, limit // 2)
-        keep = max(HISTORY_KEPT_MIN, 2 * limit)
-        if len(self.history) > keep + step:
-            excess = (len(self.history) - keep) // step * step
-            del self.history[:excess]
+        system_prompt = reply_in(self.prefs.system_prompt, self._turn_language)
+        return self._history.prompt(
+            system_prompt,
+            user_text,
+            self.models.llm,
+            context_tokens=self.settings.llm_context_tokens,
+            reply_tokens=self.settings.llm_max_tokens,
+        )
 
     async def _cancel_speculation(self) -> None:
         reply, self._speculation = self._speculation, None
         if reply is not None:
             await reply.cancel()
 
-    def _messages(self, history: list[Message] | None = None) -> list[Message]:
-        window = history_window(self.history if history is None else history, self.settings.max_history_messages)
-        return [{"role": "system", "content": self.prefs.system_prompt}, *window]
-
     def _record_reply(self, reply: Reply) -> None:
         if reply.text:
-            self._remember({"role": "assistant", "content": reply.text})
+            self._history.remember({"role": "assistant", "content": reply.text})
             self._warm_next_prompt()
 
     def _forget_failed_turn(self, reply: Reply) -> None:
-        """A turn that failed leaves no trace in the history, so it cannot fail the next one too."""
-        if self.history and self.history[-1] == {"role": "user", "content": reply.user_text}:
-            self.history.pop()
+        self._history.forget_failed(reply.user_text)
 
     def _warm_next_prompt(self) -> None:
         """Prefill what the next turn's prompt will start with, while the user listens.
@@ -445,7 +371,7 @@ class VoiceSession:
         """
         if self._closed or self.settings.max_history_messages <= 0:
             return
-        upcoming = self._messages([*self.history, {"role": "user", "content": ""}])[:-1]
+        upcoming = self._history.upcoming_prefix(self.prefs.system_prompt)
         if self._warm_task is not None:
             self._warm_task.cancel()
         self._warm_task = asyncio.create_task(self._warm(upcoming), name="llm-warm")
@@ -466,10 +392,7 @@ class VoiceSession:
         producing = reply.producing
         await reply.cancel()
         heard_text = reply.playback.heard_text(self._clock.now())
-        if not producing and self.history and self.history[-1]["role"] == "assistant":
-            self.history.pop()  # the full reply was recorded; replace it by what was heard
-        if heard_text:
-            self.history.append({"role": "assistant", "content": heard_text})
+        self._history.keep_only_heard(heard_text, reply_was_recorded=not producing)
         self._warm_next_prompt()
         if self._closed:
             return

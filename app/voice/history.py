@@ -1,0 +1,71 @@
+"""The conversation's memory, and the prompt built from it each turn.
+
+Bounded twice: what is *sent* is a window of ``max_messages`` whose start moves in jumps
+(``turns.history_window``: the prompt's prefix, cached by the LLM, stays the same for several
+turns), fitted to the model's context by tokens (``context.fit_to_context``); what is *kept*
+is at most about twice that, cut in whole window steps so the window does not move.
+"""
+
+from __future__ import annotations
+
+from app.stages.base import ChatLLM, Message
+from app.voice.context import Fitted, estimate_tokens, fit_to_context
+from app.voice.turns import history_window
+
+KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
+
+
+class History:
+    def __init__(self, max_messages: int) -> None:
+        self.max_messages = max_messages
+        self.messages: list[Message] = []
+
+    def window(self, system_prompt: str, messages: list[Message] | None = None) -> list[Message]:
+        """The system prompt and the window of ``messages`` (default: the history) to send."""
+        window = history_window(self.messages if messages is None else messages, self.max_messages)
+        return [{"role": "system", "content": system_prompt}, *window]
+
+    def prompt(
+        self, system_prompt: str, user_text: str, llm: ChatLLM, *, context_tokens: int | None, reply_tokens: int
+    ) -> Fitted:
+        """The next turn's messages, fitted by tokens into what the LLM can take with its reply."""
+        messages = self.window(system_prompt, [*self.messages, {"role": "user", "content": user_text}])
+        limits = [n for n in (llm.context_tokens, context_tokens) if n]
+        if not limits:
+            return Fitted(messages)  # a remote server of unknown size: it will say if it is too long
+
+        def count(candidate: list[Message]) -> int:
+            return llm.count_tokens(candidate) or estimate_tokens(candidate)
+
+        return fit_to_context(messages, count, max(64, min(limits) - reply_tokens))
+
+    def upcoming_prefix(self, system_prompt: str) -> list[Message]:
+        """What the next turn's prompt will start with (to prefill while the user listens)."""
+        return self.window(system_prompt, [*self.messages, {"role": "user", "content": ""}])[:-1]
+
+    def remember(self, message: Message) -> None:
+        """Append, dropping the oldest messages in whole window steps once over the bound.
+
+        A multiple of the window's step keeps ``history_window``'s start where it was, so the
+        prompt's prefix (cached by the LLM) does not change when the history is cut.
+        """
+        self.messages.append(message)
+        step = max(2, self.max_messages // 2)
+        keep = max(KEPT_MIN, 2 * self.max_messages)
+        if len(self.messages) > keep + step:
+            del self.messages[: (len(self.messages) - keep) // step * step]
+
+    def forget_failed(self, user_text: str) -> None:
+        """A turn that failed leaves no trace, so it cannot fail the next one too."""
+        if self.messages and self.messages[-1] == {"role": "user", "content": user_text}:
+            self.messages.pop()
+
+    def keep_only_heard(self, heard: str, reply_was_recorded: bool) -> None:
+        """An interrupted reply: the history keeps what the user heard of it, not what was written."""
+        if reply_was_recorded and self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if heard:
+            self.messages.append({"role": "assistant", "content": heard})
+
+    def clear(self) -> None:
+        self.messages.clear()
