@@ -1,0 +1,142 @@
+"""The OpenAI Realtime API (GA) at ``/v1/realtime``: a second door to the same conversation as ``/ws``.
+
+The official OpenAI SDKs (``client.realtime.connect()`` with ``base_url=http://HOST:PORT/v1``),
+pipecat's ``OpenAIRealtimeLLMService(base_url="ws://HOST:PORT/v1/realtime")`` and LiveKit's
+OpenAI realtime plugin talk to Parley here unchanged. One connection is one ``VoiceSession``,
+admitted and limited exactly like ``/ws`` (origin, API key, capacity, send deadlines, idle
+timeout, audio rate); ``RealtimeAdapter`` translates between the two vocabularies.
+
+Client events -> the conversation
+  session.update                 instructions -> system prompt; audio.output.voice -> voice (a Parley
+                                 voice name, or an OpenAI voice name, which keeps the current voice);
+                                 audio.input.transcription.language -> language; transcription null ->
+                                 no transcription events (Parley still transcribes: it needs the words);
+                                 turn_detection: server_vad/semantic_vad -> Parley's own VAD and endpoint
+                                 (threshold -> VAD threshold, silence_duration_ms -> endpoint silence,
+                                 semantic eagerness -> endpoint silences, interrupt_response -> barge-in:
+                                 when false, speaking over a reply does not stop it, but a turn that
+                                 commits still does, as Parley answers the latest turn),
+                                 null -> manual turns (commit + response.create); output_modalities
+                                 ["audio"] or ["text"]; include ["parley.turn_metrics", "parley.notice"]
+                                 opts in to Parley's own extra events.
+                                 Ignored (accepted, no effect): audio.input.noise_reduction,
+                                 turn_detection.prefix_padding_ms (Parley keeps 300 ms of pre-roll),
+                                 transcription.model/prompt/delay/keywords, max_output_tokens (the
+                                 server's llm_max_tokens applies), tracing, truncation (Parley fits the
+                                 history to the model's context itself), reasoning, parallel_tool_calls,
+                                 model. Refused with an error (the rest of the update still applies):
+                                 non-empty tools, tool_choice other than auto/none, prompt templates,
+                                 audio formats other than 24 kHz PCM, speed other than 1,
+                                 create_response false, idle_timeout_ms, transcription sessions.
+  input_audio_buffer.append      base64 PCM16 24 kHz mono -> 16 kHz -> VoiceSession.feed_audio (server
+                                 VAD), or into the manual buffer (turn_detection null)
+  input_audio_buffer.commit      manual turns: the buffer is transcribed (the shared ASR) and becomes a
+                                 user item, answered on response.create
+  input_audio_buffer.clear       drops the utterance in progress (or the manual buffer)
+  conversation.item.create       user text -> held until response.create, then one typed turn;
+                                 assistant text -> history; system text -> appended to the instructions
+  response.create                answers the user items created since the last answer (a typed turn);
+                                 response.instructions apply to that turn only
+  response.cancel                Parley ``cancel``: the reply stops, the history keeps what was heard
+  conversation.item.truncate     Parley ``playback`` (how much of the reply was played)
+  conversation.item.retrieve     the item as the server last sent it
+  conversation.item.delete       only items not yet answered
+
+The conversation -> server events
+  speech_started                 input_audio_buffer.speech_started (held back while a reply is
+                                 audible, see below)
+  transcript (partial)           conversation.item.input_audio_transcription.delta
+  transcript (final, spoken)     input_audio_buffer.speech_stopped, .committed, conversation.item.added,
+                                 ...input_audio_transcription.completed, conversation.item.done,
+                                 response.created (Parley answers every spoken turn at once)
+  assistant_text                 response.output_audio_transcript.delta (or output_text.delta)
+  reply audio                    response.output_audio.delta (resampled to 24 kHz, streaming)
+  interrupt                      the held-back speech_started; the response ends ``cancelled``
+  turn_done                      response.output_audio.done, ...transcript.done, content_part.done,
+                                 output_item.done, conversation.item.done, response.done
+                                 (+ parley.turn_metrics when included)
+  error                          error {"error": {"type", "code", "message", "param", "event_id"}}
+
+OpenAI clients stop their playback on ``input_audio_buffer.speech_started``. Parley decides
+barge-in itself (speech longer than ``barge_in_ms``; a cough is not a turn), so while a reply
+is audible that event is held back until Parley confirms the interruption (its ``interrupt``)
+or the user's turn commits; a dropped utterance is never announced. Speculative replies are
+held back by the session until their turn commits, so they are invisible here too.
+
+No event type outside the GA server-event set is sent unless the client asks for it with
+``include``: some clients (pipecat) stop on an event type they do not know.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import WebSocket
+from starlette.datastructures import State
+
+from app.config import Settings
+from app.server.access import CLOSE_POLICY, KEY_SUBPROTOCOL_PREFIX
+from app.server.connection import Connection
+from app.server.realtime.client import RealtimeAdapter
+from app.server.realtime.core import MAX_ID_CHARS, REALTIME_SAMPLE_RATE, RealtimeError, new_id
+from app.voice.session import VoiceSession
+
+__all__ = ["REALTIME_SAMPLE_RATE", "RealtimeAdapter", "RealtimeError", "serve_realtime"]
+
+REALTIME_SUBPROTOCOL = "realtime"
+OPENAI_KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."  # what OpenAI's browser clients send the key as
+
+
+# ---------------------------------------------------------------- the WebSocket
+def _realtime_error_json(code: str, message: str, kind: str = "invalid_request_error") -> str:
+    return json.dumps(
+        {
+            "type": "error",
+            "event_id": new_id("event"),
+            "error": {"type": kind, "code": code, "message": message, "param": None, "event_id": None},
+        }
+    )
+
+
+async def serve_realtime(websocket: WebSocket, state: State, settings: Settings) -> None:
+    """One Realtime API connection: admitted, limited and closed like ``/ws`` (``app.server.connection``)."""
+    connection = Connection(websocket, state, settings, label="realtime session")
+    keys = [
+        KEY_SUBPROTOCOL_PREFIX + p[len(OPENAI_KEY_SUBPROTOCOL_PREFIX) :]
+        for p in connection.offered
+        if p.startswith(OPENAI_KEY_SUBPROTOCOL_PREFIX)
+    ]
+    if not await connection.accept(REALTIME_SUBPROTOCOL, keys):
+        return
+    if websocket.query_params.get("intent") == "transcription":
+        unsupported = _realtime_error_json(
+            "unsupported_intent", "transcription sessions are not supported by this server"
+        )
+        await connection.refuse(unsupported, CLOSE_POLICY)
+        return
+    if not await connection.admit(lambda refusal: _realtime_error_json(refusal.code, refusal.message, "server_error")):
+        return
+
+    async def send(event: dict[str, Any]) -> None:
+        await connection.send(json.dumps(event, separators=(",", ":")))
+
+    model = (websocket.query_params.get("model") or "parley")[:MAX_ID_CHARS]
+    session_settings = settings.model_copy()  # per connection: session.update may change its turn-taking
+    adapter = RealtimeAdapter(
+        send, session_settings, state.models, model=model, on_rate_limited=state.metrics.rate_limited.inc
+    )
+    session = VoiceSession(state.models, session_settings, adapter.on_parley, adapter.on_parley_audio)
+    adapter.attach(session)
+
+    async def on_binary(data: bytes) -> None:
+        await adapter.handle_binary()
+
+    await connection.serve(
+        session,
+        adapter.handle_client,
+        on_binary,
+        internal_error=_realtime_error_json("internal", "internal server error", "server_error"),
+        started=adapter.start,
+        closing=adapter.close,
+    )
