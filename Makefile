@@ -29,7 +29,7 @@ system-deps:
 	fi
 
 test: setup system-deps
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra --durations=15
 
 # the model-free tests (turn-taking rules, protocol, text) with scripted stages and a fake clock: seconds
 test-fast: setup
