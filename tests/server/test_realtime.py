@@ -487,6 +487,81 @@ async def test_bad_events_get_realtime_errors_and_the_session_goes_on():
     await close(rig)
 
 
+async def test_client_events_are_validated_by_the_sdk_models():
+    """The openai package's models are the schema: a field they refuse is an error naming its path."""
+    rig = Rig()
+    await rig.start()
+    sends = [
+        (
+            {"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": "500"},
+            ("invalid_type", "audio_end_ms"),
+        ),
+        (
+            {"type": "session.update", "session": {"type": "realtime", "instructions": ["Be brief."]}},
+            ("invalid_type", "session.instructions"),
+        ),
+        (
+            {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "push_to_talk"}}}}},
+            ("invalid_value", "session.audio.input.turn_detection.type"),
+        ),
+        (
+            {"type": "session.update", "session": {"audio": {"output": {"voice": {"id": 7}}}}},
+            ("invalid_type", "session.audio.output.voice.id"),
+        ),
+        (
+            {
+                "type": "session.update",
+                "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+            },
+            ("unsupported_audio_format", "session.audio.input.format"),
+        ),
+        (
+            {"type": "conversation.item.create", "item": {"role": "user", "content": [{"type": "input_text"}]}},
+            ("missing_required_parameter", "item.type"),
+        ),
+        (
+            {"type": "conversation.item.create", "item": {**user_text("Hi"), "role": "robot"}},
+            ("invalid_value", "item.role"),
+        ),
+        (
+            {"type": "conversation.item.create", "item": {**user_text("Hi"), "content": [{"type": "output_text"}]}},
+            ("invalid_value", "item.content[0].type"),
+        ),
+        (
+            {"type": "response.create", "response": {"metadata": {"topic": 1}}},
+            ("invalid_type", "response.metadata.topic"),
+        ),
+        (
+            {"type": "response.create", "response": {"tool_choice": {"type": "function"}}},
+            ("unsupported_parameter", "response.tool_choice"),
+        ),
+    ]
+    for index, (event, (code, param)) in enumerate(sends):
+        before = len(rig.events)
+        await rig.send(**event, event_id=f"bad_{index}")
+        [error] = rig.events[before:]
+        check_ga(error)
+        assert (error["error"]["code"], error["error"]["param"]) == (code, param), (event, error)
+        assert error["error"]["event_id"] == f"bad_{index}"
+    assert "'server_vad' or 'semantic_vad'" in rig.errors()[2]["message"]
+    assert not rig.of("session.updated"), "an update that does not validate changes nothing"
+    assert (rig.session.settings.vad_threshold, rig.session.prefs.system_prompt) == (0.5, rig.settings.system_prompt)
+    # what Parley takes beyond the SDK's schema: no session.type, its own include, turn detection without a type
+    louder = {"input": {"turn_detection": {"type": "server_vad", "threshold": 0.7}}}
+    await rig.send(type="session.update", session={"include": ["parley.notice"], "audio": louder})
+    assert not rig.errors()[len(sends) :] and rig.session.settings.vad_threshold == 0.7
+    assert rig.of("session.updated")[-1]["session"]["include"] == ["parley.notice"]
+    await rig.send(type="session.update", session={"audio": {"input": {"turn_detection": False}}})
+    assert rig.of("session.updated")[-1]["session"]["audio"]["input"]["turn_detection"] is None
+    await rig.send(
+        type="session.update", session={"audio": {"input": {"turn_detection": {"silence_duration_ms": 900}}}}
+    )
+    detection = rig.of("session.updated")[-1]["session"]["audio"]["input"]["turn_detection"]
+    assert (detection["type"], detection["silence_duration_ms"]) == ("server_vad", 900)
+    assert len(rig.errors()) == len(sends)
+    await close(rig)
+
+
 # ---------------------------------------------------------------- the translator alone
 class StubSession:
     def __init__(self) -> None:

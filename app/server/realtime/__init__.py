@@ -3,8 +3,15 @@
 The official OpenAI SDKs (``client.realtime.connect()`` with ``base_url=http://HOST:PORT/v1``),
 pipecat's ``OpenAIRealtimeLLMService(base_url="ws://HOST:PORT/v1/realtime")`` and LiveKit's
 OpenAI realtime plugin talk to Parley here unchanged. One connection is one ``VoiceSession``,
-admitted and limited exactly like ``/ws`` (origin, API key, capacity, send deadlines, idle
-timeout, audio rate); ``RealtimeAdapter`` translates between the two vocabularies.
+admitted and limited exactly like ``/ws`` (``app.server.connection``: origin, API key, capacity,
+send deadlines, idle timeout, audio rate); ``RealtimeAdapter`` translates between the two
+vocabularies. Every client event is validated by the ``openai`` package's own models first
+(``schema``); a field they refuse is an ``error`` naming its path.
+
+  schema.py     client events: parsed (``protocol.load_json``) and validated (``openai.types.realtime``)
+  client.py     client events -> the session (``RealtimeAdapter``)
+  translate.py  Parley's events -> Realtime server events
+  core.py       what both share: bounds, errors, the session's configuration, the items, sending
 
 Client events -> the conversation
   session.update                 instructions -> system prompt; audio.output.voice -> voice (a Parley

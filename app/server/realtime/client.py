@@ -1,4 +1,9 @@
-"""Realtime client events -> the conversation: the half of the adapter that listens to the client."""
+"""Realtime client events -> the conversation: the half of the adapter that listens to the client.
+
+Each event is validated first (``schema``: the ``openai`` package's models); the handlers read
+typed values and check what the SDK does not: Parley's bounds (ids, texts, audio sizes, item
+counts) and what it refuses (tools, formats other than 24 kHz PCM, function-call items...).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,19 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+from openai.types.realtime import (
+    ConversationItemCreateEvent,
+    ConversationItemDeleteEvent,
+    ConversationItemRetrieveEvent,
+    InputAudioBufferAppendEvent,
+    RealtimeAudioConfigOutput,
+    RealtimeResponseCreateParams,
+    ResponseCancelEvent,
+    ResponseCreateEvent,
+)
+from openai.types.realtime.audio_transcription import AudioTranscription
+from openai.types.realtime.realtime_audio_input_turn_detection import SemanticVad, ServerVad
+from pydantic import BaseModel
 
 from app import protocol
 from app.audio import ASR_SAMPLE_RATE, StreamResampler, pcm16_to_float, resample
@@ -21,7 +39,6 @@ from app.server.realtime.core import (
     MAX_APPEND_AUDIO_BYTES,
     MAX_APPEND_BASE64_CHARS,
     MAX_CONTENT_PARTS,
-    MAX_EVENT_CHARS,
     MAX_ID_CHARS,
     MAX_METADATA_CHARS,
     MAX_METADATA_KEYS,
@@ -40,15 +57,25 @@ from app.server.realtime.core import (
     new_id,
     unsupported,
 )
+from app.server.realtime.schema import (
+    FUNCTION_ITEM_TYPES,
+    AudioConfig,
+    AudioInput,
+    ItemTruncate,
+    RealtimeSession,
+    SessionUpdate,
+    bounded,
+    check_format,
+    event_id,
+    load_event,
+    tool_refusals,
+    validate_event,
+)
 from app.server.realtime.translate import Translator
 
 log = logging.getLogger(__name__)
 
-# session fields accepted and ignored (read-only echoes, or settings Parley has no use for)
-_IGNORED_SESSION_KEYS = frozenset(
-    {"object", "id", "expires_at", "client_secret", "model", "max_output_tokens", "tracing", "truncation"}
-    | {"reasoning", "parallel_tool_calls"}
-)
+_READ_ONLY_SESSION_KEYS = frozenset({"object", "id", "expires_at", "client_secret"})  # echoes of session.created
 _BETA_HINTS = {  # beta-API session fields, and where the GA API puts them
     "modalities": "session.output_modalities",
     "voice": "session.audio.output.voice",
@@ -61,86 +88,20 @@ _BETA_HINTS = {  # beta-API session fields, and where the GA API puts them
 }
 
 
-# ---------------------------------------------------------------- parsing helpers
-def parse_client_event(raw: str) -> dict[str, Any]:
-    """One client event: a JSON object with a string ``type`` (``protocol.load_json``: bounded depth and numbers)."""
-    if len(raw) > MAX_EVENT_CHARS:
-        raise RealtimeError("event_too_large", f"event over {MAX_EVENT_CHARS} characters")
-    try:
-        data = protocol.load_json(raw)
-    except protocol.ProtocolError as error:
-        raise RealtimeError("invalid_json", error.event.message) from None
-    if not isinstance(data, dict):
-        raise RealtimeError("invalid_event", "an event must be a JSON object")
-    if not isinstance(data.get("type"), str):
-        raise RealtimeError("missing_required_parameter", "an event needs a string 'type'", "type")
-    return data
-
-
-def _field(data: dict, key: str, kinds: type | tuple, param: str, *, required: bool = False):
-    """``data[key]`` if it has one of ``kinds`` (None when absent or null, unless ``required``)."""
-    value = data.get(key)
-    if value is None:
-        if required:
-            raise RealtimeError("missing_required_parameter", f"missing required parameter: '{param}'", param)
-        return None
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
-        names = "/".join(k.__name__ for k in _as_tuple(kinds))
-        raise RealtimeError("invalid_type", f"'{param}' must be {names}, not {type(value).__name__}", param)
-    return value
-
-
-def _as_tuple(kinds: type | tuple) -> tuple:
-    return kinds if isinstance(kinds, tuple) else (kinds,)
-
-
-def _text(data: dict, key: str, param: str, max_chars: int, *, required: bool = False) -> str | None:
-    value = _field(data, key, str, param, required=required)
-    if value is not None and len(value) > max_chars:
-        raise RealtimeError(
-            "string_above_max_length", f"'{param}' is {len(value)} characters; at most {max_chars}", param
-        )
-    return value
-
-
-def _client_id(data: dict, key: str, param: str) -> str | None:
-    value = _text(data, key, param, MAX_ID_CHARS)
-    return value or None
-
-
-def _check_format(value: Any, param: str) -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict):
-        raise RealtimeError("invalid_type", f"'{param}' must be an object", param)
-    kind, rate = value.get("type", "audio/pcm"), value.get("rate", REALTIME_SAMPLE_RATE)
-    if kind != "audio/pcm" or rate != REALTIME_SAMPLE_RATE:
-        raise RealtimeError(
-            "unsupported_audio_format",
-            f"only audio/pcm at {REALTIME_SAMPLE_RATE} Hz is supported, not {str(kind)[:40]!r} at {str(rate)[:12]}",
-            param,
-        )
-
-
-def _modality(value: Any, param: str) -> str | None:
+def _modality(value: list[str] | None, param: str) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, list) or not value or not all(v in ("audio", "text") for v in value):
+    if not value:
         raise RealtimeError("invalid_value", f"'{param}' must be ['audio'] or ['text']", param)
     return "audio" if "audio" in value else "text"  # ["audio", "text"] is the beta default: audio + transcript
 
 
-def _check_tools(data: dict, prefix: str) -> list[RealtimeError]:
-    errors = []
-    tools = data.get("tools")
-    if tools not in (None, []):
-        errors.append(unsupported(f"{prefix}.tools", "function calling (tools)"))
-    choice = data.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        errors.append(unsupported(f"{prefix}.tool_choice", f"tool_choice {repr(choice)[:60]}"))
-    if data.get("prompt") is not None:
-        errors.append(unsupported(f"{prefix}.prompt", "prompt templates"))
-    return errors
+def _collect(errors: list[RealtimeError], apply: Callable[..., None], *args: Any) -> None:
+    """``apply(*args)``; its error joins ``errors`` (the rest of a session.update still applies)."""
+    try:
+        apply(*args)
+    except RealtimeError as error:
+        errors.append(error)
 
 
 # ---------------------------------------------------------------- the adapter
@@ -169,14 +130,12 @@ class RealtimeAdapter(Translator):
         """One text frame from the client; every problem is answered with an ``error`` event."""
         self._client_event_id = None
         try:
-            event = parse_client_event(raw)
-            event_id = event.get("event_id")
-            if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS:
-                self._client_event_id = event_id
-            handler = self._HANDLERS.get(event["type"])
-            if handler is None:
-                shown = event["type"][:60]
-                raise RealtimeError("unknown_event_type", f"unknown client event type {shown!r}", "type")
+            data = load_event(raw)
+            self._client_event_id = event_id(data)
+            event = validate_event(data)
+            handler = self._HANDLERS.get(data["type"])
+            if handler is None:  # a client event of a newer SDK than this server
+                raise unsupported("type", f"the client event {data['type'][:60]!r}")
             await getattr(self, handler)(event)
         except RealtimeError as error:
             async with self._lock:
@@ -193,26 +152,14 @@ class RealtimeAdapter(Translator):
             )
 
     # ------------------------------------------------------------------ session.update
-    async def _session_update(self, event: dict) -> None:
-        session = _field(event, "session", dict, "session", required=True)
-        kind = session.get("type", "realtime")
-        if kind == "transcription":
+    async def _session_update(self, event: SessionUpdate) -> None:
+        session = event.session
+        if not isinstance(session, RealtimeSession):
             raise RealtimeError("unsupported_session_type", "transcription sessions are not supported", "session.type")
-        if kind != "realtime":
-            raise RealtimeError(
-                "invalid_value", f"session.type must be 'realtime', not {repr(kind)[:40]}", "session.type"
-            )
-        errors: list[RealtimeError] = _check_tools(session, "session")
         config = replace(self.config)
         parley: dict[str, Any] = {}
-
-        def attempt(apply: Callable[[], None]) -> None:
-            try:
-                apply()
-            except RealtimeError as error:
-                errors.append(error)
-
-        for key in session:
+        errors = tool_refusals("session", session.tools, session.tool_choice, session.prompt)
+        for key in session.model_extra or {}:
             if key in _BETA_HINTS:
                 errors.append(
                     RealtimeError(
@@ -222,58 +169,29 @@ class RealtimeAdapter(Translator):
                         f"session.{key}",
                     )
                 )
-            elif key not in _SESSION_KEYS:
+            elif key not in _READ_ONLY_SESSION_KEYS:
                 errors.append(
                     RealtimeError("unknown_parameter", f"unknown parameter 'session.{key}'", f"session.{key[:60]}")
                 )
-        if "model" in session and isinstance(session["model"], str):
-            config.model = session["model"][:MAX_ID_CHARS]
-
-        def instructions() -> None:
-            text = _text(session, "instructions", "session.instructions", protocol.MAX_SYSTEM_PROMPT_CHARS)
-            if text is not None:
-                config.instructions = text.strip() or self.settings.system_prompt  # "" restores the default
-                parley["system_prompt"] = config.instructions
-
-        def modalities() -> None:
-            modality = _modality(session.get("output_modalities"), "session.output_modalities")
-            if modality is not None:
-                config.modality = modality
-
-        def include() -> None:
-            values = _field(session, "include", list, "session.include")
-            if values is not None:
-                config.include = frozenset(v for v in values if isinstance(v, str) and v.startswith("parley."))
-
-        attempt(instructions)
-        attempt(modalities)
-        attempt(include)
-        audio = session.get("audio")
-        if audio is not None and not isinstance(audio, dict):
-            errors.append(RealtimeError("invalid_type", "'session.audio' must be an object", "session.audio"))
-            audio = None
-        audio = audio or {}
-        audio_in, audio_out = audio.get("input") or {}, audio.get("output") or {}
-        if not isinstance(audio_in, dict) or not isinstance(audio_out, dict):
-            errors.append(
-                RealtimeError("invalid_type", "audio.input and audio.output must be objects", "session.audio")
-            )
-            audio_in, audio_out = {}, {}
-        attempt(lambda: _check_format(audio_in.get("format"), "session.audio.input.format"))
-        attempt(lambda: _check_format(audio_out.get("format"), "session.audio.output.format"))
-        attempt(lambda: self._apply_transcription(audio_in, config, parley))
-        attempt(lambda: self._apply_voice(audio_out, config, parley))
-
-        def speed() -> None:
-            value = _field(audio_out, "speed", (int, float), "session.audio.output.speed")
-            if value is not None and abs(value - 1.0) > 1e-6:
-                raise unsupported("session.audio.output.speed", "a speed other than 1.0")
-
-        attempt(speed)
+        if session.model is not None:
+            config.model = session.model[:MAX_ID_CHARS]
+        _collect(errors, self._apply_instructions, session.instructions, config, parley)
+        _collect(errors, self._apply_modality, session.output_modalities, config)
+        if session.include is not None:
+            config.include = frozenset(v for v in session.include if v.startswith("parley."))
+        audio = session.audio or AudioConfig()
+        audio_in, audio_out = audio.input or AudioInput(), audio.output or RealtimeAudioConfigOutput()
+        _collect(errors, check_format, audio_in.format, "session.audio.input.format")
+        _collect(errors, check_format, audio_out.format, "session.audio.output.format")
+        if "transcription" in audio_in.model_fields_set:
+            _collect(errors, self._apply_transcription, audio_in.transcription, config, parley)
+        _collect(errors, self._apply_voice, audio_out.voice, config, parley)
+        if audio_out.speed is not None and abs(audio_out.speed - 1.0) > 1e-6:
+            errors.append(unsupported("session.audio.output.speed", "a speed other than 1.0"))
         turn_change = False
-        if "turn_detection" in audio_in:
+        if "turn_detection" in audio_in.model_fields_set:
             try:
-                config.turn_detection = self._turn_detection(audio_in["turn_detection"], config.turn_detection)
+                config.turn_detection = self._turn_detection(audio_in.turn_detection, config.turn_detection)
                 turn_change = True
                 if config.turn_detection is not None:
                     parley["barge_in"] = config.turn_detection.interrupt_response
@@ -292,22 +210,21 @@ class RealtimeAdapter(Translator):
         async with self._lock:
             await self._emit({"type": "session.updated", "session": self._session_json()})
 
-    def _apply_transcription(self, audio_in: dict, config: RealtimeConfig, parley: dict) -> None:
-        if "transcription" not in audio_in:
-            return
-        value = audio_in["transcription"]
+    def _apply_instructions(self, text: str | None, config: RealtimeConfig, parley: dict) -> None:
+        if bounded(text, "session.instructions", protocol.MAX_SYSTEM_PROMPT_CHARS) is not None:
+            config.instructions = text.strip() or self.settings.system_prompt  # "" restores the default
+            parley["system_prompt"] = config.instructions
+
+    def _apply_modality(self, modalities: list[str] | None, config: RealtimeConfig) -> None:
+        config.modality = _modality(modalities, "session.output_modalities") or config.modality
+
+    def _apply_transcription(self, value: AudioTranscription | None, config: RealtimeConfig, parley: dict) -> None:
+        config.transcription = value is not None
         if value is None:
-            config.transcription = False
             return
-        if not isinstance(value, dict):
-            raise RealtimeError(
-                "invalid_type", "transcription must be an object or null", "session.audio.input.transcription"
-            )
-        config.transcription = True
-        model = value.get("model")
-        if isinstance(model, str) and model:
-            config.transcription_model = model[:MAX_ID_CHARS]  # echoed; Parley's own Whisper transcribes
-        language = _text(value, "language", "session.audio.input.transcription.language", 16)
+        if value.model:
+            config.transcription_model = value.model[:MAX_ID_CHARS]  # echoed; Parley's own Whisper transcribes
+        language = bounded(value.language, "session.audio.input.transcription.language", 16)
         if language is not None:
             languages = list(self.models.asr.languages)
             if language not in languages:
@@ -318,14 +235,10 @@ class RealtimeAdapter(Translator):
                 )
             config.language = parley["language"] = language
 
-    def _apply_voice(self, audio_out: dict, config: RealtimeConfig, parley: dict) -> None:
-        value = audio_out.get("voice")
-        if value is None:
+    def _apply_voice(self, voice: str | BaseModel | None, config: RealtimeConfig, parley: dict) -> None:
+        if voice is None:
             return
-        if isinstance(value, dict):
-            value = value.get("id")
-        if not isinstance(value, str):
-            raise RealtimeError("invalid_type", "voice must be a string", "session.audio.output.voice")
+        value = voice if isinstance(voice, str) else voice.id  # a string or {"id": ...}
         voices = list(self.models.tts.voices)
         if value in voices:
             config.voice = parley["voice"] = value
@@ -334,50 +247,37 @@ class RealtimeAdapter(Translator):
                 "invalid_value", f"no voice {value[:60]!r}; voices: {voices}", "session.audio.output.voice"
             )
 
-    def _turn_detection(self, value: Any, current: TurnDetection | None) -> TurnDetection | None:
+    def _turn_detection(
+        self, value: ServerVad | SemanticVad | bool | None, current: TurnDetection | None
+    ) -> TurnDetection | None:
         param = "session.audio.input.turn_detection"
         if value is None or value is False:  # pipecat writes "turn detection off" as false
             return None
-        if not isinstance(value, dict):
-            raise RealtimeError("invalid_type", f"'{param}' must be an object or null", param)
-        kind = value.get("type", "server_vad")
-        if kind not in ("server_vad", "semantic_vad"):
-            raise RealtimeError(
-                "invalid_value", "turn_detection.type must be server_vad or semantic_vad", f"{param}.type"
-            )
-        if value.get("create_response") is False:
+        if value.create_response is False:
             raise unsupported(f"{param}.create_response", "create_response false (Parley answers each detected turn)")
-        if value.get("idle_timeout_ms") is not None:
+        if getattr(value, "idle_timeout_ms", None) is not None:
             raise unsupported(f"{param}.idle_timeout_ms", "idle_timeout_ms")
         base = current or TurnDetection(
             threshold=self.settings.vad_threshold, silence_duration_ms=self.settings.endpoint_silence_ms
         )
-        detection = replace(base, type=kind)
-        threshold = _field(value, "threshold", (int, float), f"{param}.threshold")
-        if threshold is not None:
-            if not 0.0 < threshold < 1.0:
-                raise RealtimeError("invalid_value", "threshold must be between 0 and 1", f"{param}.threshold")
-            detection.threshold = float(threshold)
-        silence = _field(value, "silence_duration_ms", int, f"{param}.silence_duration_ms")
-        if silence is not None:
-            if not 100 <= silence <= 3000:
-                raise RealtimeError(
-                    "invalid_value", "silence_duration_ms must be 100..3000", f"{param}.silence_duration_ms"
-                )
-            detection.silence_duration_ms = silence
-        padding = _field(value, "prefix_padding_ms", int, f"{param}.prefix_padding_ms")
-        if padding is not None:
-            detection.prefix_padding_ms = padding  # echoed only: Parley keeps its own 300 ms pre-roll
-        interrupt = _field(value, "interrupt_response", bool, f"{param}.interrupt_response")
-        if interrupt is not None:
-            detection.interrupt_response = interrupt
-        eagerness = value.get("eagerness")
-        if kind == "semantic_vad":
-            if eagerness not in (None, "auto", "low", "medium", "high"):
-                raise RealtimeError(
-                    "invalid_value", "eagerness must be low, medium, high or auto", f"{param}.eagerness"
-                )
-            detection.eagerness = eagerness or "auto"
+        detection = replace(base, type=value.type)
+        if isinstance(value, ServerVad):
+            if value.threshold is not None:
+                if not 0.0 < value.threshold < 1.0:
+                    raise RealtimeError("invalid_value", "threshold must be between 0 and 1", f"{param}.threshold")
+                detection.threshold = value.threshold
+            if value.silence_duration_ms is not None:
+                if not 100 <= value.silence_duration_ms <= 3000:
+                    raise RealtimeError(
+                        "invalid_value", "silence_duration_ms must be 100..3000", f"{param}.silence_duration_ms"
+                    )
+                detection.silence_duration_ms = value.silence_duration_ms
+            if value.prefix_padding_ms is not None:
+                detection.prefix_padding_ms = value.prefix_padding_ms  # echoed only: Parley keeps 300 ms of pre-roll
+        else:
+            detection.eagerness = value.eagerness or "auto"
+        if value.interrupt_response is not None:
+            detection.interrupt_response = value.interrupt_response
         return detection
 
     async def _apply_turn_detection(self, before: TurnDetection | None, after: TurnDetection | None) -> None:
@@ -417,8 +317,8 @@ class RealtimeAdapter(Translator):
         await self._parley({"type": "start", "sample_rate": protocol.INPUT_SAMPLE_RATE})
 
     # ------------------------------------------------------------------ audio
-    async def _append(self, event: dict) -> None:
-        audio = _field(event, "audio", str, "audio", required=True)
+    async def _append(self, event: InputAudioBufferAppendEvent) -> None:
+        audio = event.audio
         if len(audio) > MAX_APPEND_BASE64_CHARS:
             raise RealtimeError(
                 "audio_too_large",
@@ -458,7 +358,7 @@ class RealtimeAdapter(Translator):
         if self.session is not None:
             await self.session.feed_audio(self._input(samples))
 
-    async def _commit(self, event: dict) -> None:
+    async def _commit(self, event: BaseModel) -> None:
         if self.config.turn_detection is not None:
             raise RealtimeError(
                 "input_audio_buffer_commit_unsupported",
@@ -521,7 +421,7 @@ class RealtimeAdapter(Translator):
                 )
             await self._emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item.payload})
 
-    async def _clear(self, event: dict) -> None:
+    async def _clear(self, event: BaseModel) -> None:
         if self.config.turn_detection is None:
             self._manual, self._manual_samples = [], 0
         else:
@@ -530,35 +430,33 @@ class RealtimeAdapter(Translator):
             await self._emit({"type": "input_audio_buffer.cleared"})
 
     # ------------------------------------------------------------------ items
-    async def _item_create(self, event: dict) -> None:
-        item = _field(event, "item", dict, "item", required=True)
-        kind = item.get("type", "message")
-        if kind in ("function_call", "function_call_output"):
+    async def _item_create(self, event: ConversationItemCreateEvent) -> None:
+        item = event.item
+        if item.type in FUNCTION_ITEM_TYPES:
             raise unsupported("item.type", "function calling (function_call items)")
-        if kind != "message":
-            raise RealtimeError("invalid_value", f"unsupported item type {str(kind)[:40]!r}", "item.type")
-        role = item.get("role")
-        if role not in ("user", "assistant", "system"):
-            raise RealtimeError("invalid_value", "item.role must be user, assistant or system", "item.role")
-        content = _field(item, "content", list, "item.content", required=True)
-        if len(content) > MAX_CONTENT_PARTS:
+        if item.type != "message":
+            raise RealtimeError("invalid_value", f"unsupported item type {item.type[:40]!r}", "item.type")
+        role = item.role
+        if len(item.content) > MAX_CONTENT_PARTS:
             raise RealtimeError("array_above_max_length", f"at most {MAX_CONTENT_PARTS} content parts", "item.content")
         texts = []
-        for index, part in enumerate(content):
+        for index, part in enumerate(item.content):
             param = f"item.content[{index}]"
-            if not isinstance(part, dict):
-                raise RealtimeError("invalid_type", f"'{param}' must be an object", param)
-            part_type = part.get("type")
-            if part_type in ("input_text", "output_text", "text"):
-                texts.append(_text(part, "text", f"{param}.text", protocol.MAX_USER_TEXT_CHARS, required=True))
-            elif part_type in ("input_audio", "output_audio", "audio") and isinstance(part.get("transcript"), str):
-                texts.append(_text(part, "transcript", f"{param}.transcript", protocol.MAX_USER_TEXT_CHARS))
-            elif part_type in ("input_audio", "output_audio", "audio"):
+            transcript = getattr(part, "transcript", None)  # system parts have none
+            if part.type in ("input_text", "output_text"):
+                if part.text is None:
+                    raise RealtimeError(
+                        "missing_required_parameter", f"missing required parameter: '{param}.text'", f"{param}.text"
+                    )
+                texts.append(bounded(part.text, f"{param}.text", protocol.MAX_USER_TEXT_CHARS))
+            elif part.type in ("input_audio", "output_audio") and transcript is not None:
+                texts.append(bounded(transcript, f"{param}.transcript", protocol.MAX_USER_TEXT_CHARS))
+            elif part.type in ("input_audio", "output_audio"):
                 raise unsupported(
                     f"{param}.audio", "audio in conversation.item.create (send it with input_audio_buffer.append)"
                 )
             else:
-                raise unsupported(f"{param}.type", f"content of type {str(part_type)[:40]!r}")
+                raise unsupported(f"{param}.type", f"content of type {str(part.type)[:40]!r}")
         text = "\n".join(t.strip() for t in texts if t and t.strip())
         if not text:
             raise RealtimeError("invalid_value", "the item has no text", "item.content")
@@ -566,7 +464,7 @@ class RealtimeAdapter(Translator):
             raise RealtimeError(
                 "string_above_max_length", f"at most {protocol.MAX_USER_TEXT_CHARS} characters", "item.content"
             )
-        item_id = _client_id(item, "id", "item.id") or new_id("item")
+        item_id = bounded(item.id, "item.id", MAX_ID_CHARS) or new_id("item")
         if item_id in self._items:
             raise RealtimeError("duplicate_item_id", f"an item with id {item_id!r} exists", "item.id")
         if role == "system":
@@ -592,10 +490,8 @@ class RealtimeAdapter(Translator):
             await self._emit({"type": "conversation.item.added", "previous_item_id": previous, "item": payload})
             await self._emit({"type": "conversation.item.done", "previous_item_id": previous, "item": payload})
 
-    async def _item_truncate(self, event: dict) -> None:
-        item_id = _text(event, "item_id", "item_id", MAX_ID_CHARS, required=True)
-        _field(event, "content_index", int, "content_index")
-        end_ms = _field(event, "audio_end_ms", int, "audio_end_ms", required=True)
+    async def _item_truncate(self, event: ItemTruncate) -> None:
+        item_id, end_ms = bounded(event.item_id, "item_id", MAX_ID_CHARS), event.audio_end_ms
         if end_ms < 0:
             raise RealtimeError("invalid_value", "audio_end_ms must be >= 0", "audio_end_ms")
         item = self._items.get(item_id)
@@ -617,11 +513,15 @@ class RealtimeAdapter(Translator):
                 }
             )
 
-    async def _item_delete(self, event: dict) -> None:
-        item_id = _text(event, "item_id", "item_id", MAX_ID_CHARS, required=True)
-        item = self._items.get(item_id)
+    def _known_item(self, item_id: str, code: str) -> Item:
+        item = self._items.get(bounded(item_id, "item_id", MAX_ID_CHARS))
         if item is None:
-            raise RealtimeError("item_delete_invalid_item_id", f"no item {item_id!r}", "item_id")
+            raise RealtimeError(code, f"no item {item_id!r}", "item_id")
+        return item
+
+    async def _item_delete(self, event: ConversationItemDeleteEvent) -> None:
+        item_id = event.item_id
+        item = self._known_item(item_id, "item_delete_invalid_item_id")
         if not item.pending:
             raise unsupported("item_id", "deleting an item that was answered (Parley keeps the answered history)")
         if item.transcription is not None:
@@ -630,45 +530,40 @@ class RealtimeAdapter(Translator):
         async with self._lock:
             await self._emit({"type": "conversation.item.deleted", "item_id": item_id})
 
-    async def _item_retrieve(self, event: dict) -> None:
-        item_id = _text(event, "item_id", "item_id", MAX_ID_CHARS, required=True)
-        item = self._items.get(item_id)
-        if item is None:
-            raise RealtimeError("item_retrieve_invalid_item_id", f"no item {item_id!r}", "item_id")
+    async def _item_retrieve(self, event: ConversationItemRetrieveEvent) -> None:
+        item = self._known_item(event.item_id, "item_retrieve_invalid_item_id")
         async with self._lock:
             await self._emit({"type": "conversation.item.retrieved", "item": item.payload})
 
     # ------------------------------------------------------------------ responses
-    def _response_params(self, event: dict) -> ResponseParams:
-        spec = _field(event, "response", dict, "response") or {}
-        errors = _check_tools(spec, "response")
+    def _response_params(self, event: ResponseCreateEvent) -> ResponseParams:
+        spec = event.response or RealtimeResponseCreateParams()
+        errors = tool_refusals("response", spec.tools, spec.tool_choice, spec.prompt)
         if errors:
             raise errors[0]
-        if spec.get("conversation") not in (None, "auto"):
+        if spec.conversation not in (None, "auto"):
             raise unsupported("response.conversation", "responses outside the conversation (conversation 'none')")
-        if spec.get("input") is not None:
+        if spec.input is not None:
             raise unsupported("response.input", "a custom response input")
-        audio = spec.get("audio") or {}
-        if isinstance(audio, dict) and isinstance(audio.get("output"), dict):
-            _check_format(audio["output"].get("format"), "response.audio.output.format")
-        metadata = _field(spec, "metadata", dict, "response.metadata")
-        if metadata is not None:
-            if len(metadata) > MAX_METADATA_KEYS or not all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= MAX_METADATA_CHARS
-                for k, v in metadata.items()
-            ):
-                raise RealtimeError(
-                    "invalid_value",
-                    f"metadata holds at most {MAX_METADATA_KEYS} string pairs (values up to {MAX_METADATA_CHARS})",
-                    "response.metadata",
-                )
+        if spec.audio is not None and spec.audio.output is not None:
+            check_format(spec.audio.output.format, "response.audio.output.format")
+        metadata = spec.metadata
+        if metadata is not None and (
+            len(metadata) > MAX_METADATA_KEYS
+            or any(len(k) > 64 or len(v) > MAX_METADATA_CHARS for k, v in metadata.items())
+        ):
+            raise RealtimeError(
+                "invalid_value",
+                f"metadata holds at most {MAX_METADATA_KEYS} string pairs (values up to {MAX_METADATA_CHARS})",
+                "response.metadata",
+            )
         return ResponseParams(
-            modality=_modality(spec.get("output_modalities"), "response.output_modalities"),
+            modality=_modality(spec.output_modalities, "response.output_modalities"),
             metadata=metadata,
-            instructions=_text(spec, "instructions", "response.instructions", protocol.MAX_SYSTEM_PROMPT_CHARS),
+            instructions=bounded(spec.instructions, "response.instructions", protocol.MAX_SYSTEM_PROMPT_CHARS),
         )
 
-    async def _response_create(self, event: dict) -> None:
+    async def _response_create(self, event: ResponseCreateEvent) -> None:
         if self._response is not None or self._typed is not None:
             raise RealtimeError(
                 "conversation_already_has_active_response",
@@ -712,8 +607,8 @@ class RealtimeAdapter(Translator):
             if params.instructions:
                 await self._parley({"type": "config", "system_prompt": self.config.instructions})
 
-    async def _response_cancel(self, event: dict) -> None:
-        response_id = _client_id(event, "response_id", "response_id")
+    async def _response_cancel(self, event: ResponseCancelEvent) -> None:
+        response_id = bounded(event.response_id, "response_id", MAX_ID_CHARS) or None
         response = self._response
         if response is None or (response_id is not None and response_id != response.id):
             if response_id is None and self.session is not None and self.session.busy:
@@ -726,14 +621,8 @@ class RealtimeAdapter(Translator):
             if self._response is response:  # the session had nothing left to stop: close it here
                 await self._finish(response, "cancelled", "".join(response.text_parts).strip())
 
-    async def _output_clear(self, event: dict) -> None:
+    async def _output_clear(self, event: BaseModel) -> None:
         raise unsupported(
             "type",
             "output_audio_buffer.clear (WebRTC/SIP only; over WebSocket, stop playback and send response.cancel)",
         )
-
-
-_SESSION_KEYS = frozenset(
-    {"type", "instructions", "output_modalities", "audio", "include", "tools", "tool_choice", "prompt"}
-    | _IGNORED_SESSION_KEYS
-)
