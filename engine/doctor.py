@@ -242,34 +242,36 @@ def perplexity_source(root: Path, n_tokens: int) -> tuple[Path, list[int], str]:
     return path, ids, "random-weight tiny Llama, random tokens"
 
 
-def decode_speed(
-    path: Path, device: str, precision: str, batch: int, new_tokens: int, cuda_graphs: bool, int8_method: str = "auto"
-) -> float:
-    """Engine decode tokens/s: ``batch`` requests of 8-token prompts generating ``new_tokens`` each (after a warm-up)."""
-    import torch
-
+def speed_engine(path: Path, device: str, precision: str, new_tokens: int, cuda_graphs: bool):
+    """An engine for the speed test: room for the largest batch of 8-token prompts plus ``new_tokens`` each."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="bfloat16",
+            quantization="int8" if precision == "int8" else None,
+            device=device,
+            max_num_seqs=max(BATCH_SIZES),
+            max_num_batched_tokens=max(512, 8 * max(BATCH_SIZES)),
+            num_blocks=max(BATCH_SIZES) * (-(-(8 + new_tokens) // 16)) + 4,
+            cuda_graphs=cuda_graphs,
+        )
+    )
+
+
+def decode_speed(eng, device: str, batch: int, new_tokens: int) -> float:
+    """Engine decode tokens/s: ``batch`` requests of 8-token prompts generating ``new_tokens`` each (after a
+    warm-up run that also captures the CUDA graphs this run meets); the prefill step is not counted."""
     from engine.sampling import SamplingParams
 
-    cfg = EngineConfig(
-        model=str(path),
-        dtype="bfloat16",
-        quantization="int8" if precision == "int8" else None,
-        int8_method=int8_method if precision == "int8" else "auto",
-        device=device,
-        max_num_seqs=max(BATCH_SIZES),
-        max_num_batched_tokens=max(512, 8 * max(BATCH_SIZES)),
-        num_blocks=max(BATCH_SIZES) * (-(-(8 + new_tokens) // 16)) + 4,
-        cuda_graphs=cuda_graphs,
-    )
-    eng = LLMEngine(cfg)
     prompts = [[1 + (i * 7 + j) % 200 for j in range(8)] for i in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    eng.generate(prompts, params)  # warm-up: kernels, graph capture of every bucket this run meets
+    eng.generate(prompts, params)  # warm-up
     eng.reset_prefix_cache()
     _sync(device)
-    ids = [eng.add_request(None, p, params) for p in prompts]
+    ids = {eng.add_request(None, p, params) for p in prompts}
     first = True
     n = 0
     t0 = time.perf_counter()
@@ -282,9 +284,6 @@ def decode_speed(
             continue
         n += sum(len(o.token_ids_delta) for o in outs if o.request_id in ids)
     _sync(device)
-    del eng
-    with contextlib.suppress(Exception):
-        torch.cuda.empty_cache()
     return n / max(time.perf_counter() - t0, 1e-9)
 
 
@@ -478,14 +477,24 @@ def speed_section(rep: Report, root: Path, device: str, args) -> tuple[dict, dic
         f"(int8 = {int8_kernel}):"
     )
     for precision, graphs, label in variants:
+        holder: dict = {}
+
+        def load(precision=precision, graphs=graphs, holder=holder):
+            holder["engine"] = eng = speed_engine(path, device, precision, new, graphs)
+            return True, eng.describe(), None
+
+        rep.test(f"engine {label} load", device, load)
         for batch in BATCH_SIZES:
 
-            def measure(precision=precision, graphs=graphs, batch=batch):
-                tps = decode_speed(path, device, precision, batch, new, graphs)
+            def measure(batch=batch, holder=holder):
+                tps = decode_speed(holder["engine"], device, batch, new)
                 return tps > 0, f"{tps:.1f} tok/s", tps
 
             tps = rep.test(f"engine {label} batch {batch}", device, measure)
             engine.setdefault(label, {})[str(batch)] = tps
+        holder.clear()
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
     hf: dict = {}
     holder = {"model": _hf_model(path, torch.bfloat16, device)}
     for batch in BATCH_SIZES:
