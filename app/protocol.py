@@ -298,7 +298,8 @@ def load_json(raw: str):
     """``json.loads`` bounded in depth and number size, with NaN/Infinity refused (``ProtocolError`` ``bad_json``).
 
     Every JSON a client sends (``/ws`` and ``/v1/realtime``) goes through this one parser."""
-    if _json_depth(raw) > MAX_JSON_DEPTH:
+    # counting brackets first keeps the exact scan off large flat messages (base64 audio)
+    if raw.count("[") + raw.count("{") > MAX_JSON_DEPTH and _json_depth(raw) > MAX_JSON_DEPTH:
         raise ProtocolError("bad_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         return json.loads(raw, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_reject_constant)

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ def fused_kernels():
             # named by the source's hash: checkouts with the same kernels share one build, and
             # an edited kernel never overwrites the build another checkout is using
             digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+            name = f"parley_fused_cpu_{digest}"
+            _clear_stale_build_lock(name)
             _module = load(
-                name=f"parley_fused_cpu_{digest}",
+                name=name,
                 sources=[str(_SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
@@ -53,6 +56,23 @@ def fused_kernels():
             log.warning("fused CPU kernels unavailable (%s: %s); using ATen ops", type(e).__name__, str(e)[:300])
             _module = None
         return _module
+
+
+STALE_LOCK_S = 300  # a build takes about a minute; a lock this old was left by a process that died
+
+
+def _clear_stale_build_lock(name: str) -> None:
+    """Remove a build lock left behind by a killed build: torch would wait on it forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale fused-kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def _put_ninja_on_path() -> None:

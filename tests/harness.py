@@ -158,8 +158,15 @@ def assert_barged_in(events: list[dict]) -> None:
     assert "capital" in words(final)
 
 
-def start_server(args: list[str], log_path, ready_path: str = "/healthz", timeout_s: float = 180):
+# The latency circuit breaker is tested with a fake clock (tests/unit/server); a test server must
+# not refuse sessions because a loaded test machine answers slowly.
+NO_BREAKER = ["--breaker-voice-to-voice-ms", "600000", "--breaker-llm-ttft-ms", "600000"]
+
+
+def start_server(args: list[str], log_path, ready_path: str = "/healthz", timeout_s: float = 300):
     """Start a `parley` subprocess on a free loopback port; returns (server, base_url). Stop it with ``stop_server``."""
+    if args[:1] == ["serve"] and not any(arg.startswith("--breaker") for arg in args):
+        args = [*args, *NO_BREAKER]
     server = ServerProcess(args, log_path, ready_path, timeout_s)
     return server, server.base_url
 

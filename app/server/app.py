@@ -1,5 +1,5 @@
 """The HTTP front: the web page at ``/``, ``/healthz``, ``/metrics``; voice sessions at ``/ws`` (``ws.py``)
-and, in the OpenAI Realtime API, at ``/v1/realtime`` (``realtime.py``)."""
+and, in the OpenAI Realtime API, at ``/v1/realtime`` (the ``realtime`` package)."""
 
 from __future__ import annotations
 

@@ -210,10 +210,11 @@ async def test_a_client_that_stops_reading_is_evicted_and_its_slot_freed(guarded
             if server_sessions(base) == 0:
                 break
             await asyncio.sleep(1)
+        # Freed either by the send deadline (4001, once the socket buffers are full) or, on a machine
+        # too slow to fill them first, by the WebSocket keep-alive that the client does not answer
+        # either; the 4001 path itself is checked to the frame in tests/unit/server/test_connection.py.
         assert server_sessions(base) == 0, "the non-reading client was never evicted"
         assert time.monotonic() - started < 150
-        metrics = httpx.get(base + "/metrics", headers=AUTH).text
-        assert 'parley_evictions_total{reason="not_reading"} 1.0' in metrics
     finally:
         sock.close()
     async with connect(base) as ws:  # the server still serves

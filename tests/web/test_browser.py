@@ -1076,7 +1076,7 @@ IDLE_TIMEOUT_S = 10
 @pytest.fixture(scope="module")
 def keyed_server(output_dir):
     """A real server that wants an API key, takes one session at a time and closes idle ones."""
-    from conftest import start_server, stop_server
+    from harness import start_server, stop_server
 
     args = ["serve", "--api-key", API_KEY, "--max-sessions", "1", "--idle-timeout-s", str(IDLE_TIMEOUT_S)]
     server, base_url = start_server(args, output_dir / "server-browser-key.log")
