@@ -48,6 +48,13 @@ class Settings(BaseSettings):
     llm_url: str | None = Field(None, description="OpenAI-compatible base URL (e.g. http://host:8001/v1)")
     llm_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     llm_quantization: Literal["none", "int8", "int4"] = "none"
+    llm_int8_method: Literal["auto", "int8pack", "ao", "bitsandbytes"] = Field(
+        "auto", description="int8 kernel: auto = bitsandbytes LLM.int8 on CUDA, int8pack on the CPU"
+    )
+    llm_gpu_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="CUDA: share of GPU memory the engine may use (sizes its KV pool)"
+    )
+    llm_cuda_graphs: bool = Field(True, description="CUDA: capture decode steps as CUDA graphs (off: eager)")
     llm_device: str = "cpu"
     # Measured with `parley bench voice` on 2 cores: one thread each for the engine and Piper
     # (ASR keeps 2) gave p50 762 ms vs 1067 ms with every library on all cores.

@@ -17,6 +17,7 @@ standard behaviour.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import shutil
@@ -28,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from app.stages.base import Transcription
+
+log = logging.getLogger(__name__)
 
 BUNDLED_ASR = "bundled"
 BUNDLED_MULTILINGUAL_ASR = "bundled-multilingual"
@@ -111,6 +114,31 @@ def model_path(model: str) -> str:
     return model
 
 
+def _load_whisper(path: str, device: str, compute_type: str, cpu_threads: int):
+    """The Whisper model on ``device``; if CUDA cannot run it, on the CPU (int8), said loudly.
+
+    A missing CUDA library (``libcublas.so.12``) shows only at the first transcription, so
+    a GPU model is tried once on a second of silence before it is trusted.
+    """
+    from faster_whisper import WhisperModel
+
+    if device == "cpu":
+        return WhisperModel(path, device="cpu", compute_type=compute_type, cpu_threads=cpu_threads), "cpu"
+    try:
+        import ctranslate2
+
+        if device in ("cuda", "auto") and ctranslate2.get_cuda_device_count() == 0:
+            raise RuntimeError("CTranslate2 sees no CUDA device")
+        whisper = WhisperModel(path, device=device, compute_type=compute_type, cpu_threads=cpu_threads)
+        list(whisper.transcribe(np.zeros(16_000, np.float32), beam_size=1)[0])
+        return whisper, device
+    except (RuntimeError, ValueError, OSError) as error:
+        log.warning(
+            "ASR cannot use %s (%s): falling back to the CPU (int8); transcription will be much slower", device, error
+        )
+        return WhisperModel(path, device="cpu", compute_type="int8", cpu_threads=cpu_threads), "cpu"
+
+
 class Transcriber:
     """One shared Whisper model; calls are serialized because CTranslate2 already uses every core we give it.
 
@@ -130,12 +158,9 @@ class Transcriber:
         beam_size: int = 1,
         window_s: float = 10.0,
     ) -> None:
-        from faster_whisper import WhisperModel
         from faster_whisper.tokenizer import _LANGUAGE_CODES, Tokenizer
 
-        self.whisper = WhisperModel(
-            model_path(model), device=device, compute_type=compute_type, cpu_threads=cpu_threads
-        )
+        self.whisper, self.device = _load_whisper(model_path(model), device, compute_type, cpu_threads)
         self.multilingual = bool(self.whisper.model.is_multilingual)
         self._tokenizers: dict[str, Tokenizer] = {}
         self.languages: list[str]

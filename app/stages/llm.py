@@ -40,8 +40,9 @@ class TransformersChatLLM:
         self._cancel: dict[str, threading.Event] = {}
 
     def count_tokens(self, messages: list[Message]) -> int:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        from engine.chat import chat_token_ids
+
+        return len(chat_token_ids(self.tokenizer, messages))
 
     async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
@@ -52,8 +53,12 @@ class TransformersChatLLM:
             def __call__(self, input_ids, scores, **kwargs):  # noqa: ARG002
                 return cancel.is_set()
 
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-        ids = ids if hasattr(ids, "shape") else ids["input_ids"]
+        import torch
+
+        from engine.chat import chat_token_ids
+
+        # what users say is plain text inside the template, never a role marker (as in the engine)
+        ids = torch.tensor([chat_token_ids(self.tokenizer, messages)])
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=120)
         sampling = (
             {"do_sample": True, "temperature": self.settings.temperature, "top_p": self.settings.top_p}
@@ -123,13 +128,24 @@ class EngineChatLLM:
         device: str = "cpu",
         settings: GenerationSettings | None = None,
         num_threads: int | None = None,
+        int8_method: str = "auto",
+        gpu_memory_fraction: float = 0.9,
+        cuda_graphs: bool = True,
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
         config = EngineConfig(
-            model=model, dtype=dtype, quantization=quantization, device=device, num_threads=num_threads
+            model=model,
+            dtype=dtype,
+            quantization=quantization,
+            int8_method=int8_method,
+            device=device,
+            num_threads=num_threads,
+            gpu_memory_fraction=gpu_memory_fraction,
+            cuda_graphs=cuda_graphs,
         )
         self.engine = AsyncLLMEngine(config)
+        self.description = self.engine.engine.describe()  # the kernels in use, for the start-up line
         self.settings = settings or GenerationSettings()
         self.context_tokens: int | None = self.engine.engine.max_model_len
 

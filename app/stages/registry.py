@@ -43,6 +43,9 @@ def make_llm(settings: Settings) -> ChatLLM:
             settings.llm_device,
             settings=generation,
             num_threads=settings.llm_threads,
+            int8_method=settings.llm_int8_method,
+            gpu_memory_fraction=settings.llm_gpu_memory_fraction,
+            cuda_graphs=settings.llm_cuda_graphs,
         )
     if settings.llm_backend == "transformers":
         from app.stages.llm import TransformersChatLLM
@@ -83,7 +86,8 @@ def load_models(settings: Settings, progress: Callable[[str], None] = print) -> 
         progress(f"loading {label} ...")
         started = time.perf_counter()
         model = load()
-        progress(f"loaded {label} in {time.perf_counter() - started:.1f} s")
+        detail = getattr(model, "description", None)  # e.g. the LLM engine's kernels and KV pool
+        progress(f"loaded {label} in {time.perf_counter() - started:.1f} s" + (f": {detail}" if detail else ""))
         return model
 
     vad = timed("VAD (Silero v6 ONNX)", SileroVad)

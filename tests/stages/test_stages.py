@@ -109,3 +109,14 @@ def test_piper_takes_a_voice_per_language(tmp_path):
     assert len(audio) / tts.sample_rate > 0.3
     with pytest.raises(FileNotFoundError, match="onnx.json"):
         PiperSynthesizer(voices_by_language={"de": str(tmp_path / "missing.onnx")})
+
+
+def test_asr_falls_back_to_the_cpu_loudly_when_cuda_cannot_run_it(monkeypatch, caplog):
+    import ctranslate2
+
+    monkeypatch.setattr(ctranslate2, "get_cuda_device_count", lambda: 0)
+    with caplog.at_level("WARNING"):
+        asr = Transcriber(device="cuda", compute_type="int8_float16")
+    assert asr.device == "cpu"
+    assert any("falling back to the CPU" in record.message for record in caplog.records)
+    assert asr.transcribe(np.zeros(16_000, np.float32)).text == ""
