@@ -405,3 +405,10 @@ async def test_a_voice_the_client_chose_answers_in_every_language(conversation):
     await conv.silence_until(committed(conv))
     await conv.settle()
     assert {voice for voice, _ in conv.session.models.tts.spoken} == {"tone"}
+
+
+async def test_a_question_mark_outweighs_a_model_that_hears_an_unfinished_turn(conversation):
+    conv = conversation(turn_probability=0.03)
+    await conv.speak(1.0, "Can you recommend a good book?")
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    assert ENDPOINT_MS <= waited_ms <= ENDPOINT_MS + VAD_WINDOW_MS + FRAME_MS
