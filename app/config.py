@@ -46,7 +46,9 @@ class Settings(BaseSettings):
     llm_backend: Literal["engine", "transformers", "openai"] = "engine"
     llm_model: str = Field("bundled", description="'bundled' (SmolLM2-135M-Instruct), a model dir or a .gguf")
     llm_url: str | None = Field(None, description="OpenAI-compatible base URL (e.g. http://host:8001/v1)")
-    llm_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    llm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"
+    )
     llm_quantization: Literal["none", "int8", "int4"] = "none"
     llm_int8_method: Literal["auto", "int8pack", "ao", "bitsandbytes"] = Field(
         "auto", description="int8 kernel: auto = bitsandbytes LLM.int8 on CUDA, int8pack on the CPU"

@@ -120,3 +120,16 @@ def test_asr_falls_back_to_the_cpu_loudly_when_cuda_cannot_run_it(monkeypatch, c
     assert asr.device == "cpu"
     assert any("falling back to the CPU" in record.message for record in caplog.records)
     assert asr.transcribe(np.zeros(16_000, np.float32)).text == ""
+
+
+def test_llm_dtype_auto_follows_the_hardware(monkeypatch):
+    import torch
+
+    from app.stages.registry import llm_dtype
+
+    assert llm_dtype("float16", "cpu") == "float16"  # an explicit choice is kept
+    assert llm_dtype("auto", "cuda") == "bfloat16"
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    assert llm_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    assert llm_dtype("auto", "cpu") == "float32"
