@@ -251,7 +251,10 @@ class TurnResult:
 
     @property
     def turn_done(self) -> protocol.TurnDone | None:
-        return self.event(protocol.TurnDone)
+        """The end of the turn this question made (not an earlier reply's interrupted end)."""
+        finals = {event.turn_id for event in self.all(protocol.Transcript) if event.final}
+        own = (event for event in self.all(protocol.TurnDone) if event.turn_id in finals)
+        return next(own, None) or self.event(protocol.TurnDone)
 
     @property
     def server_metrics(self) -> protocol.TurnMetrics:
@@ -347,7 +350,13 @@ class VoiceClient:
             if result is not None:
                 result.events.append(item)
                 result.event_times.append(now)
-                if isinstance(item, protocol.TurnDone) or (isinstance(item, protocol.Error) and item.fatal):
+                if isinstance(item, protocol.Error) and item.fatal:
+                    self._done.set()
+                elif isinstance(item, protocol.TurnDone) and any(
+                    isinstance(e, protocol.Transcript) and e.final and e.turn_id == item.turn_id for e in result.events
+                ):
+                    # the end of the turn this question started; the interrupted end of an earlier
+                    # reply (the question cut it short) is not the answer
                     self._done.set()
 
     def _check_receiver(self) -> None:
