@@ -23,7 +23,10 @@ def models():
 
 def test_sessions_over_the_limit_get_a_clear_error_and_others_keep_working(models):
     app = create_app(Settings(max_sessions=1), models=models)
-    with TestClient(app, base_url="http://127.0.0.1:8000") as client, client.websocket_connect("ws://127.0.0.1:8000/ws") as first:
+    with (
+        TestClient(app, base_url="http://127.0.0.1:8000") as client,
+        client.websocket_connect("ws://127.0.0.1:8000/ws") as first,
+    ):
         assert json.loads(first.receive_text())["type"] == "ready"
         with client.websocket_connect("ws://127.0.0.1:8000/ws") as second:
             event = json.loads(second.receive_text())
@@ -43,5 +46,10 @@ def test_page_static_files_and_health(models):
         assert "<html" in client.get("/").text.lower()
         assert client.get("/static/app.js").status_code == 200
         health = client.get("/healthz").json()
-        assert (health["status"], health["sessions"], health["llm"], health["auth_required"]) == ("ok", 0, "scripted", False)
+        assert (health["status"], health["sessions"], health["llm"], health["auth_required"]) == (
+            "ok",
+            0,
+            "scripted",
+            False,
+        )
         assert "parley_sessions 0.0" in client.get("/metrics").text
