@@ -172,7 +172,9 @@ async def run_client(url: str, client_index: int, turns: int, workload: Workload
                 record.spoken_over = "interruption" if interrupt else "backchannel"
                 record.reply_stopped = await speak_over_reply(client, result, over)
                 if interrupt and record.reply_stopped:  # the interruption is a turn of its own: hear its answer
-                    answer = await client.ask(np.zeros(0, np.float32), leading_silence_s=0, trailing_silence_s=0)
+                    answer = await client.ask(
+                        np.zeros(0, np.float32), leading_silence_s=0, trailing_silence_s=0, answer_to_earlier_words=True
+                    )
                     await client.listen_until_played(answer)
             records.append(record)
             await client.listen_until_played(result)
