@@ -101,6 +101,16 @@ class Settings(BaseSettings):
     barge_in_confirm: bool = Field(
         True, description="hear the words before interrupting: 'mm-hmm', 'yeah', 'right' do not stop a reply"
     )
+    continuation_ms: int = Field(
+        1500,
+        ge=0,
+        le=5000,
+        description="speech starting this soon after a turn was committed, before its reply was heard, "
+        "continues that turn: the reply is withdrawn and the whole is answered (0: never)",
+    )
+    continuation_heard_ms: int = Field(
+        500, ge=0, le=5000, description="a reply heard longer than this is not withdrawn; speech over it is a new turn"
+    )
     first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
     asr_window_s: float = Field(10.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
     min_speech_ms: int = Field(96, ge=0)

@@ -149,6 +149,19 @@ class Interrupt(_Message):
     turn_id: int
 
 
+class TurnContinued(_Message):
+    """The user went on speaking right after ``turn_id`` was committed, before its reply was heard.
+
+    That reply is withdrawn: stop playing it and drop its text. The turn is open again: its
+    transcripts (now the whole of what was said) and then its reply follow as usual, under the
+    same ``turn_id``. Humans do this at a mid-sentence pause ("I want to visit Paris ... and
+    London"); answering only the first half would cut them off.
+    """
+
+    type: Literal["turn_continued"] = "turn_continued"
+    turn_id: int
+
+
 class ConfigApplied(_Message):
     """The session's preferences after a ``config`` message (and what they are by default)."""
 
@@ -233,6 +246,7 @@ ServerMessage = Annotated[
     | AssistantText
     | AudioStart
     | Interrupt
+    | TurnContinued
     | TurnDone
     | ConfigApplied
     | Notice

@@ -241,6 +241,12 @@ function handleEvent(msg) {
       report(turn, player.interrupt(turn), true);
       ui.assistantInterrupted(turn);
       break;
+    case "turn_continued":
+      // The user went on with this turn after a pause: its reply is withdrawn (stop it, drop its
+      // text) and the whole turn is answered next, under the same turn id.
+      player.interrupt(turn);
+      ui.withdrawReply(turn);
+      break;
     case "turn_done":
       ui.assistantDone(turn, msg.text, msg.interrupted, msg.metrics);
       if (msg.metrics && Object.keys(msg.metrics).length) {

@@ -250,6 +250,12 @@ export class UI {
   }
 
   /** Barge-in or Stop: the reply of `turn` was cut off (turn_done may or may not follow). */
+  /** The user went on with `turn`: its reply bubble goes, and its question is open again. */
+  withdrawReply(turn) {
+    this._bubble("assistant", turn)?.remove();
+    this._bubble("user", turn)?.classList.add("partial");
+  }
+
   assistantInterrupted(turn) {
     const el = this._bubble("assistant", turn);
     if (!el) return;

@@ -11,7 +11,10 @@ reported beside it; stage latencies come from the server's per-turn metrics.
 Sets (``--set``):
 * ``plain``: whole questions;
 * ``pauses``: questions with a pause in the middle of the sentence (``--pause-s``), which a
-  good endpoint does not take for the end of the turn; reports how many were split in two;
+  good endpoint does not take for the end of the turn; reports how many were split in two
+  (answered as two turns), how many were continued (committed at the pause, then the reply
+  withdrawn and the whole answered: ``turn_continued``) and in how many the user heard reply
+  audio before they had finished;
 * ``backchannels``: while a reply plays, the user says "mm-hmm", "yeah", ... (which must not
   stop it) and, every fourth turn, really interrupts (which must).
 ``--snr-db`` adds background noise under everything the users send; ``--rates`` cycles the
@@ -75,6 +78,8 @@ class TurnRecord:
     at_client: protocol.TurnMetrics  # voice-to-voice as heard, reply length, underruns
     server: protocol.TurnMetrics
     split: bool = False  # (pauses) the question became more than one turn
+    continued: bool = False  # committed at the pause, then continued (its first reply withdrawn)
+    talked_over: bool = False  # reply audio arrived before the question was fully said
     spoken_over: str | None = None  # (backchannels) "backchannel" or "interruption"
     reply_stopped: bool = False  # (backchannels) the reply was interrupted
 
@@ -94,6 +99,8 @@ class TurnRecord:
             "at_client": self.at_client.model_dump(exclude_none=True),
             "server": self.server.model_dump(exclude_none=True),
             "split": self.split,
+            "continued": self.continued,
+            "talked_over": self.talked_over,
             "spoken_over": self.spoken_over,
             "reply_stopped": self.reply_stopped,
         }
@@ -164,6 +171,9 @@ async def run_client(url: str, client_index: int, turns: int, workload: Workload
                 at_client=result.client_metrics(),
                 server=result.server_metrics,
                 split=len(finals) > 1,
+                continued=bool(result.all(protocol.TurnContinued)),
+                talked_over=result.withdrawn_audio_before_speech_end
+                or (result.first_audio_received or float("inf")) < (result.speech_end_sent or 0.0),
             )
             if workload.kind == "backchannels":
                 interrupt = turn % 4 == 3
@@ -206,6 +216,8 @@ def summarize(records: list[TurnRecord], clients: int) -> dict:
         "transcripts_correct": sum(r.transcript_correct for r in records),
         "speculative_turns": sum(r.server.speculative for r in records),
         "split_questions": sum(r.split for r in records),
+        "continued_questions": sum(r.continued for r in records),
+        "talked_over_questions": sum(r.talked_over for r in records),
         "backchannels": sum(r.spoken_over == "backchannel" for r in records),
         "backchannels_stopping_the_reply": sum(r.spoken_over == "backchannel" and r.reply_stopped for r in records),
         "interruptions": sum(r.spoken_over == "interruption" for r in records),
@@ -241,6 +253,11 @@ def print_table(summary: dict) -> None:
         f"underruns {summary['underruns']}, transcripts correct {summary['transcripts_correct']}/{summary['turns']}, "
         f"speculative replies used {summary['speculative_turns']}, questions split in two {summary['split_questions']}"
     )
+    if summary["continued_questions"] or summary["talked_over_questions"]:
+        print(
+            f"questions committed at a pause and then continued {summary['continued_questions']}, "
+            f"with reply audio heard before the question ended {summary['talked_over_questions']}"
+        )
     if summary["backchannels"] or summary["interruptions"]:
         print(
             f"backchannels that stopped the reply {summary['backchannels_stopping_the_reply']}/{summary['backchannels']}, "

@@ -233,6 +233,19 @@ class TurnResult:
     first_audio_received: float | None = None
     last_audio_received: float | None = None
     audio_arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, samples)
+    withdrawn_audio_s: float = 0.0  # reply audio received, then withdrawn by ``turn_continued``
+    withdrawn_audio_before_speech_end: bool = False  # some of it arrived while the user was still speaking
+
+    def withdraw_reply(self) -> None:
+        """``turn_continued``: the audio so far answered half a question; the real answer follows."""
+        first = self.first_audio_received
+        if first is not None and (self.speech_end_sent is None or first < self.speech_end_sent):
+            self.withdrawn_audio_before_speech_end = True
+        if self.output_sample_rate:
+            self.withdrawn_audio_s += len(self.reply_audio) / 2 / self.output_sample_rate
+        self.reply_audio.clear()
+        self.audio_arrivals.clear()
+        self.first_audio_received = self.last_audio_received = None
 
     def all(self, kind: type[Event]) -> list[Event]:
         return [event for event in self.events if isinstance(event, kind)]
@@ -243,11 +256,20 @@ class TurnResult:
 
     @property
     def final_transcript(self) -> str:
-        return " ".join(event.text for event in self.all(protocol.Transcript) if event.final)
+        """What the server heard: each turn's last final transcript (a continued turn's replaces its first)."""
+        finals = {event.turn_id: event.text for event in self.all(protocol.Transcript) if event.final}
+        return " ".join(finals.values())
 
     @property
     def assistant_text(self) -> str:
-        return "".join(event.delta for event in self.all(protocol.AssistantText))
+        """The reply's text (a reply withdrawn by ``turn_continued`` left out)."""
+        deltas: list[protocol.AssistantText] = []
+        for event in self.events:
+            if isinstance(event, protocol.AssistantText):
+                deltas.append(event)
+            elif isinstance(event, protocol.TurnContinued):
+                deltas = [delta for delta in deltas if delta.turn_id != event.turn_id]
+        return "".join(delta.delta for delta in deltas)
 
     @property
     def turn_done(self) -> protocol.TurnDone | None:
@@ -351,6 +373,8 @@ class VoiceClient:
             if result is not None:
                 result.events.append(item)
                 result.event_times.append(now)
+                if isinstance(item, protocol.TurnContinued):
+                    result.withdraw_reply()
                 if isinstance(item, protocol.Error) and item.fatal:
                     self._done.set()
                 elif isinstance(item, protocol.TurnDone) and (

@@ -60,6 +60,14 @@ class History:
         if self.messages and self.messages[-1] == {"role": "user", "content": user_text}:
             self.messages.pop()
 
+    def withdraw(self, user_text: str) -> None:
+        """Take the last turn back (its user message, and its reply if recorded): the user went on with it."""
+        said = {"role": "user", "content": user_text}
+        if len(self.messages) >= 2 and self.messages[-1]["role"] == "assistant" and self.messages[-2] == said:
+            self.messages.pop()
+        if self.messages and self.messages[-1] == said:
+            self.messages.pop()
+
     def keep_only_heard(self, heard: str, reply_was_recorded: bool) -> None:
         """An interrupted reply: the history keeps what the user heard of it, not what was written."""
         if reply_was_recorded and self.messages and self.messages[-1]["role"] == "assistant":

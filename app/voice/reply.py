@@ -86,6 +86,10 @@ class Reply:
         self.released = released
         self._task = asyncio.create_task(self._produce(messages), name=f"turn-{self.turn_id}")
 
+    def hold(self) -> None:
+        """Send nothing more for now (the user may be going on with their turn); ``release`` resumes."""
+        self.released = False
+
     async def release(self) -> None:
         """Send what a speculation held back, and everything it produces from now on."""
         self.released = True

@@ -22,6 +22,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,6 +43,23 @@ log = logging.getLogger(__name__)
 
 
 BARGE_IN_RECHECK_MS = 300  # after a backchannel verdict, listen this much more speech before judging again
+
+
+@dataclass
+class _Continuation:
+    """A committed turn that the user went on with (``protocol.TurnContinued``).
+
+    Its reply is held (nothing more is sent) while the new words are heard. They decide:
+    more words -> the reply is withdrawn and the whole turn answered; only a cough or a
+    "mm-hmm" -> the turn stands, and the held reply goes on.
+    """
+
+    reply: Reply
+    withdrawn: bool = False  # the reply was cancelled and the client told so
+
+    def new_words(self, text: str) -> str:
+        said = self.reply.user_text
+        return text[len(said) :].strip() if text.startswith(said) else text
 
 
 class VoiceSession:
@@ -67,6 +85,8 @@ class VoiceSession:
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._reply: Reply | None = None  # the released reply (producing or playing)
         self._speculation: Reply | None = None  # a reply to the utterance in progress, held back
+        self._continuation: _Continuation | None = None  # the last turn, which the user may be going on with
+        self._spoken_turn: int | None = None  # the last turn committed from speech (only those continue)
         self._warm_task: asyncio.Task | None = None
         self._barge_in_check: asyncio.Task | None = None
         self._barge_in_checked_ms = 0.0  # speech length at the last barge-in check of this utterance
@@ -154,10 +174,12 @@ class VoiceSession:
             await self._ready()
         elif isinstance(message, protocol.UserText):
             self._turn_language = self._prefs.fixed_language
+            self._abandon_continuation()
             await self._interrupt_reply()
             now = self._clock.now()
             await self._start_turn(next(self._turn_ids), message.text, speech_end=now, commit=now)
         elif isinstance(message, protocol.Reset):
+            self._abandon_continuation()
             await self._interrupt_reply()
             await self._drop_utterance()
             self._history.clear()
@@ -166,6 +188,7 @@ class VoiceSession:
             if reply is not None and reply.turn_id == message.turn_id:
                 reply.playback.reported_played_s = message.played_ms / 1000
         elif isinstance(message, protocol.Cancel):
+            self._abandon_continuation()
             await self._cancel_speculation()
             await self._interrupt_reply(barge_in=False)
         elif isinstance(message, protocol.SessionConfig):
@@ -199,6 +222,7 @@ class VoiceSession:
                 self._barge_in_checked_ms = 0.0
                 self._reply_playing_at_speech_start = self.busy
                 await self._send_json(protocol.SpeechStarted())
+                await self._maybe_continue_turn()
             case heard.Resumed():
                 await self._cancel_speculation()
                 await self._send_json(protocol.SpeechStarted())
@@ -211,15 +235,20 @@ class VoiceSession:
                     await self._consider_barge_in(speech_ms)
             case heard.TailText():
                 self._turn_language = event.language or self._turn_language
-                said_over_reply = self._reply_playing_at_speech_start and is_backchannel(event.text)
+                said = self._new_words(event.text)
+                said_over_reply = self._reply_playing_at_speech_start and is_backchannel(said)
                 if self.settings.speculative_reply and not said_over_reply:
-                    if not is_filler(event.text) and not looks_unfinished(event.text):
+                    if not is_filler(said) and not looks_unfinished(event.text):
                         await self._speculate(event)
             case heard.Dropped():
                 await self._cancel_speculation()  # a cough or "mm": not a turn, and the reply goes on
+                await self._end_continuation()
             case heard.Committed():
-                if self._reply_playing_at_speech_start and self.busy and is_backchannel(event.text):
+                said = self._new_words(event.text)
+                reply_goes_on = self.busy or self._continuation is not None
+                if self._reply_playing_at_speech_start and reply_goes_on and is_backchannel(said):
                     await self._cancel_speculation()  # "mm-hmm" said over the reply: it goes on
+                    await self._end_continuation()
                     return
                 await self._on_committed(event)
 
@@ -234,7 +263,7 @@ class VoiceSession:
         if reply is None or not reply.active():
             return
         if not self.settings.barge_in_confirm:
-            await self._interrupt_reply()
+            await self._stop_reply_for_speech()
             return
         checking = self._barge_in_check is not None and not self._barge_in_check.done()
         if checking or speech_ms < self._barge_in_checked_ms + BARGE_IN_RECHECK_MS:
@@ -246,10 +275,77 @@ class VoiceSession:
         text = await self._tracker.transcribe_speech_so_far()
         if reply is not self._reply or is_backchannel(text):
             return
-        await self._interrupt_reply()
+        await self._stop_reply_for_speech()
+
+    async def _stop_reply_for_speech(self) -> None:
+        """The user is saying more than a backchannel: a continued turn's reply is withdrawn, any other interrupted."""
+        continuation = self._continuation
+        if continuation is not None and continuation.reply is self._reply:
+            await self._withdraw(continuation)
+        else:
+            await self._interrupt_reply()
+
+    # ------------------------------------------------------------------ continued turns
+    def _new_words(self, text: str) -> str:
+        """What the utterance adds to the turn it continues (all of ``text`` when it continues none)."""
+        return self._continuation.new_words(text) if self._continuation is not None else text
+
+    async def _maybe_continue_turn(self) -> None:
+        """Speech right after a spoken turn was committed, before its reply was heard, goes on with that turn.
+
+        People pause mid-sentence ("I want to visit Paris ... and London"); a short endpoint
+        commits at the pause. Rather than answer half a question (or make the endpoint slow for
+        everyone), the reply is held and, if words follow, withdrawn and the whole answered.
+        """
+        await self._end_continuation()  # one left by an utterance that ended without a verdict
+        reply, window_ms = self._reply, self.settings.continuation_ms
+        if not window_ms or reply is None or reply.turn_id != self._spoken_turn or not reply.active():
+            return
+        now = self._clock.now()
+        if (now - reply.commit) * 1000 > window_ms:
+            return
+        if reply.playback.played_s(now) * 1000 > self.settings.continuation_heard_ms:
+            return
+        reply.hold()
+        self._history.withdraw(reply.user_text)
+        self._tracker.continue_turn(reply.turn_id, reply.user_text)
+        self._continuation = _Continuation(reply)
+
+    async def _withdraw(self, continuation: _Continuation) -> None:
+        """Cancel the continued turn's reply and tell the client to drop it; the whole turn is answered next."""
+        if continuation.withdrawn:
+            return
+        continuation.withdrawn = True
+        if self._reply is continuation.reply:
+            self._reply = None
+        await continuation.reply.cancel()
+        await self._send_json(protocol.TurnContinued(turn_id=continuation.reply.turn_id))
+
+    async def _end_continuation(self) -> None:
+        """Nothing was added after all (a cough, "mm-hmm"): the turn stands and its reply goes on."""
+        continuation, self._continuation = self._continuation, None
+        if continuation is None:
+            return
+        reply = continuation.reply
+        if continuation.withdrawn:  # already stopped at the client: answer the turn again
+            now = self._clock.now()
+            await self._start_turn(reply.turn_id, reply.user_text, speech_end=now, commit=now)
+            return
+        self._history.remember({"role": "user", "content": reply.user_text})
+        await reply.release()  # (records the reply if it was complete)
+
+    def _abandon_continuation(self) -> None:
+        """Typed input, cancel or reset: the held turn is an ordinary turn again (its reply is stopped next)."""
+        continuation, self._continuation = self._continuation, None
+        if continuation is not None and not continuation.withdrawn:
+            self._history.remember({"role": "user", "content": continuation.reply.user_text})
 
     async def _on_committed(self, turn: heard.Committed) -> None:
         self._turn_language = turn.language or self._prefs.fixed_language
+        self._spoken_turn = turn.turn_id
+        continuation, self._continuation = self._continuation, None
+        if continuation is not None:
+            await self._withdraw(continuation)
         await self._interrupt_reply()
         figures = {
             "endpoint_ms": turn.endpoint_ms,

@@ -147,9 +147,17 @@ class _Utterance:
     language: str | None = None  # what ASR heard the tail in
     asr_ms: float = 0.0
     partial_task: asyncio.Task | None = None
+    continued_text: str = ""  # a continued turn: what was committed before the user went on
 
     def text(self) -> str:
         return " ".join(part for part in (self.stable_text, self.tail_text or "") if part).strip()
+
+    def added_text(self) -> str:
+        """The words said in this utterance (of a continued turn: after what was committed before)."""
+        text = self.text()
+        if self.continued_text and text.startswith(self.continued_text):
+            return text[len(self.continued_text) :].strip()
+        return text
 
     def audio_start(self) -> int:
         return self.stable_until or self.start - PREROLL_MS * SAMPLES_PER_MS
@@ -225,6 +233,19 @@ class UtteranceTracker:
                 await self._commit(utterance, forced=True)
         else:
             await self._maybe_commit(utterance)
+
+    def continue_turn(self, turn_id: int, text: str) -> None:
+        """The utterance that just started goes on with the committed turn ``turn_id`` (which said ``text``).
+
+        Its events carry ``turn_id`` and its texts start with ``text`` (also Whisper's context),
+        so the turn is committed again as a whole; it is dropped (``Dropped``) when what is
+        added is only noise or a filler.
+        """
+        utterance = self._utterance
+        if utterance is None:
+            return
+        utterance.turn_id = turn_id
+        utterance.stable_text = utterance.continued_text = text
 
     async def transcribe_speech_so_far(self) -> str:
         """The words of the utterance in progress, up to now (to judge a barge-in: "yeah" or "wait, stop")."""
@@ -362,7 +383,7 @@ class UtteranceTracker:
         text = utterance.text()
         end = utterance.pause if utterance.pause is not None else self._audio_end
         speech_end = self._arrivals.time_of(end)
-        if is_filler(text):
+        if is_filler(utterance.added_text()):
             await self._emit(Dropped(utterance.turn_id, text))
             return
         await self._emit(

@@ -49,6 +49,7 @@ EVERY_EVENT = [
     protocol.AssistantText(turn_id=1, delta="Hi"),
     protocol.AudioStart(turn_id=1, sample_rate=22_050),
     protocol.Interrupt(turn_id=1),
+    protocol.TurnContinued(turn_id=1),
     protocol.TurnDone(turn_id=1, text="Hi", interrupted=True, metrics=METRICS),
     protocol.Notice(turn_id=2, code="truncated", message="cut to fit"),
     protocol.ConfigApplied(system_prompt="Be brief.", voice="joe", language="en", barge_in=True, half_duplex=False),
@@ -134,6 +135,26 @@ def test_turn_result_reads_typed_events_and_measures_the_client_side():
     assert measured.reply_audio_s == pytest.approx(1.5)
     assert measured.underruns == 1
     assert TurnResult().server_metrics == protocol.TurnMetrics()
+
+
+def test_a_continued_turn_keeps_only_its_whole_transcript_and_its_last_reply():
+    result = TurnResult(output_sample_rate=1000, first_audio_received=9.5)
+    result.reply_audio.extend(b"\x00\x00" * 300)  # 0.3 s of the first half's reply, heard mid-question
+    result.events = [
+        protocol.Transcript(turn_id=1, text="I want to visit Paris.", final=True),
+        protocol.AssistantText(turn_id=1, delta="Paris is lovely."),
+    ]
+    result.speech_end_sent = 10.0
+    result.events.append(protocol.TurnContinued(turn_id=1))
+    result.withdraw_reply()
+    result.events += [
+        protocol.Transcript(turn_id=1, text="I want to visit Paris. and London.", final=True),
+        protocol.AssistantText(turn_id=1, delta="Both are lovely."),
+    ]
+    assert result.final_transcript == "I want to visit Paris. and London."
+    assert result.assistant_text == "Both are lovely."
+    assert result.withdrawn_audio_s == pytest.approx(0.3) and result.withdrawn_audio_before_speech_end
+    assert result.first_audio_received is None and not result.reply_audio  # the real answer's audio is still to come
 
 
 # ------------------------------------------------------------------ against a scripted server

@@ -129,7 +129,9 @@ async def serve_realtime(websocket: WebSocket, state: State, settings: Settings)
         await connection.send(json.dumps(event, separators=(",", ":")))
 
     model = (websocket.query_params.get("model") or "parley")[:MAX_ID_CHARS]
-    session_settings = settings.model_copy()  # per connection: session.update may change its turn-taking
+    # per connection: session.update may change its turn-taking. A Realtime turn, once committed, is
+    # an item of the conversation, so Parley's continued turns (``turn_continued``) stay off here.
+    session_settings = settings.model_copy(update={"continuation_ms": 0})
     adapter = RealtimeAdapter(
         send, session_settings, state.models, model=model, on_rate_limited=state.metrics.rate_limited.inc
     )

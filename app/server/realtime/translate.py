@@ -55,6 +55,8 @@ class Translator(AdapterCore):
                 await self._on_interrupt(message)
             case protocol.TurnDone():
                 await self._on_turn_done(message)
+            case protocol.TurnContinued():
+                return  # never sent here: Realtime sessions run with continuation_ms 0
             case protocol.Notice():
                 if INCLUDE_NOTICES in self.config.include:
                     await self._emit({"type": "parley.notice", **message.model_dump(exclude={"type"})})
