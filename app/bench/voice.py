@@ -15,7 +15,7 @@ Sets (``--set``):
   (answered as two turns), how many were continued (committed at the pause, then the reply
   withdrawn and the whole answered: ``turn_continued``) and in how many the user heard reply
   audio before they had finished;
-* ``backchannels``: while a reply plays, the user says "mm-hmm", "yeah", ... (which must not
+* ``backchannels``: while a reply plays, the user says "yeah", "right", "I see", ... (which must not
   stop it) and, every fourth turn, really interrupts (which must).
 ``--snr-db`` adds background noise under everything the users send; ``--rates`` cycles the
 voice's speaking rate (Piper length scales).
@@ -60,7 +60,9 @@ PAUSED_QUESTIONS = [
     "What should I pack, for a weekend in the mountains?",
     "Remind me, how many days are in a leap year?",
 ]
-BACKCHANNELS = ["Mm-hmm.", "Yeah.", "Right.", "Okay."]
+# Acknowledgements the bundled Piper voice can say. It cannot say "mm-hmm" or "mhm": it reads them
+# as words, and Whisper hears "In a month" and "And may Chen" (real hums come out as "Mm-hmm.").
+BACKCHANNELS = ["Yeah.", "Right.", "Okay.", "Uh-huh.", "I see.", "Sure.", "Got it.", "Yes."]
 INTERRUPTION = "Wait, stop. Tell me about London instead."
 PLOT_HINT = "pip install -e '.[plot]'"
 
@@ -178,7 +180,7 @@ async def run_client(url: str, client_index: int, turns: int, workload: Workload
             if workload.kind == "backchannels":
                 interrupt = turn % 4 == 3
                 backchannels = workload.over_reply[:-1]
-                _, over = workload.over_reply[-1] if interrupt else backchannels[turn % len(backchannels)]
+                _, over = workload.over_reply[-1] if interrupt else backchannels[(turn - turn // 4) % len(backchannels)]
                 record.spoken_over = "interruption" if interrupt else "backchannel"
                 record.reply_stopped = await speak_over_reply(client, result, over)
                 if interrupt and record.reply_stopped:  # the interruption is a turn of its own: hear its answer

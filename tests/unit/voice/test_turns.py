@@ -1,7 +1,14 @@
 """Turn-taking policy alone: no models, no audio."""
 
 from app.voice.playback import ReplyPlayback
-from app.voice.turns import Endpointer, PartialStabilizer, history_window, is_filler, looks_unfinished
+from app.voice.turns import (
+    Endpointer,
+    PartialStabilizer,
+    history_window,
+    is_backchannel,
+    is_filler,
+    looks_unfinished,
+)
 
 
 def test_partials_show_agreed_words_and_only_grow():
@@ -103,3 +110,12 @@ def test_english_word_cues_apply_to_english_only():
     assert looks_unfinished("Ich möchte nach Paris,", "de")  # punctuation counts in every language
     assert looks_unfinished("我想去巴黎，", "zh")
     assert not is_filler("你好") and not is_filler("Hola")
+
+
+def test_backchannels_are_short_acknowledgements_even_when_whisper_repeats_them():
+    for said in ["Mm-hmm.", "Yeah.", "Right.", "I see.", "Got it.", "Uh-huh", "Yeah, right."]:
+        assert is_backchannel(said), said
+    assert is_backchannel("Yeah Yeah Yeah Yeah Yeah Yeah Yeah Yeah Yeah Yeah")  # tiny.en on one "yeah" in noise
+    assert is_backchannel("Yeah, right. Yeah, right. Yeah, right.")
+    for said in ["Wait, stop.", "Yeah, but what about London?", "No.", "Tell me more.", "In a month."]:
+        assert not is_backchannel(said), said
