@@ -9,7 +9,8 @@ callbacks to send events and audio. It is thin on purpose; the work is in two un
   while speculative, cancellable.
 
 What stays here is what ties them together: the speculative reply and its swap into the
-real one at the endpoint, barge-in, and warming the LLM's prefix cache for the next turn,
+real one at the endpoint, barge-in, continued turns (the user going on right after a commit),
+and warming the LLM's prefix cache for the next turn,
 with the history (``app.voice.history``) and the client's preferences (``app.voice.prefs``). Models come in through ``app.stages.base.VoiceStages``; time through an
 injected ``Clock``, and blocking model calls through an injected runner, so that the
 whole conversation runs in tests with scripted stand-ins and a manual clock.
@@ -22,7 +23,6 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from app.stages.base import Message, VadConfig, VoiceStages
 from app.voice import utterance as heard
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
 from app.voice.context import Fitted
+from app.voice.continuation import Continuation, ContinuationRule
 from app.voice.history import History
 from app.voice.language import reply_in
 from app.voice.prefs import Preferences, SessionPrefs
@@ -43,23 +44,6 @@ log = logging.getLogger(__name__)
 
 
 BARGE_IN_RECHECK_MS = 300  # after a backchannel verdict, listen this much more speech before judging again
-
-
-@dataclass
-class _Continuation:
-    """A committed turn that the user went on with (``protocol.TurnContinued``).
-
-    Its reply is held (nothing more is sent) while the new words are heard. They decide:
-    more words -> the reply is withdrawn and the whole turn answered; only a cough or a
-    "mm-hmm" -> the turn stands, and the held reply goes on.
-    """
-
-    reply: Reply
-    withdrawn: bool = False  # the reply was cancelled and the client told so
-
-    def new_words(self, text: str) -> str:
-        said = self.reply.user_text
-        return text[len(said) :].strip() if text.startswith(said) else text
 
 
 class VoiceSession:
@@ -85,8 +69,9 @@ class VoiceSession:
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._reply: Reply | None = None  # the released reply (producing or playing)
         self._speculation: Reply | None = None  # a reply to the utterance in progress, held back
-        self._continuation: _Continuation | None = None  # the last turn, which the user may be going on with
+        self._continuation: Continuation | None = None  # the last turn, which the user may be going on with
         self._spoken_turn: int | None = None  # the last turn committed from speech (only those continue)
+        self._continuation_rule = ContinuationRule(settings.continuation_ms, settings.continuation_heard_ms)
         self._warm_task: asyncio.Task | None = None
         self._barge_in_check: asyncio.Task | None = None
         self._barge_in_checked_ms = 0.0  # speech length at the last barge-in check of this utterance
@@ -298,20 +283,15 @@ class VoiceSession:
         everyone), the reply is held and, if words follow, withdrawn and the whole answered.
         """
         await self._end_continuation()  # one left by an utterance that ended without a verdict
-        reply, window_ms = self._reply, self.settings.continuation_ms
-        if not window_ms or reply is None or reply.turn_id != self._spoken_turn or not reply.active():
-            return
-        now = self._clock.now()
-        if (now - reply.commit) * 1000 > window_ms:
-            return
-        if reply.playback.played_s(now) * 1000 > self.settings.continuation_heard_ms:
+        reply = self._reply
+        if reply is None or not self._continuation_rule.applies(reply, self._spoken_turn, self._clock.now()):
             return
         reply.hold()
         self._history.withdraw(reply.user_text)
         self._tracker.continue_turn(reply.turn_id, reply.user_text)
-        self._continuation = _Continuation(reply)
+        self._continuation = Continuation(reply)
 
-    async def _withdraw(self, continuation: _Continuation) -> None:
+    async def _withdraw(self, continuation: Continuation) -> None:
         """Cancel the continued turn's reply and tell the client to drop it; the whole turn is answered next."""
         if continuation.withdrawn:
             return

@@ -102,3 +102,14 @@ async def test_speech_after_a_typed_turn_never_continues_it(conversation):
     await conv.silence_until(lambda: len(conv.finals()) == 2)
     assert not conv.of(protocol.TurnContinued)
     assert [f.text for f in conv.finals()] == ["Tell me about Paris.", REST]
+
+
+async def test_speech_after_the_window_is_a_new_turn_however_little_was_heard(conversation):
+    conv = conversation(turn_probability=SURE, continuation_heard_ms=5000, barge_in_confirm=False)
+    conv.llm.pieces = ["Paris is lovely in spring and the museums are wonderful. " * 3]
+    await commit_first_half(conv)
+    await conv.silence(1.6)  # past continuation_ms (1500) after the commit
+    await conv.speak(1.0, "What about Rome?")
+    await conv.silence_until(lambda: len(conv.finals()) == 2)
+    assert not conv.of(protocol.TurnContinued)
+    assert [f.turn_id for f in conv.finals()] == [1, 2]
