@@ -132,7 +132,12 @@ class Settings(BaseSettings):
     ssl_keyfile: str | None = Field(None, description="TLS private key (PEM)")
 
     # Limits
-    max_sessions: int = Field(32, ge=1)
+    max_sessions: int | None = Field(
+        None,
+        ge=1,
+        description="sessions at once (default: what this machine serves in real time, from its CPU cores; "
+        "measure yours with `parley bench load`)",
+    )
     send_timeout_s: float = Field(20.0, gt=0, description="a client that reads nothing this long is disconnected")
     idle_timeout_s: float = Field(300.0, gt=0, description="a session with no audio and no text this long is closed")
     max_audio_rate: float = Field(2.0, ge=1.0, description="audio faster than this many times real time is dropped")

@@ -161,12 +161,17 @@ def assert_barged_in(events: list[dict]) -> None:
 # The latency circuit breaker is tested with a fake clock (tests/unit/server); a test server must
 # not refuse sessions because a loaded test machine answers slowly.
 NO_BREAKER = ["--breaker-voice-to-voice-ms", "600000", "--breaker-llm-ttft-ms", "600000"]
+# Nor because the default cap (the real-time users of this machine's cores: 1 on 2 cores) is
+# below the sessions a test opens at once; the cap itself is tested on its own.
+TEST_MAX_SESSIONS = ["--max-sessions", "16"]
 
 
 def start_server(args: list[str], log_path, ready_path: str = "/healthz", timeout_s: float = 300):
     """Start a `parley` subprocess on a free loopback port; returns (server, base_url). Stop it with ``stop_server``."""
     if args[:1] == ["serve"] and not any(arg.startswith("--breaker") for arg in args):
         args = [*args, *NO_BREAKER]
+    if args[:1] == ["serve"] and "--max-sessions" not in args:
+        args = [*args, *TEST_MAX_SESSIONS]
     server = ServerProcess(args, log_path, ready_path, timeout_s)
     return server, server.base_url
 

@@ -9,6 +9,9 @@ served. Reported:
 * users admitted at the peak, and users refused (with the gate that refused them);
 * users served in real time: every reply produced faster than it plays (RTF >= 1) and the
   user's p95 voice-to-voice (heard at the client) under the breaker's threshold;
+* the real-time capacity: the most users at once for which the turns answered while exactly
+  that many were connected (and every smaller number) met both conditions. This is how the
+  default ``max_sessions`` was measured (``app.server.admission.default_max_sessions``);
 * failed turns among admitted users (errors, or no reply): this must be 0.
 """
 
@@ -40,6 +43,13 @@ class User:
     voice_to_voice_ms: list[float] = field(default_factory=list)
     rtf: list[float] = field(default_factory=list)
     underruns: int = 0
+    answered_at: list[float] = field(default_factory=list)  # seconds into the ramp, one per turn
+
+    def record(self, at_s: float, voice_to_voice_ms: float, rtf: float | None) -> None:
+        self.turns += 1
+        self.answered_at.append(at_s)
+        self.voice_to_voice_ms.append(voice_to_voice_ms)
+        self.rtf.append(rtf if rtf is not None else 0.0)  # no figure: not shown to be real time
 
     def served_in_real_time(self, threshold_ms: float) -> bool:
         p95 = percentile(self.voice_to_voice_ms, 95)
@@ -53,7 +63,9 @@ class User:
         )
 
 
-async def converse(url: str, user: User, questions: list[tuple[str, np.ndarray]], stop: asyncio.Event) -> None:
+async def converse(
+    url: str, user: User, questions: list[tuple[str, np.ndarray]], stop: asyncio.Event, began: float
+) -> None:
     try:
         async with VoiceClient(url) as client:
             await client.send_silence(0.3)
@@ -71,10 +83,7 @@ async def converse(url: str, user: User, questions: list[tuple[str, np.ndarray]]
                 if error is not None or done is None or result.voice_to_voice_ms is None:
                     user.failed.append(f"turn {turn}: {error.message if error else 'no reply audio'}")
                     continue
-                user.turns += 1
-                user.voice_to_voice_ms.append(result.voice_to_voice_ms)
-                if done.metrics.rtf is not None:
-                    user.rtf.append(done.metrics.rtf)
+                user.record(time.monotonic() - began, result.voice_to_voice_ms, done.metrics.rtf)
                 user.underruns += result.underruns
                 await client.listen_until_played(result)
     except ServerRefused as refused:
@@ -91,7 +100,7 @@ async def ramp(url: str, args: argparse.Namespace) -> list[User]:
     for index in range(args.max_users):
         user = User(index, time.monotonic() - began)
         users.append(user)
-        tasks.append(asyncio.create_task(converse(url, user, questions, stop)))
+        tasks.append(asyncio.create_task(converse(url, user, questions, stop, began)))
         await asyncio.sleep(args.step_s)
         admitted = sum(u.refused is None for u in users)
         print(
@@ -111,16 +120,68 @@ async def ramp(url: str, args: argparse.Namespace) -> list[User]:
     return users
 
 
+MIN_TURNS_PER_LEVEL = 3
+
+
+def levels(users: list[User], threshold_ms: float) -> list[dict]:
+    """The turns answered while exactly k users were connected, for k = 1, 2, ...: their p95
+    voice-to-voice, their slowest RTF, and whether that was real time (p95 under ``threshold_ms``,
+    RTF >= 1, at least ``MIN_TURNS_PER_LEVEL`` turns)."""
+    admitted = sorted((u for u in users if u.refused is None), key=lambda u: u.joined_at)
+    joins = [u.joined_at for u in admitted]
+    report = []
+    for count in range(1, len(admitted) + 1):
+        start, end = joins[count - 1], joins[count] if count < len(joins) else float("inf")
+        v2v, rtf = [], []
+        for user in admitted[:count]:
+            for at, ms, factor in zip(user.answered_at, user.voice_to_voice_ms, user.rtf, strict=True):
+                if start <= at < end:
+                    v2v.append(ms)
+                    rtf.append(factor)
+        p95 = percentile(v2v, 95)
+        rtf_min = min(rtf) if rtf else None
+        real_time = (
+            len(v2v) >= MIN_TURNS_PER_LEVEL
+            and p95 is not None
+            and p95 <= threshold_ms
+            and rtf_min is not None
+            and rtf_min >= 1.0
+        )
+        report.append(
+            {
+                "users": count,
+                "turns": len(v2v),
+                "voice_to_voice_ms_p95": p95,
+                "rtf_min": rtf_min,
+                "real_time": real_time,
+            }
+        )
+    return report
+
+
+def real_time_capacity(report: list[dict]) -> int:
+    """The most users at once served in real time, with every smaller number served so too."""
+    capacity = 0
+    for level in report:
+        if not level["real_time"]:
+            break
+        capacity = level["users"]
+    return capacity
+
+
 def summarize(users: list[User], threshold_ms: float) -> dict:
     admitted = [u for u in users if u.refused is None]
     v2v = [value for u in admitted for value in u.voice_to_voice_ms]
     rtf = [value for u in admitted for value in u.rtf]
+    by_level = levels(users, threshold_ms)
     return {
         "users_tried": len(users),
         "users_admitted": len(admitted),
         "users_refused": len(users) - len(admitted),
         "refusals": sorted({u.refused for u in users if u.refused}),
         "users_served_in_real_time": sum(u.served_in_real_time(threshold_ms) for u in admitted),
+        "real_time_capacity": real_time_capacity(by_level),
+        "levels": by_level,
         "failed_turns": sum(len(u.failed) for u in admitted),
         "failures": [f for u in admitted for f in u.failed],
         "turns": sum(u.turns for u in admitted),
@@ -138,6 +199,7 @@ def summarize(users: list[User], threshold_ms: float) -> dict:
                 "failed": u.failed,
                 "voice_to_voice_ms_p95": percentile(u.voice_to_voice_ms, 95),
                 "rtf_min": min(u.rtf) if u.rtf else None,
+                "answered_at_s": [round(at, 1) for at in u.answered_at],
                 "served_in_real_time": u.served_in_real_time(threshold_ms),
             }
             for u in users
@@ -166,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        server_args = ["serve", "--breaker-voice-to-voice-ms", str(args.threshold_ms), *args.server_arg]
+        # the session cap is what this measures, so it must not be what stops the ramp
+        server_args = ["serve", "--breaker-voice-to-voice-ms", str(args.threshold_ms)]
+        server_args += ["--max-sessions", str(args.max_users), *args.server_arg]
         server = ServerProcess(server_args, out / "server-load.log")
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:
@@ -184,6 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         f"voice-to-voice p50 {summary['voice_to_voice_ms_p50'] or 0:.0f} ms, p95 {summary['voice_to_voice_ms_p95'] or 0:.0f} ms; "
         f"RTF min {summary['rtf_min'] or 0:.2f}; underruns {summary['underruns']}"
     )
+    for level in summary["levels"]:
+        p95, rtf = level["voice_to_voice_ms_p95"], level["rtf_min"]
+        print(
+            f"  {level['users']} user(s): {level['turns']} turns, p95 {p95 or 0:.0f} ms, RTF min {rtf or 0:.2f}"
+            f" -> {'real time' if level['real_time'] else 'not real time'}"
+        )
+    print(f"real-time capacity: {summary['real_time_capacity']} user(s) at once")
     for reason in summary["refusals"]:
         print(f"refused: {reason}")
     if args.json_path:

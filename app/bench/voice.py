@@ -142,17 +142,48 @@ def build_workload(kind: str, snr_db: float | None, rates: list[float], pause_s:
     return Workload(kind, tuple(questions), over_reply, noise_rms)
 
 
-async def speak_over_reply(client: VoiceClient, result, audio: np.ndarray) -> bool:
-    """Say ``audio`` a second into the reply of ``result``; True if the server stopped that reply."""
+ANSWER_TIMEOUT_S = 60.0
+
+
+async def speak_over_reply(client: VoiceClient, result, audio: np.ndarray) -> bool | None:
+    """Say ``audio`` a second into the reply of ``result``; True if the server stopped that reply.
+
+    None when the reply is too short to say it over (it would end first): that is no test of
+    barge-in. Words said over a reply that the server takes as a turn (an interruption; a
+    backchannel is not one) are answered: keep the line open (silence) until that answer is
+    complete, so the next question does not talk over it. Its events arrive in ``result``,
+    which is still the client's current turn.
+    """
     done = result.turn_done
     if result.first_audio_received is None or done is None:
-        return False
+        return None
     wait = result.first_audio_received + 1.0 - time.monotonic()
     if wait > 0:
         await client.send_silence(wait)
+    plays_until = result.first_audio_received + result.reply_seconds
+    if plays_until - time.monotonic() < len(audio) / client.sample_rate + 0.5:
+        return None
     await client.send_audio(audio)
     await client.send_silence(1.5)  # the server decides within barge_in_ms + an endpoint
-    return any(isinstance(e, protocol.Interrupt) and e.turn_id == done.turn_id for e in result.events)
+
+    def stopped() -> bool:
+        return any(isinstance(e, protocol.Interrupt) and e.turn_id == done.turn_id for e in result.events)
+
+    def new_turns() -> set[int]:
+        return {e.turn_id for e in result.all(protocol.Transcript) if e.final and e.turn_id != done.turn_id}
+
+    def answered() -> bool:
+        finished = {e.turn_id for e in result.all(protocol.TurnDone) if not e.interrupted}
+        return new_turns() <= finished
+
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    while not answered():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the words said over turn {done.turn_id}'s reply got no answer in {ANSWER_TIMEOUT_S:g} s"
+            )
+        await client.send_silence(0.02)
+    return stopped()
 
 
 async def run_client(url: str, client_index: int, turns: int, workload: Workload) -> list[TurnRecord]:
@@ -181,13 +212,10 @@ async def run_client(url: str, client_index: int, turns: int, workload: Workload
                 interrupt = turn % 4 == 3
                 backchannels = workload.over_reply[:-1]
                 _, over = workload.over_reply[-1] if interrupt else backchannels[(turn - turn // 4) % len(backchannels)]
-                record.spoken_over = "interruption" if interrupt else "backchannel"
-                record.reply_stopped = await speak_over_reply(client, result, over)
-                if interrupt and record.reply_stopped:  # the interruption is a turn of its own: hear its answer
-                    answer = await client.ask(
-                        np.zeros(0, np.float32), leading_silence_s=0, trailing_silence_s=0, answer_to_earlier_words=True
-                    )
-                    await client.listen_until_played(answer)
+                stopped = await speak_over_reply(client, result, over)
+                if stopped is not None:  # (else the reply was too short to say anything over it)
+                    record.spoken_over = "interruption" if interrupt else "backchannel"
+                    record.reply_stopped = stopped
             records.append(record)
             await client.listen_until_played(result)
     return records
@@ -349,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         print("starting parley serve ...", flush=True)
         started = time.monotonic()
-        server = ServerProcess(["serve", *args.server_arg], out / "server.log")
+        # (this measures latency with N users, not admission: the cap must not be what refuses them)
+        server = ServerProcess(["serve", "--max-sessions", str(args.clients), *args.server_arg], out / "server.log")
         print(f"server ready in {time.monotonic() - started:.1f} s", flush=True)
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:

@@ -339,7 +339,6 @@ class VoiceClient:
         self._receiver: asyncio.Task | None = None
         self._current: TurnResult | None = None
         self._done = asyncio.Event()
-        self._any_turn_done = False
         self.output_sample_rate = 0
         self._clock_start = 0.0
         self._frames_sent = 0
@@ -377,12 +376,8 @@ class VoiceClient:
                     result.withdraw_reply()
                 if isinstance(item, protocol.Error) and item.fatal:
                     self._done.set()
-                elif isinstance(item, protocol.TurnDone) and (
-                    (self._any_turn_done and not item.interrupted)
-                    or any(
-                        isinstance(e, protocol.Transcript) and e.final and e.turn_id == item.turn_id
-                        for e in result.events
-                    )
+                elif isinstance(item, protocol.TurnDone) and any(
+                    isinstance(e, protocol.Transcript) and e.final and e.turn_id == item.turn_id for e in result.events
                 ):
                     # the end of the turn this question started; the interrupted end of an earlier
                     # reply (the question cut it short) is not the answer
@@ -423,16 +418,10 @@ class VoiceClient:
         leading_silence_s: float = 0.3,
         trailing_silence_s: float = 2.0,
         timeout_s: float = 120.0,
-        answer_to_earlier_words: bool = False,
     ) -> TurnResult:
-        """Say ``speech`` and keep the line open (silence) until the reply is complete.
-
-        ``answer_to_earlier_words``: the turn was already said (e.g. an interruption spoken over a
-        reply), so the next reply to complete is the answer, whatever turn it belongs to.
-        """
+        """Say ``speech`` and keep the line open (silence) until the reply is complete."""
         result = TurnResult(output_sample_rate=self.output_sample_rate)
         self._current, self._done = result, asyncio.Event()
-        self._any_turn_done = answer_to_earlier_words
         lead = np.zeros(int(leading_silence_s * self.sample_rate), np.float32)
         trail = np.zeros(int(trailing_silence_s * self.sample_rate), np.float32)
         audio = np.concatenate([lead, speech.astype(np.float32), trail])

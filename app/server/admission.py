@@ -2,7 +2,8 @@
 
 Three gates, checked when a connection arrives (sessions already open keep working):
 
-* a session cap (``max_sessions``);
+* a session cap (``max_sessions``; by default what the machine serves in real time, see
+  ``default_max_sessions``);
 * a latency circuit breaker: when the p95 of recent voice-to-voice latencies (or LLM
   time to first token) passes its threshold, new sessions are refused with a retry hint;
   the samples age out of the window, so the breaker closes again by itself once the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -69,6 +71,30 @@ class LatencyBreaker:
         return max(1.0, slow[0] + self.window_s - self._clock())
 
 
+# Measured with `parley bench load --step-s 90 --max-users 3` (users join one by one and talk
+# without pause; a number of users is "real time" when the turns answered while that many were
+# connected had a heard voice-to-voice p95 under 2000 ms and every reply an RTF >= 1) on a
+# 2-core AMD EPYC (znver3, no native bf16, so a float32 LLM): 1 user (p95 1872 ms, RTF min
+# 2.18); 2 users had p95 2559 ms. (A 40 s step, 3 turns a step, had passed 2 users by chance.)
+# Most of a turn's work is CPU-bound on any device (VAD, Piper, and on a CPU-only machine
+# Whisper and the LLM), so the default scales with the cores. Not measured on a GPU machine.
+MEASURED_CORES = 2
+REAL_TIME_SESSIONS_MEASURED = 1
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_max_sessions(cores: int | None = None) -> int:
+    """The session cap when ``max_sessions`` is not set: the measured real-time users per core, times the cores."""
+    cores = cores or available_cores()
+    return max(1, math.floor(cores * REAL_TIME_SESSIONS_MEASURED / MEASURED_CORES))
+
+
 def memory_in_use() -> float:
     """Fraction of the memory this process may use that is in use (the container limit when there is one)."""
     info = {}
@@ -110,6 +136,7 @@ class Admission:
         on_memory_pressure: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.max_sessions = settings.max_sessions or default_max_sessions()
         window = settings.breaker_window_s
         self.voice_to_voice = LatencyBreaker(settings.breaker_voice_to_voice_ms, window, clock=clock)
         self.llm_ttft = LatencyBreaker(settings.breaker_llm_ttft_ms, window, clock=clock)
@@ -135,8 +162,8 @@ class Admission:
 
     def refuse_reason(self, open_sessions: int) -> protocol.Error | None:
         """None to admit a new session, else the ``overloaded`` error to send it."""
-        if open_sessions >= self.settings.max_sessions:
-            return self._refuse("sessions", f"all {self.settings.max_sessions} sessions are in use", 5.0)
+        if open_sessions >= self.max_sessions:
+            return self._refuse("sessions", f"all {self.max_sessions} sessions are in use", 5.0)
         if self.breaker_open():
             figures = ", ".join(
                 f"{name} p95 {breaker.p95():.0f} ms (limit {breaker.threshold_ms:.0f})"

@@ -34,6 +34,13 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
             app.state.models = await asyncio.to_thread(load_models, settings, lambda line: print(line, flush=True))
         for warning in app.state.access.startup_warnings():
             print(f"WARNING: {warning}", flush=True)
+        cap = app.state.admission.max_sessions
+        how = (
+            "max_sessions"
+            if settings.max_sessions
+            else "what this machine serves in real time; set max_sessions to change"
+        )
+        print(f"sessions at once: {cap} ({how})", flush=True)
         scheme = "https" if settings.ssl_certfile else "http"
         print(f"parley ready on {scheme}://{settings.host}:{settings.port}", flush=True)
         yield

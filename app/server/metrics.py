@@ -93,6 +93,11 @@ class _AdmissionCollector(Collector):
             value=1.0 if self._admission.breaker_open() else 0.0,
         )
         yield GaugeMetricFamily(
+            "parley_max_sessions",
+            "the session cap (max_sessions, or the default for this machine)",
+            value=self._admission.max_sessions,
+        )
+        yield GaugeMetricFamily(
             "parley_memory_in_use_ratio",
             "share of memory in use (GPU memory too on CUDA)",
             value=self._admission.memory_fraction(),

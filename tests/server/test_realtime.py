@@ -658,6 +658,7 @@ async def test_a_failed_turn_fails_its_response():
 
 # ---------------------------------------------------------------- the route: admission and keys (in-process)
 def realtime_app(**settings):
+    settings.setdefault("max_sessions", 16)  # not the machine's default cap: tests open several sessions
     return create_app(Settings(**settings), models=FakeStages(ScriptedLLM(["Hello there."])))
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import pytest
-from harness import NO_BREAKER, assert_barged_in, talk_over_a_long_reply
+from harness import NO_BREAKER, TEST_MAX_SESSIONS, assert_barged_in, talk_over_a_long_reply
 
 from app.bench.launcher import ServerProcess
 from app.clients.core import speak_turn
@@ -19,7 +19,7 @@ def engine_and_voice(output_dir):
     llm_url = engine.base_url + "/v1"
     try:
         voice = ServerProcess(
-            ["serve", "--llm-backend", "openai", "--llm-url", llm_url, *NO_BREAKER], output_dir / "remote-voice.log"
+            ["serve", "--llm-backend", "openai", "--llm-url", llm_url, *NO_BREAKER, *TEST_MAX_SESSIONS], output_dir / "remote-voice.log"
         )
     except Exception:
         engine.stop()

@@ -633,6 +633,58 @@ def test_stop_and_esc_silence_the_reply_at_once_and_keep_the_conversation(playwr
         assert not page.page_errors, page.page_errors
 
 
+def continued_turn(ws, site, n):
+    """A spoken turn committed at a pause, answered, then continued (``turn_continued``) and answered whole."""
+
+    def on_message(ws, message):
+        if message["type"] != "text":
+            return
+
+        def send(**event):
+            ws.send(json.dumps(event))
+
+        send(type="transcript", turn_id=1, text="I want to visit Paris.", final=True)
+        send(type="assistant_text", turn_id=1, delta="Paris is ")
+        send(type="audio_start", turn_id=1, sample_rate=16000)
+        for _ in range(30):  # 3 s of the first half's answer, queued by the page
+            ws.send(tone(100))
+        time.sleep(0.3)
+        send(type="speech_started")
+        send(type="turn_continued", turn_id=1)
+        send(type="transcript", turn_id=1, text="I want to visit Paris. and London", final=False)
+        time.sleep(0.3)
+        send(type="transcript", turn_id=1, text="I want to visit Paris. and London next summer.", final=True)
+        send(type="assistant_text", turn_id=1, delta="Both are lovely in summer.")
+        send(type="audio_start", turn_id=1, sample_rate=16000)
+        for _ in range(5):
+            ws.send(tone(100))
+        send(type="turn_done", turn_id=1, text="Both are lovely in summer.", metrics=STORY_METRICS)
+
+    site.converse(ws, on_message)
+
+
+def test_a_continued_turn_replaces_the_withdrawn_reply(playwright, tmp_path):
+    with (
+        scripted_site(continued_turn) as (url, _site),
+        browser_page(playwright, tmp_path / "profile", [*BASE_ARGS, AUTOPLAY], []) as page,
+    ):
+        page.goto(f"{url}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        page.fill("#text", "go")  # the scripted server plays a spoken turn whatever is typed
+        page.press("#text", "Enter")
+        page.wait_for_function("window.parley.events.some(e => e.type === 'turn_done')", timeout=15_000)
+        user = page.locator('#log .msg.user[data-turn="1"]')
+        user.locator(".text", has_text="next summer.").wait_for(timeout=15_000)
+        assert user.count() == 1 and "partial" not in (user.get_attribute("class") or "")
+        replies = page.locator('#log .msg.assistant[data-turn="1"]')
+        replies.locator(".text", has_text="Both are lovely").wait_for(timeout=15_000)
+        assert replies.count() == 1 and replies.locator(".text").inner_text() == "Both are lovely in summer."
+        # the withdrawn 3 s were cut: what plays now is the whole turn's 0.5 s answer at most
+        page.wait_for_timeout(1500)
+        assert page.evaluate("window.parley.playing") is False
+        assert not page.page_errors, page.page_errors
+
+
 def busy_then_open(ws, site, n):
     if n == 1:  # what the server does when admission refuses a session
         ws.send(

@@ -150,6 +150,16 @@ def test_admission_gates_and_their_retry_hints():
     assert admission.refused == {"sessions": 1, "latency": 1, "memory": 1}
 
 
+def test_the_default_session_cap_scales_the_measured_real_time_users_with_the_cores():
+    from app.server.admission import MEASURED_CORES, REAL_TIME_SESSIONS_MEASURED, default_max_sessions
+
+    assert default_max_sessions(MEASURED_CORES) == REAL_TIME_SESSIONS_MEASURED
+    assert default_max_sessions(4 * MEASURED_CORES) == 4 * REAL_TIME_SESSIONS_MEASURED
+    assert default_max_sessions(1) >= 1  # a machine smaller than the measured one still serves someone
+    assert Admission(Settings(), memory=lambda: 0.1).max_sessions == default_max_sessions()
+    assert Admission(Settings(max_sessions=7), memory=lambda: 0.1).max_sessions == 7
+
+
 def test_interrupted_turns_do_not_feed_the_breaker():
     clock = Clock()
     admission = Admission(Settings(breaker_voice_to_voice_ms=1000), clock=clock, memory=lambda: 0.1)
