@@ -19,7 +19,8 @@ def engine_and_voice(output_dir):
     llm_url = engine.base_url + "/v1"
     try:
         voice = ServerProcess(
-            ["serve", "--llm-backend", "openai", "--llm-url", llm_url, *NO_BREAKER, *TEST_MAX_SESSIONS], output_dir / "remote-voice.log"
+            ["serve", "--llm-backend", "openai", "--llm-url", llm_url, *NO_BREAKER, *TEST_MAX_SESSIONS],
+            output_dir / "remote-voice.log",
         )
     except Exception:
         engine.stop()
