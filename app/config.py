@@ -49,7 +49,9 @@ class Settings(BaseSettings):
     llm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"
     )
-    llm_quantization: Literal["none", "int8", "int4"] = "none"
+    llm_quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto", description="auto: int8 where the LLM would run float32 on the CPU (no native bf16), else none"
+    )
     llm_int8_method: Literal["auto", "int8pack", "ao", "bitsandbytes"] = Field(
         "auto", description="int8 kernel: auto = bitsandbytes LLM.int8 on CUDA, int8pack on the CPU"
     )

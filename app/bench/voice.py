@@ -148,8 +148,8 @@ ANSWER_TIMEOUT_S = 60.0
 async def speak_over_reply(client: VoiceClient, result, audio: np.ndarray) -> bool | None:
     """Say ``audio`` a second into the reply of ``result``; True if the server stopped that reply.
 
-    None when the reply is too short to say it over (it would end first): that is no test of
-    barge-in. Words said over a reply that the server takes as a turn (an interruption; a
+    None when the reply is too short to say it over (it would end before the server could
+    judge the words): that is no test of barge-in. Words said over a reply that the server takes as a turn (an interruption; a
     backchannel is not one) are answered: keep the line open (silence) until that answer is
     complete, so the next question does not talk over it. Its events arrive in ``result``,
     which is still the client's current turn.
@@ -160,8 +160,10 @@ async def speak_over_reply(client: VoiceClient, result, audio: np.ndarray) -> bo
     wait = result.first_audio_received + 1.0 - time.monotonic()
     if wait > 0:
         await client.send_silence(wait)
+    # The reply must still be playing when the server judges the words (barge_in_ms, then a
+    # short transcription): through a backchannel, and for a second of a longer interruption.
     plays_until = result.first_audio_received + result.reply_seconds
-    if plays_until - time.monotonic() < len(audio) / client.sample_rate + 0.5:
+    if plays_until - time.monotonic() < min(len(audio) / client.sample_rate, 1.0) + 0.5:
         return None
     await client.send_audio(audio)
     await client.send_silence(1.5)  # the server decides within barge_in_ms + an endpoint

@@ -50,16 +50,29 @@ def llm_dtype(setting: str, device: str) -> str:
     return "bfloat16" if native else "float32"
 
 
+def llm_quantization(setting: str, dtype: str, device: str) -> str | None:
+    """``auto``: int8 weights (int8pack) where the LLM would otherwise run float32 on the CPU, else none.
+
+    There the fused 16-bit kernels do not apply, and on the AMD EPYC without native bf16 int8
+    decoded the bundled model in 30-33 ms a token against 50-57 ms in float32 (first token
+    50-63 against 82-94 ms); `parley bench voice`, back to back: voice-to-voice p50 1556 ->
+    1264 ms. Its perplexity is within 0.3 % of float32's (`parley doctor`).
+    """
+    if setting == "auto":
+        return "int8" if dtype == "float32" and not device.startswith("cuda") else None
+    return None if setting == "none" else setting
+
+
 def make_llm(settings: Settings) -> ChatLLM:
     generation = GenerationSettings(max_tokens=settings.llm_max_tokens, temperature=settings.llm_temperature)
     if settings.llm_backend == "engine":
         from app.stages.llm import EngineChatLLM
 
-        quantization = None if settings.llm_quantization == "none" else settings.llm_quantization
+        dtype = llm_dtype(settings.llm_dtype, settings.llm_device)
         return EngineChatLLM(
             settings.llm_model,
-            llm_dtype(settings.llm_dtype, settings.llm_device),
-            quantization,
+            dtype,
+            llm_quantization(settings.llm_quantization, dtype, settings.llm_device),
             settings.llm_device,
             settings=generation,
             num_threads=settings.llm_threads,
