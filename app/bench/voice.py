@@ -149,9 +149,9 @@ async def speak_over_reply(client: VoiceClient, result, audio: np.ndarray) -> bo
     """Say ``audio`` a second into the reply of ``result``; True if the server stopped that reply.
 
     None when the reply is too short to say it over (it would end before the server could
-    judge the words): that is no test of barge-in. Words said over a reply that the server takes as a turn (an interruption; a
-    backchannel is not one) are answered: keep the line open (silence) until that answer is
-    complete, so the next question does not talk over it. Its events arrive in ``result``,
+    judge the words): that is no test of barge-in. Words said over a reply that the server
+    takes as a turn (an interruption; a backchannel is not one) are answered: keep the line
+    open (silence) until that answer is complete, so the next question does not talk over it. Its events arrive in ``result``,
     which is still the client's current turn.
     """
     done = result.turn_done
@@ -207,8 +207,7 @@ async def run_client(url: str, client_index: int, turns: int, workload: Workload
                 server=result.server_metrics,
                 split=len(finals) > 1,
                 continued=bool(result.all(protocol.TurnContinued)),
-                talked_over=result.withdrawn_audio_before_speech_end
-                or (result.first_audio_received or float("inf")) < (result.speech_end_sent or 0.0),
+                talked_over=result.talked_over,
             )
             if workload.kind == "backchannels":
                 interrupt = turn % 4 == 3

@@ -236,10 +236,18 @@ class TurnResult:
     withdrawn_audio_s: float = 0.0  # reply audio received, then withdrawn by ``turn_continued``
     withdrawn_audio_before_speech_end: bool = False  # some of it arrived while the user was still speaking
 
+    def _audio_before_speech_end(self) -> bool:
+        first = self.first_audio_received
+        return first is not None and (self.speech_end_sent is None or first < self.speech_end_sent)
+
+    @property
+    def talked_over(self) -> bool:
+        """Reply audio arrived while the user was still speaking (a withdrawn reply's too)."""
+        return self.withdrawn_audio_before_speech_end or self._audio_before_speech_end()
+
     def withdraw_reply(self) -> None:
         """``turn_continued``: the audio so far answered half a question; the real answer follows."""
-        first = self.first_audio_received
-        if first is not None and (self.speech_end_sent is None or first < self.speech_end_sent):
+        if self._audio_before_speech_end():
             self.withdrawn_audio_before_speech_end = True
         if self.output_sample_rate:
             self.withdrawn_audio_s += len(self.reply_audio) / 2 / self.output_sample_rate

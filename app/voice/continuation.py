@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.voice.reply import Reply
+from app.voice.text import text_after
 
 
 @dataclass(frozen=True)
@@ -44,5 +45,4 @@ class Continuation:
 
     def new_words(self, text: str) -> str:
         """What ``text`` (the whole turn so far) adds to what was committed before."""
-        said = self.reply.user_text
-        return text[len(said) :].strip() if text.startswith(said) else text
+        return text_after(text, self.reply.user_text)

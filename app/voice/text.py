@@ -82,6 +82,11 @@ class SentenceSplitter:
         return piece
 
 
+def text_after(text: str, said: str) -> str:
+    """What ``text`` adds to ``said`` when it starts with it (a continued turn's new words), else all of ``text``."""
+    return text[len(said) :].strip() if said and text.startswith(said) else text
+
+
 def spoken_length(text: str) -> int:
     """Length in Latin-letter equivalents: a CJK character says about as much as three letters."""
     return sum(3 if ord(char) >= 0x2E80 else 1 for char in text)

@@ -33,6 +33,7 @@ import numpy as np
 from app.audio import ASR_SAMPLE_RATE
 from app.stages.base import SpeechRecognizer, TurnDetector, VoiceActivity
 from app.voice.clock import ArrivalClock, Clock, RunBlocking
+from app.voice.text import text_after
 from app.voice.turns import Endpointer, PartialStabilizer, is_filler
 
 log = logging.getLogger(__name__)
@@ -154,10 +155,7 @@ class _Utterance:
 
     def added_text(self) -> str:
         """The words said in this utterance (of a continued turn: after what was committed before)."""
-        text = self.text()
-        if self.continued_text and text.startswith(self.continued_text):
-            return text[len(self.continued_text) :].strip()
-        return text
+        return text_after(self.text(), self.continued_text)
 
     def audio_start(self) -> int:
         return self.stable_until or self.start - PREROLL_MS * SAMPLES_PER_MS
