@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     # Measured with `parley bench voice` on 2 cores: one thread each for the engine and Piper
     # (ASR keeps 2) gave p50 762 ms vs 1067 ms with every library on all cores.
     llm_threads: int | None = Field(1, ge=1, description="engine CPU threads (empty: torch's choice)")
+    llm_prefill_threads: int | None = Field(
+        None, ge=1, description="engine CPU threads for prompt prefill (empty: every core); decode uses llm_threads"
+    )
     llm_max_tokens: int = Field(120, ge=1, le=4096)
     llm_temperature: float = Field(0.0, ge=0.0, le=2.0)
     llm_context_tokens: int | None = Field(

@@ -47,6 +47,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     num_threads: int | None = None
+    # CPU threads for steps that prefill a prompt (None: num_threads). A prompt is compute-bound
+    # and uses every core well; decoding one token per sequence is not, and in the voice app it
+    # shares the cores with speech recognition and synthesis (see ModelRunner.execute).
+    prefill_threads: int | None = None
     seed: int = 0
     # 16-bit CPU models run the fused C++ kernels of engine/fused.py (built on first use)
     fused_kernels: bool = True
@@ -68,6 +72,10 @@ class EngineConfig:
             raise ValueError("num_blocks must be positive")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes must be positive")
+        if (self.num_threads is not None and self.num_threads < 1) or (
+            self.prefill_threads is not None and self.prefill_threads < 1
+        ):
+            raise ValueError("num_threads and prefill_threads must be positive")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], not {self.gpu_memory_fraction}")
 

@@ -197,6 +197,15 @@ class ModelRunner:
         self.quant_info: dict | None = self.model.quant_info
         self.num_packed_linears = self.model.num_packed_linears
         self.fused_kernels = config.fused_kernels and self.model.use_fused_kernels()
+        # CPU threads per step: prefill_threads for a step with prompt tokens, num_threads for decode.
+        # On the 2-core development VM, a voice turn's first token took 130 ms with 2 threads
+        # against 250 ms with 1, while decoding on 2 threads slowed the Piper synthesis beside it
+        # from 180 to 390 ms (`parley bench voice`, per-stage trace); so the app prefills on every
+        # core and decodes on one.
+        self._step_threads = None
+        if torch.device(self.device).type == "cpu" and config.prefill_threads:
+            decode, prefill = config.num_threads or torch.get_num_threads(), config.prefill_threads
+            self._step_threads = lambda sched: prefill if any(c.num_tokens > 1 for c in sched.chunks) else decode
         self.graphs = None  # engine.cuda.DecodeGraphRunner on CUDA (decode steps as CUDA graphs)
         self.cuda_graphs_note = "off (CPU)"
         if torch.device(self.device).type == "cuda":
@@ -237,6 +246,11 @@ class ModelRunner:
             f"KV cache {self.num_blocks} blocks x {self.block_size} tokens ({self.kv_cache_bytes / 2**20:.0f} MiB)"
         )
 
+    def _use_threads(self, threads: int) -> None:
+        """Set torch's CPU threads for this step (on the stepping thread: OpenMP settings are per thread)."""
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the blocks the KV manager hands out (the scratch block not counted)."""
@@ -245,6 +259,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
         """Run one step; returns the ids of requests that sample and their logits rows."""
+        if self._step_threads is not None:
+            self._use_threads(self._step_threads(sched))
         if self.graphs is not None:
             out = self.graphs.run(sched.chunks)
             if out is not None:

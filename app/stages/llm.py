@@ -128,6 +128,7 @@ class EngineChatLLM:
         device: str = "cpu",
         settings: GenerationSettings | None = None,
         num_threads: int | None = None,
+        prefill_threads: int | None = None,
         int8_method: str = "auto",
         gpu_memory_fraction: float = 0.9,
         cuda_graphs: bool = True,
@@ -141,6 +142,7 @@ class EngineChatLLM:
             int8_method=int8_method,
             device=device,
             num_threads=num_threads,
+            prefill_threads=prefill_threads,
             gpu_memory_fraction=gpu_memory_fraction,
             cuda_graphs=cuda_graphs,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ def make_llm(settings: Settings) -> ChatLLM:
             settings.llm_device,
             settings=generation,
             num_threads=settings.llm_threads,
+            prefill_threads=settings.llm_prefill_threads or os.cpu_count(),
             int8_method=settings.llm_int8_method,
             gpu_memory_fraction=settings.llm_gpu_memory_fraction,
             cuda_graphs=settings.llm_cuda_graphs,

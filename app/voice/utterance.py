@@ -221,8 +221,10 @@ class UtteranceTracker:
         if utterance is None:
             return
         if self._vad.speaking:
-            self._maybe_partial(utterance)
-            if not self._vad.trailing_silence:  # the VAD's hangover is silence, not speech to count
+            # In the VAD's hangover the speech may be ending: a partial started now would hold ASR
+            # just when the tail (the words a reply is made from) is wanted.
+            if not self._vad.trailing_silence:  # the hangover is silence, not speech to count
+                self._maybe_partial(utterance)
                 await self._emit(Speaking(utterance.turn_id, (self._audio_end - utterance.start) / SAMPLES_PER_MS))
             if utterance is not self._utterance:
                 return

@@ -131,3 +131,75 @@ async def test_rejection_and_bad_input_are_reported(aengine):
     assert outs[-1].finish_reason == "error" and "max_model_len" in outs[-1].error
     outs = [o async for o in aengine.generate([], SamplingParams(max_tokens=4))]
     assert outs[-1].finish_reason == "error" and "empty" in outs[-1].error
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it(monkeypatch):
+    """torch's CPU kernels run on an OpenMP team per calling thread: loading on one thread and
+    stepping on another left two teams on the cores and slowed every decode step."""
+    import threading
+
+    import engine.async_engine as async_engine
+
+    threads: dict[str, threading.Thread] = {}
+
+    class RecordingEngine:
+        def __init__(self, config):
+            threads["built"] = threading.current_thread()
+            self.config, self.tokenizer = config, None
+            self.stepped = threading.Event()
+
+        def stats(self):
+            return {}
+
+        def has_unfinished(self):
+            if not self.stepped.is_set():
+                threads["stepped"] = threading.current_thread()
+                self.stepped.set()
+            return False
+
+    monkeypatch.setattr(async_engine, "LLMEngine", RecordingEngine)
+    eng = AsyncLLMEngine(async_engine.EngineConfig())
+    try:
+        assert eng.engine.stepped.wait(5)
+        assert threads["built"] is threads["stepped"] is not threading.current_thread()
+    finally:
+        eng.shutdown()
+
+
+def test_an_engine_that_cannot_be_built_fails_its_constructor(monkeypatch):
+    import engine.async_engine as async_engine
+
+    def refuse(config):
+        raise RuntimeError("no such model")
+
+    monkeypatch.setattr(async_engine, "LLMEngine", refuse)
+    with pytest.raises(RuntimeError, match="no such model"):
+        AsyncLLMEngine(async_engine.EngineConfig())
+
+
+def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(make_engine, prompts):
+    """Run on a thread of its own: torch's thread setting belongs to the calling thread."""
+    import threading
+
+    import torch
+
+    seen: list[int] = []
+
+    def run() -> None:
+        eng = make_engine(num_threads=1, prefill_threads=2)
+        execute = eng.runner.execute
+
+        def recording(sched):
+            out = execute(sched)
+            seen.append(torch.get_num_threads())
+            return out
+
+        eng.runner.execute = recording
+        eng.add_request("t", prompts[0], SamplingParams(max_tokens=3))
+        while eng.has_unfinished():
+            eng.step()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [2, 1, 1]  # the prompt, then one token a step

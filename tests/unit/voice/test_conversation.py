@@ -412,3 +412,14 @@ async def test_a_question_mark_outweighs_a_model_that_hears_an_unfinished_turn(c
     await conv.speak(1.0, "Can you recommend a good book?")
     waited_ms = await conv.silence_until(committed(conv)) * 1000
     assert ENDPOINT_MS <= waited_ms <= ENDPOINT_MS + VAD_WINDOW_MS + FRAME_MS
+
+
+async def test_no_partial_starts_while_the_speech_may_be_ending(conversation):
+    """In the VAD's hangover the next ASR job should be the tail, not a partial that would delay it."""
+    conv = conversation(partial_interval_ms=100)
+    conv.asr.partial = "What is the capital"
+    await conv.speak(1.0, QUESTION)
+    assert False in conv.asr.calls, "no partial while speaking"
+    spoken_calls = len(conv.asr.calls)
+    await conv.silence_until(lambda: True in conv.asr.calls[spoken_calls:])  # the tail
+    assert conv.asr.calls[spoken_calls:] == [True]

@@ -57,12 +57,20 @@ def test_long_first_sentence_without_commas_is_cut_before_a_joining_word():
     ]
 
 
-def test_first_piece_is_capped_at_ten_words_when_nothing_joins():
+def test_first_piece_is_capped_at_six_words_when_nothing_joins():
     words_only = "one two three four five six seven eight nine ten eleven twelve."
-    assert (
-        stream(SentenceSplitter(first_clause_chars=16), words_only)[0]
-        == "one two three four five six seven eight nine ten"
-    )
+    assert stream(SentenceSplitter(first_clause_chars=16), words_only) == [
+        "one two three four five six",
+        "seven eight nine ten eleven twelve.",
+    ]
+
+
+def test_first_piece_is_cut_before_a_preposition():
+    text = "The most popular dog breed in the world is the Labrador."
+    assert stream(SentenceSplitter(first_clause_chars=16), text) == [
+        "The most popular dog breed",
+        "in the world is the Labrador.",
+    ]
 
 
 def test_words_in_any_script():
