@@ -19,6 +19,12 @@ _JOINING_WORDS = frozenset(
 # Measured with `parley bench voice` (see the README's turn-taking figures).
 FIRST_PHRASE_WORDS = 4
 FIRST_PHRASE_MAX_WORDS = 6
+# Later pieces end at sentences, but a run-on sentence (small LLMs write 100-word ones) is cut
+# too: speaking it whole would leave the listener in silence while it is written and
+# synthesized (an underrun). Cut at a clause break or before a joining word past
+# LATER_PHRASE_WORDS, or anywhere at LATER_PHRASE_MAX_WORDS.
+LATER_PHRASE_WORDS = 10
+LATER_PHRASE_MAX_WORDS = 20
 _MARKUP = re.compile(r"[*_#`~>|]+|\[(?:[^\]]*)\]\((?:[^)]*)\)")
 _SPACES = re.compile(r"\s+")
 
@@ -64,24 +70,28 @@ class SentenceSplitter:
             if last_word in _ABBREVIATIONS or re.fullmatch(r"\d{1,2}\.", last_word):
                 continue  # "Dr." or a list number, not the end of a sentence
             return self._take(match.end())
-        if self.first_clause_chars and self._released == 0 and spoken_length(self._buffer) >= self.first_clause_chars:
-            for match in _CLAUSE_END.finditer(self._buffer):
-                if spoken_length(self._buffer[: match.end()]) >= self.min_chars:
-                    return self._take(match.end())
-            cut = self._first_phrase_end()
-            if cut is not None:
-                return self._take(cut)
-        return None
+        if self._released == 0:
+            if self.first_clause_chars and spoken_length(self._buffer) >= self.first_clause_chars:
+                return self._phrase(self.min_chars, FIRST_PHRASE_WORDS, FIRST_PHRASE_MAX_WORDS)
+            return None
+        return self._phrase(0, LATER_PHRASE_WORDS, LATER_PHRASE_MAX_WORDS)
 
-    def _first_phrase_end(self) -> int | None:
-        """No punctuation yet: cut the first piece before a joining word ("... is | that they ...")
-        once it has ``FIRST_PHRASE_WORDS`` words, or anywhere after ``FIRST_PHRASE_MAX_WORDS``."""
+    def _phrase(self, min_chars: int, min_words: int, max_words: int) -> str | None:
+        """No sentence end yet: a piece that ends at a clause break (once ``min_chars`` long and,
+        past the first piece, ``min_words`` words), else before a joining word ("... is | that
+        they ...") once it has ``min_words`` words, or anywhere after ``max_words``."""
         spans = [match.span() for match in re.finditer(r"\S+", self._buffer)]
         complete = spans[:-1] if not self._buffer[-1:].isspace() else spans  # the last word may still grow
-        for index in range(FIRST_PHRASE_WORDS, len(complete)):
+        if self._released and len(complete) < min_words:
+            return None
+        for match in _CLAUSE_END.finditer(self._buffer):
+            piece = self._buffer[: match.end()]
+            if spoken_length(piece) >= min_chars and (not self._released or len(piece.split()) >= min_words):
+                return self._take(match.end())
+        for index in range(min_words, len(complete)):
             word = self._buffer[complete[index][0] : complete[index][1]].lower()
-            if word in _JOINING_WORDS or index >= FIRST_PHRASE_MAX_WORDS:
-                return complete[index - 1][1]
+            if word in _JOINING_WORDS or index >= max_words:
+                return self._take(complete[index - 1][1])
         return None
 
     def _take(self, end: int) -> str:

@@ -84,3 +84,20 @@ def test_cjk_sentences_end_without_a_space():
     assert splitter.flush() == "我们去"
     first = SentenceSplitter(first_clause_chars=16)
     assert first.push("今天天气很好，我们去公园散步吧") == ["今天天气很好，"]
+
+
+def test_a_run_on_later_sentence_is_cut_so_the_listener_is_not_left_in_silence():
+    run_on = "is that the answer is that the answer is that the answer is that the answer is that the answer"
+    pieces = stream(SentenceSplitter(first_clause_chars=16), "The most popular answer " + run_on)
+    assert pieces[0] == "The most popular answer is"
+    assert all(len(piece.split()) <= 20 for piece in pieces)
+    assert len(pieces) >= 3 and " ".join(pieces) == "The most popular answer " + run_on
+
+
+def test_later_sentences_of_ordinary_length_are_spoken_whole():
+    text = "Paris is lovely. In spring, the parks are full of people walking their dogs. Go in May."
+    assert stream(SentenceSplitter(first_clause_chars=16), text) == [
+        "Paris is lovely.",
+        "In spring, the parks are full of people walking their dogs.",
+        "Go in May.",
+    ]
