@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     serve.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=None,
+        help="CPU threads for prompt prefill steps (default: --num-threads)",
+    )
+    serve.add_argument(
         "--api-key",
         default=os.environ.get("PARLEY_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $PARLEY_API_KEY)",
@@ -95,6 +101,7 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        prefill_threads=args.prefill_threads,
     )
 
 

@@ -16,7 +16,9 @@ _JOINING_WORDS = frozenset(
 )
 # The first piece is what the user waits for: the LLM writes it and TTS speaks it before any
 # audio starts, at ~60 ms a word on the 2-core CPU (~25 ms of decode and ~35 ms of Piper).
-# Measured with `parley bench voice` (see the README's turn-taking figures).
+# `parley bench voice --clients 1 --turns 20`, back to back with the earlier 10-word cap (and
+# the engine's thread changes): the first piece took 335 ms to write and 301 ms to speak,
+# against 442 and 415; voice-to-voice p50 1412 -> 1200 ms.
 FIRST_PHRASE_WORDS = 4
 FIRST_PHRASE_MAX_WORDS = 6
 # Later pieces end at sentences, but a run-on sentence (small LLMs write 100-word ones) is cut
