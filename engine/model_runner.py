@@ -202,10 +202,8 @@ class ModelRunner:
         # against 250 ms with 1, while decoding on 2 threads slowed the Piper synthesis beside it
         # from 180 to 390 ms (`parley bench voice`, per-stage trace); so the app prefills on every
         # core and decodes on one.
-        self._step_threads = None
-        if torch.device(self.device).type == "cpu" and config.prefill_threads:
-            decode, prefill = config.num_threads or torch.get_num_threads(), config.prefill_threads
-            self._step_threads = lambda sched: prefill if any(c.num_tokens > 1 for c in sched.chunks) else decode
+        self._prefill_threads = config.prefill_threads if torch.device(self.device).type == "cpu" else None
+        self._decode_threads = config.num_threads or torch.get_num_threads()
         self.graphs = None  # engine.cuda.DecodeGraphRunner on CUDA (decode steps as CUDA graphs)
         self.cuda_graphs_note = "off (CPU)"
         if torch.device(self.device).type == "cuda":
@@ -246,8 +244,10 @@ class ModelRunner:
             f"KV cache {self.num_blocks} blocks x {self.block_size} tokens ({self.kv_cache_bytes / 2**20:.0f} MiB)"
         )
 
-    def _use_threads(self, threads: int) -> None:
+    def _use_threads(self, sched: SchedulerOutput) -> None:
         """Set torch's CPU threads for this step (on the stepping thread: OpenMP settings are per thread)."""
+        prefill = any(chunk.num_tokens > 1 for chunk in sched.chunks)
+        threads = self._prefill_threads if prefill else self._decode_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
@@ -259,8 +259,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
         """Run one step; returns the ids of requests that sample and their logits rows."""
-        if self._step_threads is not None:
-            self._use_threads(self._step_threads(sched))
+        if self._prefill_threads is not None:
+            self._use_threads(sched)
         if self.graphs is not None:
             out = self.graphs.run(sched.chunks)
             if out is not None:

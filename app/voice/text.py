@@ -74,22 +74,20 @@ class SentenceSplitter:
             return self._take(match.end())
         if self._released == 0:
             if self.first_clause_chars and spoken_length(self._buffer) >= self.first_clause_chars:
-                return self._phrase(self.min_chars, FIRST_PHRASE_WORDS, FIRST_PHRASE_MAX_WORDS)
+                return self._phrase(self.min_chars, 0, FIRST_PHRASE_WORDS, FIRST_PHRASE_MAX_WORDS)
             return None
-        return self._phrase(0, LATER_PHRASE_WORDS, LATER_PHRASE_MAX_WORDS)
+        return self._phrase(0, LATER_PHRASE_WORDS, LATER_PHRASE_WORDS, LATER_PHRASE_MAX_WORDS)
 
-    def _phrase(self, min_chars: int, min_words: int, max_words: int) -> str | None:
-        """No sentence end yet: a piece that ends at a clause break (once ``min_chars`` long and,
-        past the first piece, ``min_words`` words), else before a joining word ("... is | that
-        they ...") once it has ``min_words`` words, or anywhere after ``max_words``."""
-        spans = [match.span() for match in re.finditer(r"\S+", self._buffer)]
-        complete = spans[:-1] if not self._buffer[-1:].isspace() else spans  # the last word may still grow
-        if self._released and len(complete) < min_words:
-            return None
+    def _phrase(self, clause_chars: int, clause_words: int, min_words: int, max_words: int) -> str | None:
+        """No sentence end yet: a piece that ends at a clause break (once ``clause_chars`` and
+        ``clause_words`` long), else before a joining word ("... is | that they ...") once it has
+        ``min_words`` words, or anywhere after ``max_words``."""
         for match in _CLAUSE_END.finditer(self._buffer):
             piece = self._buffer[: match.end()]
-            if spoken_length(piece) >= min_chars and (not self._released or len(piece.split()) >= min_words):
+            if spoken_length(piece) >= clause_chars and len(piece.split()) >= clause_words:
                 return self._take(match.end())
+        spans = [match.span() for match in re.finditer(r"\S+", self._buffer)]
+        complete = spans[:-1] if not self._buffer[-1:].isspace() else spans  # the last word may still grow
         for index in range(min_words, len(complete)):
             word = self._buffer[complete[index][0] : complete[index][1]].lower()
             if word in _JOINING_WORDS or index >= max_words:
