@@ -77,6 +77,11 @@ class Settings(BaseSettings):
     # TTS
     tts_backend: Literal["piper", "coqui"] = Field("piper", description="coqui needs the [coqui] extra (GPU image)")
     tts_threads: int | None = Field(1, ge=1, description="Piper CPU threads (empty: all cores)")
+    tts_first_piece_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Piper CPU threads for a reply's first piece, the LLM paused meanwhile (empty: all cores)",
+    )
     tts_voice: str = Field("bundled", description="'bundled' (en_US joe medium) or a Piper .onnx path")
     tts_voices: dict[str, str] = Field(
         default_factory=dict,

@@ -63,6 +63,7 @@ class AsyncLLMEngine:
         self._cond = threading.Condition()
         self._adds: list[tuple[str, list[int] | str, SamplingParams]] = []
         self._aborts: list[str] = []
+        self._pauses: list[tuple[str, float]] = []  # (request id, max seconds); 0 resumes it
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count(1)
         self._stop = False
@@ -122,6 +123,18 @@ class AsyncLLMEngine:
         """Abort a request from any thread; its blocks are freed before the next step runs."""
         with self._cond:
             self._aborts.append(request_id)
+            self._cond.notify()
+
+    def pause(self, request_id: str, max_s: float) -> None:
+        """From any thread: step no further tokens of ``request_id`` until ``resume`` or ``max_s`` seconds
+        pass (``LLMEngine.pause``). A request that is not running is not paused."""
+        with self._cond:
+            self._pauses.append((request_id, max_s))
+            self._cond.notify()
+
+    def resume(self, request_id: str) -> None:
+        with self._cond:
+            self._pauses.append((request_id, 0.0))
             self._cond.notify()
 
     def is_running(self) -> bool:
@@ -204,7 +217,7 @@ class AsyncLLMEngine:
         self._down = reason
         with self._cond:
             streams = list(self._streams)
-            self._adds, self._aborts = [], []
+            self._adds, self._aborts, self._pauses = [], [], []
         message = f"{reason}; the request was stopped"
         for rid in streams:
             self._deliver(RequestOutput(rid, "", (), True, "error", message, error_type="internal"))
@@ -242,13 +255,21 @@ class AsyncLLMEngine:
             torch.set_num_threads(self.config.num_threads)  # also in this thread (OpenMP settings are per thread)
         while True:
             with self._cond:
-                while not (self._stop or self._adds or self._aborts or eng.has_unfinished()):
+                while not (self._stop or self._adds or self._aborts or self._pauses or eng.has_work()):
                     self._stats = eng.stats()
-                    self._cond.wait(timeout=1.0)  # wake now and then so the idle rate decays
+                    # wake now and then so the idle rate decays, and when a paused request may run again
+                    resume = eng.seconds_to_resume()
+                    self._cond.wait(timeout=1.0 if resume is None else min(1.0, resume + 1e-3))
                 if self._stop:
                     break
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                pauses, self._pauses = self._pauses, []
+            for rid, max_s in pauses:
+                if max_s > 0:
+                    eng.pause(rid, max_s)
+                else:
+                    eng.resume(rid)
             for rid, prompt, params in adds:
                 try:
                     eng.add_request(rid, prompt, params)

@@ -30,7 +30,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling import SamplerRow, SamplingParams, make_generator, sample
 from engine.scheduler import RequestRejected, Scheduler
 from engine.weights import resolve_model
@@ -187,8 +187,32 @@ class LLMEngine:
         self._pending.append(self._final(state.request, "abort"))
         return True
 
+    def pause(self, request_id: str, max_s: float) -> bool:
+        """Step no further tokens of a running request for at most ``max_s`` seconds (``resume`` ends it
+        sooner); it keeps its KV blocks. Why: a voice reply's text runs ahead of its speech, and while its
+        first piece is synthesized the cores are better spent on that. Returns whether it was running."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return False
+        req.paused_until = time.monotonic() + max(0.0, max_s)
+        return True
+
+    def resume(self, request_id: str) -> None:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            req.paused_until = 0.0
+
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def has_work(self) -> bool:
+        """A step now would do something (outputs to hand out, or requests that are not all paused)."""
+        return bool(self._pending) or self.scheduler.has_work(time.monotonic())
+
+    def seconds_to_resume(self) -> float | None:
+        """How long until a paused request may run again (None: none is paused)."""
+        resume = self.scheduler.next_resume()
+        return None if resume is None else max(0.0, resume - time.monotonic())
 
     def _final(
         self, req: Request, reason: str, error: str | None = None, text: str = "", error_type: str | None = None
@@ -210,7 +234,7 @@ class LLMEngine:
     # --- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(time.monotonic())
         if sched.is_empty:
             return outputs
         try:

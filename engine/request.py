@@ -33,6 +33,8 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     first_token_time: float | None = None
+    # monotonic time until which a running request is not stepped (``LLMEngine.pause``); 0 = never paused
+    paused_until: float = 0.0
     # hashes of the full blocks of all_token_ids, grown lazily by the KV cache manager
     block_hashes: list[int] = field(default_factory=list)
 
@@ -52,6 +54,9 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def paused(self, now: float) -> bool:
+        return self.paused_until > now
 
     @property
     def is_finished(self) -> bool:

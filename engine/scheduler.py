@@ -4,7 +4,8 @@ Why a separate policy object: it can be tested on the CPU with fake model output
 same loop serves every backend. Each step hands out a token budget: running requests first
 (decodes, and the rest of chunked prefills), then waiting prefills, chunked to fit the
 budget. When the KV pool runs dry the newest running request is preempted (its blocks
-freed; it is recomputed later, mostly from the prefix cache) instead of failing.
+freed; it is recomputed later, mostly from the prefix cache) instead of failing. A paused
+running request (``Request.paused_until``) is skipped: it keeps its blocks and its place.
 """
 
 from __future__ import annotations
@@ -105,8 +106,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_work(self, now: float) -> bool:
+        """A step now would compute something (unfinished requests that are not all paused)."""
+        return bool(self.waiting) or any(not req.paused(now) for req in self.running)
+
+    def next_resume(self) -> float | None:
+        """When the earliest pause of a running request ends (None: none is paused)."""
+        return min((req.paused_until for req in self.running if req.paused_until), default=None)
+
     # --- the step ---------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        """This step's chunks; running requests paused at ``now`` (monotonic seconds) are left out."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -114,6 +124,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.paused(now):
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()  # the newest running request

@@ -68,7 +68,8 @@ class ScriptedASR:
 class WordTTS:
     """A quarter of a second of tone per word, so the played share of a reply maps to its words.
 
-    Voices: "tone" speaks English, "other-tone" German; ``spoken`` records (voice, text).
+    Voices: "tone" speaks English, "other-tone" German; ``spoken`` records (voice, text), ``urgent``
+    whether each was asked for urgently.
     """
 
     sample_rate = RATE
@@ -77,12 +78,14 @@ class WordTTS:
 
     def __init__(self) -> None:
         self.spoken: list[tuple[str | None, str]] = []
+        self.urgent: list[bool] = []
 
     def voice_for(self, language):
         return {"en": "tone", "de": "other-tone"}.get(language)
 
-    def synthesize(self, text, voice=None):
+    def synthesize(self, text, voice=None, *, urgent=False):
         self.spoken.append((voice, text))
+        self.urgent.append(urgent)
         samples = int(len(text.split()) * self.seconds_per_word * RATE)
         yield np.full(samples, 0.1, np.float32)
 

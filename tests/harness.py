@@ -36,6 +36,7 @@ class ScriptedLLM:
         self.request_ids: list[str] = []
         self.closed: list[str] = []
         self.warmed: list[list[dict]] = []
+        self.pauses: list[tuple[str, str]] = []  # ("pause" | "resume", request id), in order
         self.gate_was_open_early = False
 
     def count_tokens(self, messages):
@@ -60,6 +61,12 @@ class ScriptedLLM:
 
     def abort(self, request_id):
         pass
+
+    def pause(self, request_id, max_s):
+        self.pauses.append(("pause", request_id))
+
+    def resume(self, request_id):
+        self.pauses.append(("resume", request_id))
 
     async def warm(self, messages):
         self.warmed.append([dict(m) for m in messages])

@@ -108,6 +108,13 @@ class ChatLLM(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def pause(self, request_id: str, max_s: float) -> None:
+        """Generate no more of ``request_id`` for at most ``max_s`` seconds, until ``resume`` (while its first
+        spoken piece is synthesized on every core); a no-op where the LLM runs elsewhere."""
+        ...
+
+    def resume(self, request_id: str) -> None: ...
+
     async def warm(self, messages: list[Message]) -> None:
         """Compute (and cache) the KV of ``messages`` as the start of a later prompt; a no-op without a prefix cache."""
         ...
@@ -128,8 +135,11 @@ class Synthesizer(Protocol):
         """The voice that speaks ``language`` (a Whisper code), or None when none does."""
         ...
 
-    def synthesize(self, text: str, voice: str | None = None) -> Iterator[np.ndarray]:
+    def synthesize(self, text: str, voice: str | None = None, *, urgent: bool = False) -> Iterator[np.ndarray]:
         """Yield float32 mono audio chunks at ``sample_rate`` for ``text`` in ``voice`` (None: the default).
+
+        ``urgent``: the listener is waiting for this audio (a reply's first piece, with the LLM paused):
+        it may use more cores than a later piece, which is synthesized beside the LLM.
 
         Blocking; run it off the event loop.
         """

@@ -104,6 +104,12 @@ class TransformersChatLLM:
         if event:
             event.set()
 
+    def pause(self, request_id: str, max_s: float) -> None:
+        pass  # generate() runs to the end once started
+
+    def resume(self, request_id: str) -> None:
+        pass
+
     async def warm(self, messages: list[Message]) -> None:
         pass  # generate() keeps no cache between calls
 
@@ -177,6 +183,12 @@ class EngineChatLLM:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    def pause(self, request_id: str, max_s: float) -> None:
+        self.engine.pause(request_id, max_s)
+
+    def resume(self, request_id: str) -> None:
+        self.engine.resume(request_id)
 
     async def warm(self, messages: list[Message]) -> None:
         """Prefill ``messages`` (no generation prompt: the next prompt continues them) for one token, so
@@ -268,6 +280,12 @@ class OpenAIChatLLM:
 
     def abort(self, request_id: str) -> None:
         pass  # closing the stream (the session does) is the abort
+
+    def pause(self, request_id: str, max_s: float) -> None:
+        pass  # the server is elsewhere: its cores are not ours to free
+
+    def resume(self, request_id: str) -> None:
+        pass
 
     async def warm(self, messages: list[Message]) -> None:
         pass  # the server's own prefix cache (vLLM, SGLang) fills on the next turn

@@ -100,7 +100,12 @@ def make_tts(settings: Settings) -> Synthesizer:
         from app.stages.tts_coqui import CoquiSynthesizer
 
         return CoquiSynthesizer.from_settings(settings)
-    return PiperSynthesizer(settings.tts_voice, threads=settings.tts_threads, voices_by_language=settings.tts_voices)
+    return PiperSynthesizer(
+        settings.tts_voice,
+        threads=settings.tts_threads,
+        voices_by_language=settings.tts_voices,
+        urgent_threads=settings.tts_first_piece_threads,
+    )
 
 
 def make_turn_detector(settings: Settings, progress: Callable[[str], None] = print) -> TurnDetector | None:
@@ -156,6 +161,7 @@ def warm_up(models: Models) -> None:
 
     models.asr.transcribe(np.zeros(16_000, dtype=np.float32))
     list(models.tts.synthesize("Hello."))
+    list(models.tts.synthesize("Hello.", urgent=True))  # a reply's first piece may use its own session
 
     async def first_tokens() -> None:
         stream = models.llm.stream([{"role": "user", "content": "Hi"}], "warm-up")

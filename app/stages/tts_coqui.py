@@ -87,7 +87,7 @@ class CoquiSynthesizer:
         """XTTS-v2 speaks its 17 languages with the same (cloned or studio) speaker."""
         return self.voices[0] if language in XTTS_LANGUAGES else None
 
-    def synthesize(self, text: str, voice: str | None = None) -> Iterator[np.ndarray]:
+    def synthesize(self, text: str, voice: str | None = None, *, urgent: bool = False) -> Iterator[np.ndarray]:
         with self._lock, self._torch.inference_mode():
             for chunk in self.model.inference_stream(
                 text,

@@ -25,6 +25,11 @@ from app.voice.text import SentenceSplitter, speakable
 log = logging.getLogger(__name__)
 
 AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt drops little
+# While the first piece is synthesized the LLM waits (at most this long): nothing can be heard
+# before that audio, and the text is already ahead of it. On the 2-core VM, with Piper on both
+# cores for it, first audio came 288 -> 152 ms after the piece (`parley bench voice --clients 1
+# --turns 12`, back to back).
+FIRST_PIECE_PAUSE_MAX_S = 2.0
 
 SendJson = Callable[[protocol.ServerMessage], Awaitable[None]]
 SendBytes = Callable[[bytes], Awaitable[None]]
@@ -180,8 +185,15 @@ class Reply:
             if not text:
                 continue
             tts_started = self._clock.now()
-            audio = await self._run(lambda t=text: list(self._tts.synthesize(t, self._voice)))
-            if self.metrics.tts_first_audio_ms is None:
+            first = self.metrics.tts_first_audio_ms is None
+            if first:
+                self._llm.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
+            try:
+                audio = await self._run(lambda t=text, u=first: list(self._tts.synthesize(t, self._voice, urgent=u)))
+            finally:
+                if first:
+                    self._llm.resume(self.request_id)
+            if first:
                 self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
                 await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
             for samples in audio:

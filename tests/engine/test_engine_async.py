@@ -151,11 +151,14 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(monkeypatch):
         def stats(self):
             return {}
 
-        def has_unfinished(self):
+        def has_work(self):
             if not self.stepped.is_set():
                 threads["stepped"] = threading.current_thread()
                 self.stepped.set()
             return False
+
+        def seconds_to_resume(self):
+            return None
 
     monkeypatch.setattr(async_engine, "LLMEngine", RecordingEngine)
     eng = AsyncLLMEngine(async_engine.EngineConfig())
@@ -203,3 +206,39 @@ def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(make_
     thread.start()
     thread.join()
     assert seen == [2, 1, 1]  # the prompt, then one token a step
+
+
+async def test_a_paused_request_gets_no_tokens_until_resumed_and_the_loop_sleeps_meanwhile(aengine, prompts):
+    got = []
+
+    async def consume(request_id):
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        async for o in aengine.generate(prompts[1], params, request_id=request_id):
+            got.append(o)
+
+    task = asyncio.create_task(consume("paused"))
+    await wait_for(lambda: got)
+    aengine.pause("paused", 60.0)
+    request = aengine.engine.scheduler.requests["paused"]
+    await wait_for(lambda: request.paused_until > 0)  # set on the engine thread, between two steps
+    written = len(request.output_token_ids)
+    steps = []
+    real_step = aengine.engine.step
+    aengine.engine.step = lambda: steps.append(1) or real_step()
+    try:
+        await asyncio.sleep(0.5)
+    finally:
+        del aengine.engine.step
+    assert len(request.output_token_ids) == written and not task.done(), "a paused request went on"
+    assert len(steps) <= 2, f"the loop stepped {len(steps)} times with nothing to run"
+    aengine.resume("paused")
+    await asyncio.wait_for(task, 30)
+    assert got[-1].finish_reason == "length" and sum(len(o.token_ids_delta) for o in got) == 12
+
+
+async def test_a_pause_ends_by_itself(aengine, prompts):
+    outputs = aengine.generate(prompts[2], SamplingParams(max_tokens=6, ignore_eos=True), request_id="pause-ends")
+    first = await outputs.__anext__()
+    aengine.pause("pause-ends", 0.2)  # never resumed
+    rest = [o async for o in outputs]
+    assert sum(len(o.token_ids_delta) for o in [first, *rest]) == 6 and rest[-1].finished

@@ -250,3 +250,20 @@ def test_update_error_finishes_request_without_token():
     assert ups[0].finished and ups[0].new_token_ids == []
     assert ups[0].request.finish_reason == "error" and "non-finite" in ups[0].request.error
     assert s.kv.num_used_blocks == 0
+
+
+def test_a_paused_request_keeps_its_blocks_and_its_place_until_its_pause_ends():
+    s = make()
+    s.add_request(req("a", 5, max_tokens=10))
+    s.add_request(req("b", 5, max_tokens=10, first=200))
+    fake_step(s)  # both prefilled, one token each
+    s.requests["a"].paused_until = 10.0
+    out = s.schedule(now=5.0)
+    assert scheduled(out) == {"b": 1}
+    s.update_from_output(out, {"b": FAKE_TOKEN})
+    assert s.kv.block_ids("a") and s.running[0].request_id == "a"
+    assert s.has_work(5.0) and s.next_resume() == 10.0
+    s.requests["b"].paused_until = 10.0
+    assert not s.has_work(5.0), "only paused requests: a step now would compute nothing"
+    assert s.schedule(now=5.0).is_empty
+    assert scheduled(s.schedule(now=10.0)) == {"a": 1, "b": 1}  # both run again once the pause ends

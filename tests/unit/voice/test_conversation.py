@@ -423,3 +423,13 @@ async def test_no_partial_starts_while_the_speech_may_be_ending(conversation):
     spoken_calls = len(conv.asr.calls)
     await conv.silence_until(lambda: True in conv.asr.calls[spoken_calls:])  # the tail
     assert conv.asr.calls[spoken_calls:] == [True]
+
+
+async def test_the_first_piece_is_synthesized_urgently_while_the_llm_waits_for_it(conversation):
+    conv = conversation(llm_pieces=["Paris is the capital of France. ", "It lies on the Seine. ", "It is big."])
+    await conv.type(QUESTION)
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].text.endswith("It is big.")
+    assert conv.session.models.tts.urgent == [True, False, False]
+    request = conv.llm.request_ids[-1]
+    assert conv.llm.pauses == [("pause", request), ("resume", request)]
