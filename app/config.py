@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     llm_prefill_threads: int | None = Field(
         None, ge=1, description="engine CPU threads for prompt prefill (empty: every core); decode uses llm_threads"
     )
+    llm_prefill_threads_first_tokens: int = Field(
+        12, ge=0, description="a reply's first tokens (its first spoken piece) also decode on llm_prefill_threads"
+    )
     llm_max_tokens: int = Field(120, ge=1, le=4096)
     llm_temperature: float = Field(0.0, ge=0.0, le=2.0)
     llm_context_tokens: int | None = Field(

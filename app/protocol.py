@@ -190,6 +190,7 @@ class TurnMetrics(BaseModel):
     turn_detect_ms: float | None = Field(None, description="end-of-turn model time at the last pause")
     turn_probability: float | None = Field(None, description="the end-of-turn model's P(turn complete)")
     llm_ttft_ms: float | None = Field(None, description="LLM request to first token")
+    llm_first_piece_ms: float | None = Field(None, description="LLM request to the first spoken piece written")
     tts_first_audio_ms: float | None = Field(None, description="first clause to its audio")
     voice_to_voice_ms: float | None = Field(None, description="end of speech to first reply audio sent")
     reply_audio_s: float | None = Field(None, description="seconds of reply audio sent")

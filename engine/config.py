@@ -51,6 +51,10 @@ class EngineConfig:
     # and uses every core well; decoding one token per sequence is not, and in the voice app it
     # shares the cores with speech recognition and synthesis (see ModelRunner.execute).
     prefill_threads: int | None = None
+    # Decode steps also run on prefill_threads while a request in them has generated fewer than
+    # this many tokens: its first words come sooner (a voice reply's first spoken piece is written
+    # while speech recognition and synthesis are idle). 0: only prompt steps do.
+    prefill_threads_first_tokens: int = 0
     seed: int = 0
     # 16-bit CPU models run the fused C++ kernels of engine/fused.py (built on first use)
     fused_kernels: bool = True
@@ -76,6 +80,8 @@ class EngineConfig:
             self.prefill_threads is not None and self.prefill_threads < 1
         ):
             raise ValueError("num_threads and prefill_threads must be positive")
+        if self.prefill_threads_first_tokens < 0:
+            raise ValueError("prefill_threads_first_tokens must be 0 or more")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], not {self.gpu_memory_fraction}")
 

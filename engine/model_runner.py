@@ -201,9 +201,11 @@ class ModelRunner:
         # On the 2-core development VM, a voice turn's first token took 130 ms with 2 threads
         # against 250 ms with 1, while decoding on 2 threads slowed the Piper synthesis beside it
         # from 180 to 390 ms (`parley bench voice`, per-stage trace); so the app prefills on every
-        # core and decodes on one.
+        # core and decodes on one, except a reply's first tokens (prefill_threads_first_tokens), which
+        # are written while the rest of the app waits for them.
         self._prefill_threads = config.prefill_threads if torch.device(self.device).type == "cpu" else None
         self._decode_threads = config.num_threads or torch.get_num_threads()
+        self._first_tokens = config.prefill_threads_first_tokens  # decode steps that count as urgent
         self.graphs = None  # engine.cuda.DecodeGraphRunner on CUDA (decode steps as CUDA graphs)
         self.cuda_graphs_note = "off (CPU)"
         if torch.device(self.device).type == "cuda":
@@ -246,8 +248,8 @@ class ModelRunner:
 
     def _use_threads(self, sched: SchedulerOutput) -> None:
         """Set torch's CPU threads for this step (on the stepping thread: OpenMP settings are per thread)."""
-        prefill = any(chunk.num_tokens > 1 for chunk in sched.chunks)
-        threads = self._prefill_threads if prefill else self._decode_threads
+        urgent = any(chunk.num_tokens > 1 or chunk.generated < self._first_tokens for chunk in sched.chunks)
+        threads = self._prefill_threads if urgent else self._decode_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 

@@ -30,6 +30,7 @@ class ScheduledChunk:
     start: int
     block_ids: list[int]
     sample: bool  # the chunk reaches the last known token, so the step yields a new token
+    generated: int = 0  # output tokens the request had before this step
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +169,7 @@ class Scheduler:
                     start=start,
                     block_ids=self.kv.block_ids(req.request_id),
                     sample=start + n == req.num_tokens,
+                    generated=len(req.output_token_ids),
                 )
             )
         return out

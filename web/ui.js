@@ -28,6 +28,7 @@ export const METRIC_LABELS = {
   turn_detect_ms: "turn detection (ms)",
   turn_probability: "turn complete (P)",
   llm_ttft_ms: "LLM first token (ms)",
+  llm_first_piece_ms: "LLM first piece (ms)",
   tts_first_audio_ms: "TTS first audio (ms)",
   reply_audio_s: "reply audio (s)",
   rtf: "RTF",

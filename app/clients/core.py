@@ -44,6 +44,7 @@ STAGE_LABELS = {
     "endpoint_ms": "endpoint",
     "asr_final_ms": "asr",
     "llm_ttft_ms": "llm first token",
+    "llm_first_piece_ms": "llm first piece",
     "tts_first_audio_ms": "tts first audio",
 }  # read with getattr(metrics, name): a name TurnMetrics lacks fails loudly (and tests/clients checks them)
 

@@ -14,7 +14,14 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0,
 # one histogram per latency figure of a turn, named and described by ``TurnMetrics`` itself
 _STAGES = {
     name: TurnMetrics.model_fields[name].description
-    for name in ("voice_to_voice_ms", "endpoint_ms", "asr_final_ms", "llm_ttft_ms", "tts_first_audio_ms")
+    for name in (
+        "voice_to_voice_ms",
+        "endpoint_ms",
+        "asr_final_ms",
+        "llm_ttft_ms",
+        "llm_first_piece_ms",
+        "tts_first_audio_ms",
+    )
 }
 
 

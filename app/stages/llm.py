@@ -135,6 +135,7 @@ class EngineChatLLM:
         settings: GenerationSettings | None = None,
         num_threads: int | None = None,
         prefill_threads: int | None = None,
+        prefill_threads_first_tokens: int = 0,
         int8_method: str = "auto",
         gpu_memory_fraction: float = 0.9,
         cuda_graphs: bool = True,
@@ -149,6 +150,7 @@ class EngineChatLLM:
             device=device,
             num_threads=num_threads,
             prefill_threads=prefill_threads,
+            prefill_threads_first_tokens=prefill_threads_first_tokens,
             gpu_memory_fraction=gpu_memory_fraction,
             cuda_graphs=cuda_graphs,
         )

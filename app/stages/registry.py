@@ -78,6 +78,7 @@ def make_llm(settings: Settings) -> ChatLLM:
             settings=generation,
             num_threads=settings.llm_threads,
             prefill_threads=settings.llm_prefill_threads or os.cpu_count(),
+            prefill_threads_first_tokens=settings.llm_prefill_threads_first_tokens,
             int8_method=settings.llm_int8_method,
             gpu_memory_fraction=settings.llm_gpu_memory_fraction,
             cuda_graphs=settings.llm_cuda_graphs,

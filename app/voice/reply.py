@@ -154,6 +154,8 @@ class Reply:
                     self.text_parts.append(delta)
                     await self._emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
                     for piece in splitter.push(delta):
+                        if self.metrics.llm_first_piece_ms is None:
+                            self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
                         pieces.put_nowait(piece)
             finally:
                 await stream.aclose()  # aborts the LLM request if we stopped early

@@ -180,8 +180,15 @@ def test_an_engine_that_cannot_be_built_fails_its_constructor(monkeypatch):
         AsyncLLMEngine(async_engine.EngineConfig())
 
 
-def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(make_engine, prompts):
-    """Run on a thread of its own: torch's thread setting belongs to the calling thread."""
+@pytest.mark.parametrize(
+    ("first_tokens", "expected"),
+    [(0, [2, 1, 1, 1]), (3, [2, 2, 2, 1])],  # the prompt, then one token a step
+)
+def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(
+    make_engine, prompts, first_tokens, expected
+):
+    """Run on a thread of its own: torch's thread setting belongs to the calling thread. With
+    ``prefill_threads_first_tokens`` the steps that write a request's first tokens count as prefill."""
     import threading
 
     import torch
@@ -189,7 +196,7 @@ def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(make_
     seen: list[int] = []
 
     def run() -> None:
-        eng = make_engine(num_threads=1, prefill_threads=2)
+        eng = make_engine(num_threads=1, prefill_threads=2, prefill_threads_first_tokens=first_tokens)
         execute = eng.runner.execute
 
         def recording(sched):
@@ -198,14 +205,14 @@ def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(make_
             return out
 
         eng.runner.execute = recording
-        eng.add_request("t", prompts[0], SamplingParams(max_tokens=3))
+        eng.add_request("t", prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
         while eng.has_unfinished():
             eng.step()
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    assert seen == [2, 1, 1]  # the prompt, then one token a step
+    assert seen == expected
 
 
 async def test_a_paused_request_gets_no_tokens_until_resumed_and_the_loop_sleeps_meanwhile(aengine, prompts):

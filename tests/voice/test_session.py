@@ -35,7 +35,9 @@ async def test_spoken_turn_produces_transcript_text_audio_in_order(shared_models
     finals = [e for e in harness.events if e["type"] == "transcript" and e["final"]]
     assert finals == [{"type": "transcript", "turn_id": 1, "text": QUESTION, "final": True, "language": "en"}]
     assert done["text"] == "Paris is the capital of France. It is lovely."
-    assert {"endpoint_ms", "asr_final_ms", "llm_ttft_ms", "tts_first_audio_ms", "rtf"} <= done["metrics"].keys()
+    stages = {"endpoint_ms", "asr_final_ms", "llm_ttft_ms", "llm_first_piece_ms", "tts_first_audio_ms", "rtf"}
+    assert stages <= done["metrics"].keys()
+    assert done["metrics"]["llm_first_piece_ms"] >= done["metrics"]["llm_ttft_ms"]
     seconds = len(harness.audio) / 2 / shared_models[2].sample_rate
     assert 2.0 < seconds < 8.0
     assert harness.session.history == [
