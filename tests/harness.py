@@ -22,7 +22,7 @@ class ScriptedLLM:
     """A ``ChatLLM`` that streams fixed pieces, and records what it was asked.
 
     ``gate`` (if set) must open before the pieces after the first; ``forever`` keeps adding
-    " more"; ``hold`` (an event) keeps the stream open after the pieces until it is set.
+    " more1", " more2", ...; ``hold`` (an event) keeps the stream open after the pieces until it is set.
     ``context_tokens`` bounds the prompt, counted in words (``count_tokens``).
     """
 
@@ -51,9 +51,11 @@ class ScriptedLLM:
                     await asyncio.wait_for(self.gate.wait(), timeout=30)
                     self.gate_was_open_early = True
                 yield piece
-            while self.forever:
+            count = 0
+            while self.forever:  # never the same words twice (a reply that repeats itself is ended)
                 await asyncio.sleep(0.05)
-                yield " more"
+                count += 1
+                yield f" more{count}"
             if self.hold is not None:
                 await self.hold.wait()
         finally:

@@ -20,7 +20,7 @@ from app.audio import float_to_pcm16
 from app.stages.base import ChatLLM, Message, Synthesizer
 from app.voice.clock import Clock, RunBlocking
 from app.voice.playback import ReplyPlayback
-from app.voice.text import SentenceSplitter, speakable
+from app.voice.text import SentenceSplitter, speakable, words
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,10 @@ AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt 
 # cores for it, first audio came 288 -> 152 ms after the piece (`parley bench voice --clients 1
 # --turns 12`, back to back).
 FIRST_PIECE_PAUSE_MAX_S = 2.0
+# A piece of at least this many words said again word for word ends the reply: the bundled
+# SmolLM2-135M loops ("I'm not today. I'm not today.", or a 120-token run-on that repeats one
+# clause), which is 30 s of the same words for the listener.
+REPEAT_MIN_WORDS = 4
 
 SendJson = Callable[[protocol.ServerMessage], Awaitable[None]]
 SendBytes = Callable[[bytes], Awaitable[None]]
@@ -146,6 +150,8 @@ class Reply:
         splitter = SentenceSplitter(first_clause_chars=self._first_clause_chars)
         self._produce_started = self._clock.now()
         stream = self._llm.stream(messages, self.request_id)
+        said: list[str] = []
+        looped = False
         try:
             try:
                 async for delta in stream:
@@ -156,10 +162,17 @@ class Reply:
                     for piece in splitter.push(delta):
                         if self.metrics.llm_first_piece_ms is None:
                             self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
+                        if looped := _repeats(piece, said):
+                            break
+                        said.append(piece)
                         pieces.put_nowait(piece)
+                    if looped:
+                        log.info("turn %s: the LLM repeated itself; the reply ends before the repeat", self.turn_id)
+                        self.text_parts = [" ".join(said)]  # what is spoken (the page and the history get it)
+                        break
             finally:
                 await stream.aclose()  # aborts the LLM request if we stopped early
-            rest = splitter.flush()
+            rest = None if looped else splitter.flush()
             if rest:
                 pieces.put_nowait(rest)
             pieces.put_nowait(None)
@@ -202,6 +215,12 @@ class Reply:
                 for offset in range(0, len(samples), chunk):
                     await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
             self.playback.add_piece(piece)
+
+
+def _repeats(piece: str, said: list[str]) -> bool:
+    """``piece`` says again, word for word, one of the pieces ``said`` before it (and is long enough to count)."""
+    spoken = words(piece)
+    return len(spoken) >= REPEAT_MIN_WORDS and any(words(earlier) == spoken for earlier in said)
 
 
 async def cancel_task(task: asyncio.Task) -> None:

@@ -433,3 +433,19 @@ async def test_the_first_piece_is_synthesized_urgently_while_the_llm_waits_for_i
     assert conv.session.models.tts.urgent == [True, False, False]
     request = conv.llm.request_ids[-1]
     assert conv.llm.pauses == [("pause", request), ("resume", request)]
+
+
+async def test_a_reply_that_says_a_sentence_again_ends_before_the_repeat(conversation):
+    loop = "I am not sure about today. "
+    conv = conversation(llm_pieces=["Good question. ", loop, "It depends on you. ", loop, loop, loop])
+    await conv.type(QUESTION)
+    await conv.settle()
+    done = conv.of(protocol.TurnDone)[-1]
+    assert done.text == "Good question. I am not sure about today. It depends on you."
+    assert [text for _, text in conv.session.models.tts.spoken] == [
+        "Good question.",
+        "I am not sure about today.",
+        "It depends on you.",
+    ]
+    assert conv.session.history[-1] == {"role": "assistant", "content": done.text}
+    assert conv.llm.closed == conv.llm.request_ids  # the LLM request was stopped
