@@ -67,7 +67,7 @@ class Settings(BaseSettings):
         None, ge=1, description="engine CPU threads for prompt prefill (empty: every core); decode uses llm_threads"
     )
     llm_prefill_threads_first_tokens: int = Field(
-        12, ge=0, description="a reply's first tokens (its first spoken piece) also decode on llm_prefill_threads"
+        0, ge=0, description="a reply's first N tokens also decode on llm_prefill_threads (12: its first piece)"
     )
     llm_max_tokens: int = Field(120, ge=1, le=4096)
     llm_temperature: float = Field(0.0, ge=0.0, le=2.0)
@@ -125,6 +125,11 @@ class Settings(BaseSettings):
         500, ge=0, le=5000, description="a reply heard longer than this is not withdrawn; speech over it is a new turn"
     )
     first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
+    first_piece_priority: bool = Field(
+        False,
+        description="pause the LLM request while its first piece is synthesized on tts_first_piece_threads "
+        "(measured: faster for one user on a busy VM, slower for four users; README)",
+    )
     asr_window_s: float = Field(10.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
     min_speech_ms: int = Field(96, ge=0)
     max_utterance_s: float = Field(30.0, gt=0)

@@ -105,7 +105,8 @@ def make_tts(settings: Settings) -> Synthesizer:
         settings.tts_voice,
         threads=settings.tts_threads,
         voices_by_language=settings.tts_voices,
-        urgent_threads=settings.tts_first_piece_threads,
+        # a second Piper session only where first pieces are synthesized apart
+        urgent_threads=settings.tts_first_piece_threads if settings.first_piece_priority else settings.tts_threads,
     )
 
 

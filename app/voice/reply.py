@@ -25,10 +25,11 @@ from app.voice.text import SentenceSplitter, speakable, words
 log = logging.getLogger(__name__)
 
 AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt drops little
-# While the first piece is synthesized the LLM waits (at most this long): nothing can be heard
-# before that audio, and the text is already ahead of it. On the 2-core VM, with Piper on both
-# cores for it, first audio came 288 -> 152 ms after the piece (`parley bench voice --clients 1
-# --turns 12`, back to back).
+# With first_piece_priority the LLM waits (at most this long) while the first piece is
+# synthesized: nothing can be heard before that audio, and the text is already ahead of it.
+# Off by default: on the 2-core VM it sped one user's first audio up in one period (288 -> 226
+# ms) and slowed it in another (196 -> 246), and with four users the paused request also waits
+# for the shared Piper lock (v2v p50 1569 -> 2079-2389 ms, underruns 0 -> 5-6).
 FIRST_PIECE_PAUSE_MAX_S = 2.0
 # A piece of at least this many words said again word for word ends the reply: the bundled
 # SmolLM2-135M loops ("I'm not today. I'm not today.", or a 120-token run-on that repeats one
@@ -53,6 +54,7 @@ class Reply:
         run_blocking: RunBlocking,
         request_id: str,
         first_clause_chars: int = 0,
+        first_piece_priority: bool = False,
         voice: str | None = None,
         on_complete: Callable[[Reply], None] | None = None,
         on_failed: Callable[[Reply], None] | None = None,
@@ -72,6 +74,7 @@ class Reply:
         self._send_json, self._send_bytes = send_json, send_bytes
         self._clock, self._run = clock, run_blocking
         self._first_clause_chars = first_clause_chars
+        self._first_piece_priority = first_piece_priority
         self._voice = voice
         self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
         self._held: list[protocol.ServerMessage | bytes] = []
@@ -201,12 +204,13 @@ class Reply:
                 continue
             tts_started = self._clock.now()
             first = self.metrics.tts_first_audio_ms is None
-            if first:
+            urgent = first and self._first_piece_priority
+            if urgent:
                 self._llm.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
             try:
-                audio = await self._run(lambda t=text, u=first: list(self._tts.synthesize(t, self._voice, urgent=u)))
+                audio = await self._run(lambda t=text, u=urgent: list(self._tts.synthesize(t, self._voice, urgent=u)))
             finally:
-                if first:
+                if urgent:
                     self._llm.resume(self.request_id)
             if first:
                 self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000

@@ -425,14 +425,19 @@ async def test_no_partial_starts_while_the_speech_may_be_ending(conversation):
     assert conv.asr.calls[spoken_calls:] == [True]
 
 
-async def test_the_first_piece_is_synthesized_urgently_while_the_llm_waits_for_it(conversation):
-    conv = conversation(llm_pieces=["Paris is the capital of France. ", "It lies on the Seine. ", "It is big."])
+async def test_with_first_piece_priority_the_first_piece_is_urgent_while_the_llm_waits(conversation):
+    pieces = ["Paris is the capital of France. ", "It lies on the Seine. ", "It is big."]
+    conv = conversation(llm_pieces=pieces, first_piece_priority=True)
     await conv.type(QUESTION)
     await conv.settle()
     assert conv.of(protocol.TurnDone)[-1].text.endswith("It is big.")
     assert conv.session.models.tts.urgent == [True, False, False]
     request = conv.llm.request_ids[-1]
     assert conv.llm.pauses == [("pause", request), ("resume", request)]
+    plain = conversation(llm_pieces=pieces)  # the default: every piece alike, the LLM never paused
+    await plain.type(QUESTION)
+    await plain.settle()
+    assert plain.session.models.tts.urgent == [False, False, False] and plain.llm.pauses == []
 
 
 async def test_a_reply_that_says_a_sentence_again_ends_before_the_repeat(conversation):
