@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     tts_first_piece_threads: int | None = Field(
         None,
         ge=1,
-        description="Piper CPU threads for a reply's first piece, the LLM paused meanwhile (empty: all cores)",
+        description="Piper CPU threads for a reply's first piece with first_piece_priority (empty: all cores)",
     )
     tts_voice: str = Field("bundled", description="'bundled' (en_US joe medium) or a Piper .onnx path")
     tts_voices: dict[str, str] = Field(

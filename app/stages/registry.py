@@ -163,7 +163,6 @@ def warm_up(models: Models) -> None:
 
     models.asr.transcribe(np.zeros(16_000, dtype=np.float32))
     list(models.tts.synthesize("Hello."))
-    list(models.tts.synthesize("Hello.", urgent=True))  # a reply's first piece may use its own session
 
     async def first_tokens() -> None:
         stream = models.llm.stream([{"role": "user", "content": "Hi"}], "warm-up")

@@ -74,7 +74,9 @@ class PiperSynthesizer:
         if self._threads:  # Piper's own session uses every core; on a shared CPU that fights ASR and the LLM
             loaded.session = _session(model, self._threads)
             if self._urgent_threads != self._threads:
-                self._urgent_voices[name] = dataclasses.replace(loaded, session=_session(model, self._urgent_threads))
+                urgent = dataclasses.replace(loaded, session=_session(model, self._urgent_threads))
+                list(urgent.synthesize("Hello."))  # its first run initializes lazily; not on a user's turn
+                self._urgent_voices[name] = urgent
         self._voices[name] = loaded
         return name
 
