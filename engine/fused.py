@@ -9,12 +9,12 @@ ATen ops (same results within bf16 rounding, ~1.4x slower decode on a small mode
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -36,43 +36,70 @@ def fused_kernels():
             log.info("fused CPU kernels disabled by PARLEY_FUSED_KERNELS")
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            _put_ninja_on_path()
-            log.info("loading fused CPU kernels (first build takes about a minute)")
-            # named by the source's hash: checkouts with the same kernels share one build, and
-            # an edited kernel never overwrites the build another checkout is using
-            digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-            name = f"parley_fused_cpu_{digest}"
-            _clear_stale_build_lock(name)
-            _module = load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            _module = _build_and_load()
         except Exception as e:  # no compiler, no ninja, headers missing: keep the ATen path
             log.warning("fused CPU kernels unavailable (%s: %s); using ATen ops", type(e).__name__, str(e)[:300])
             _module = None
         return _module
 
 
-STALE_LOCK_S = 300  # a build takes about a minute; a lock this old was left by a process that died
+def _build_and_load():
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    _put_ninja_on_path()
+    log.info("loading fused CPU kernels (first build takes about a minute)")
+    # Named by the source's hash: checkouts with the same kernels share one build, and an
+    # edited kernel never overwrites the build another checkout is using.
+    source = _SOURCE.read_bytes()
+    name = f"parley_fused_cpu_{hashlib.sha256(source).hexdigest()[:12]}"
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with _exclusive(build_dir / "parley.lock"):
+        # torch's own lock is a file that only its creator removes: a build killed midway
+        # (Ctrl-C during the first start) left it behind and every later start waited on it
+        # forever. Builders hold the lock above, which the OS releases when a process dies, so
+        # a torch lock found here was left by a dead one.
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing the build lock of an interrupted fused-kernel build: %s", stale)
+            stale.unlink(missing_ok=True)
+        return load(
+            name=name,
+            sources=[str(_stable_copy(source, build_dir))],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
-def _clear_stale_build_lock(name: str) -> None:
-    """Remove a build lock left behind by a killed build: torch would wait on it forever."""
-    from torch.utils.cpp_extension import _get_build_directory
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive lock on ``path`` (flock: released by the OS however the holder ends)."""
+    import fcntl
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing a stale fused-kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _stable_copy(source: bytes, build_dir: Path) -> Path:
+    """The kernel source at a path that is the same for every checkout.
+
+    ninja rebuilds when a build command changes, and the command names the source's path: built
+    from each checkout's own file, a second clone, a worktree or a moved checkout spent a minute
+    rebuilding the same kernels at its first start. The copy is rewritten only when its bytes
+    differ, so its timestamp does not trigger a rebuild either.
+    """
+    copy = build_dir / "src" / _SOURCE.name
+    if not copy.exists() or copy.read_bytes() != source:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        tmp = copy.with_suffix(".tmp")
+        tmp.write_bytes(source)
+        os.replace(tmp, copy)
+    return copy
 
 
 def _put_ninja_on_path() -> None:

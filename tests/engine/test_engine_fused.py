@@ -6,10 +6,17 @@ bf16 precision, not bit for bit; the fp32 engine never uses them (checked here t
 
 from __future__ import annotations
 
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import engine.fused as fused_module
 from engine.config import EngineConfig
 from engine.fused import fused_kernels
 from engine.llm_engine import LLMEngine
@@ -19,6 +26,7 @@ fk = fused_kernels()
 pytestmark = pytest.mark.skipif(fk is None, reason="no C++ compiler: fused kernels unavailable")
 
 BF16 = torch.bfloat16
+REPO = Path(__file__).resolve().parents[2]
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rel: float = 0.02) -> bool:
@@ -116,3 +124,38 @@ def test_fused_forward_agrees_with_aten_forward_on_mixed_batches(bf16_pair, prom
 
 def test_fp32_engine_keeps_aten_ops(engine):
     assert engine.model.fused is None and not engine.model_info()["fused_kernels"]
+
+
+def _load_in_a_new_process(cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    code = "from engine.fused import fused_kernels; import sys; sys.exit(0 if fused_kernels() is not None else 3)"
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, timeout=timeout, capture_output=True, text=True)
+
+
+def _build_dir() -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    digest = hashlib.sha256(fused_module._SOURCE.read_bytes()).hexdigest()[:12]
+    return Path(_get_build_directory(f"parley_fused_cpu_{digest}", verbose=False))
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next_start():
+    """torch waits forever on its lock file; a start interrupted mid-build used to leave one behind."""
+    lock = _build_dir() / "lock"
+    lock.touch()  # as a build killed a moment ago leaves it
+    try:
+        done = _load_in_a_new_process(REPO, timeout=600)  # waited forever before
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not lock.exists()
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def test_every_checkout_builds_from_one_source_path_so_a_new_clone_reuses_the_build(tmp_path):
+    """ninja rebuilds when the command changes, and the command names the source path."""
+    clone = tmp_path / "clone"
+    shutil.copytree(REPO / "engine", clone / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    done = _load_in_a_new_process(clone)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ninja = (_build_dir() / "build.ninja").read_text()
+    assert str(_build_dir() / "src" / "fused_cpu.cpp") in ninja
+    assert str(clone) not in ninja and str(REPO / "engine") not in ninja
