@@ -6,16 +6,26 @@ free them the moment a request ends, and share identical prefixes (system prompt
 history re-sent every voice turn) between requests: a full block is identified by a hash
 of its parent block's hash and its own tokens, and freed cached blocks stay reusable
 until the LRU free list hands them out again.
+
+A request's last block is usually partial, and a full-block cache never shares it: the
+voice loop's history warm-up left up to 15 of the history's tokens (plus the new user
+message) to prefill at every turn, and at ~4 ms a token on 2 CPU cores that was most of
+the first token's latency. So a freed partial block keeps its K/V as a *tail* (its parent
+block's hash and the tokens it holds); a later request continuing the same prefix takes
+the block over and computes only from where the two token sequences part. Taken over,
+not shared: the new owner writes its own tokens into the rest of the block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import Request
 
 _ROOT_HASH = -1
+TAILS_PER_PARENT = 8  # kept tails continuing one prefix (a lookup compares each; older ones are forgotten)
 
 
 @dataclass(eq=False)
@@ -23,6 +33,8 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    # a free partial block whose K/V are kept: (hash of the block before it, the tokens it holds)
+    tail: tuple[int, tuple[int, ...]] | None = None
 
 
 class BlockPool:
@@ -36,6 +48,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, Block] = {}
+        self._tails: dict[int, OrderedDict[int, Block]] = {}  # parent hash -> tails continuing it
 
     @property
     def num_free(self) -> int:
@@ -58,6 +71,7 @@ class BlockPool:
         return out
 
     def _evict(self, block: Block) -> None:
+        self._forget_tail(block)
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
@@ -68,6 +82,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+            self._forget_tail(block)  # its new owner writes past the kept tokens
             block.ref_cnt += 1
 
     def release(self, blocks: list[Block]) -> None:
@@ -85,10 +100,49 @@ class BlockPool:
             self._cached[block_hash] = block
             block.block_hash = block_hash
 
+    def cache_tail(self, block: Block, parent: int, tokens: tuple[int, ...]) -> None:
+        """Keep the K/V of ``block`` (about to be freed, holding ``tokens`` after the block hashed ``parent``)."""
+        if not self.enable_caching or not tokens or block.block_hash is not None:
+            return
+        self._forget_tail(block)
+        tails = self._tails.setdefault(parent, OrderedDict())
+        tails[block.block_id] = block
+        block.tail = (parent, tokens)
+        while len(tails) > TAILS_PER_PARENT:
+            _, oldest = tails.popitem(last=False)
+            oldest.tail = None
+
+    def best_tail(self, parent: int, tokens: Sequence[int]) -> tuple[Block | None, int]:
+        """The kept tail after ``parent`` sharing the longest start with ``tokens``, and that length."""
+        best, best_len = None, 0
+        for block in self._tails.get(parent, {}).values():
+            kept = block.tail[1]
+            n = 0
+            for a, b in zip(kept, tokens, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = block, n
+        return best, best_len
+
+    def _forget_tail(self, block: Block) -> None:
+        if block.tail is None:
+            return
+        parent = block.tail[0]
+        block.tail = None
+        tails = self._tails.get(parent)
+        if tails is not None:
+            tails.pop(block.block_id, None)
+            if not tails:
+                del self._tails[parent]
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             block.block_hash = None
+            block.tail = None
         self._cached.clear()
+        self._tails.clear()
 
 
 class KVCacheManager:
@@ -134,11 +188,14 @@ class KVCacheManager:
             hashes.append(hash((parent, tuple(req.token_at(i * bs, (i + 1) * bs)))))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
-        """Longest cached prefix of ``req`` in full blocks, leaving at least one token to compute."""
+        """Longest cached prefix of ``req``: full blocks, then maybe a kept tail; and its length in tokens.
+
+        At least one token is left to compute (the last one's logits are needed).
+        """
         if not self.enable_prefix_caching:
             return [], 0
-        # The last token must always be computed to get logits, so never hit the whole prompt.
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
         self._update_hashes(req, max_blocks)
         hits: list[Block] = []
         for h in req.block_hashes[:max_blocks]:
@@ -146,7 +203,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        start = len(hits) * bs
+        room = min(bs - 1, req.num_tokens - 1 - start)  # a tail is partial, and the last token is computed
+        if room > 0:
+            parent = req.block_hashes[len(hits) - 1] if hits else _ROOT_HASH
+            tail, n = self.pool.best_tail(parent, req.token_at(start, start + room))
+            if tail is not None:
+                return [*hits, tail], start + n
+        return hits, start
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_query_tokens += num_query_tokens
@@ -158,16 +222,20 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: list[Block] | None = None,
         reserve: int = 0,
+        num_hit_tokens: int | None = None,
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req`` (after any cache hits); False if no room.
 
-        ``computed_blocks`` are prefix-cache hits for a request that has none yet; ``reserve``
-        blocks must stay free afterwards (headroom for running requests to keep decoding).
+        ``computed_blocks`` are prefix-cache hits for a request that has none yet, covering
+        ``num_hit_tokens`` (default: all of them full; less when the last is a kept tail);
+        ``reserve`` blocks must stay free afterwards (headroom for running requests to keep decoding).
         """
         table = self._tables.setdefault(req.request_id, [])
         computed_blocks = computed_blocks or []
         bs = self.block_size
-        num_computed = req.num_computed_tokens + len(computed_blocks) * bs
+        if num_hit_tokens is None:
+            num_hit_tokens = len(computed_blocks) * bs
+        num_computed = req.num_computed_tokens + num_hit_tokens
         total = num_computed + num_new_tokens
         need = -(-total // bs) - len(table) - len(computed_blocks)
         hits_on_free_list = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -183,7 +251,7 @@ class KVCacheManager:
             # Blocks that will be full once this step has run can be shared from now on: the
             # runner writes all K/V of a layer before any attention of that layer reads it.
             num_full = total // bs
-            start = max(self._num_cached.get(req.request_id, 0), len(computed_blocks))
+            start = max(self._num_cached.get(req.request_id, 0), num_hit_tokens // bs)
             if num_full > start:
                 self._update_hashes(req, num_full)
                 for i in range(start, num_full):
@@ -209,9 +277,20 @@ class KVCacheManager:
         self._num_cached.clear()
         self.pool = BlockPool(self.pool.num_blocks, self.enable_prefix_caching)
 
-    def free(self, req: Request) -> None:
-        """Release all blocks of ``req`` (tail first, so shared prefixes are evicted last)."""
+    def free(self, req: Request, keep_tail: bool = True) -> None:
+        """Release all blocks of ``req`` (last first, so shared prefixes are evicted last).
+
+        With ``keep_tail`` (its K/V are sound: not after a failed step) a partial last block
+        keeps its K/V for a request that continues the same tokens.
+        """
         table = self._tables.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
-        if table:
-            self.pool.release(list(reversed(table)))
+        if not table:
+            return
+        bs = self.block_size
+        full, rest = divmod(req.num_computed_tokens, bs)
+        if keep_tail and self.enable_prefix_caching and rest and full < len(table) and table[full].ref_cnt == 1:
+            self._update_hashes(req, full)
+            parent = req.block_hashes[full - 1] if full else _ROOT_HASH
+            self.pool.cache_tail(table[full], parent, tuple(req.token_at(full * bs, full * bs + rest)))
+        self.pool.release(list(reversed(table)))

@@ -148,7 +148,7 @@ class Scheduler:
             n = min(req.num_tokens - num_hit, budget)
             # Keep a block of headroom per running request, so admitting this one does not
             # force a preemption on the very next decode step (which would thrash).
-            if not self.kv.allocate_slots(req, n, hits, reserve=len(self.running)):
+            if not self.kv.allocate_slots(req, n, hits, reserve=len(self.running), num_hit_tokens=num_hit):
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # count the lookup once, on first admission
@@ -231,7 +231,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, keep_tail=reason != "error")  # after a failed step its K/V are not trusted
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error

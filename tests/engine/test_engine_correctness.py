@@ -85,10 +85,26 @@ def test_prefix_cache_hits(make_engine, prompts, hf_reference, tokenizer):
     check(outs, variants, hf_reference)
     cached = eng.stats()["prefix_cache_hit_rate"]
     assert cached > 0.5
-    # the identical prompt hits all its full blocks except a block holding its last token
+    # the identical prompt hits its full blocks; its last 2 tokens are in a block the earlier runs
+    # filled with their own outputs: shared by hash, never taken over (only a freed partial block is)
     eng.add_request("again", story, SamplingParams(max_tokens=2))
     outs = eng.step()
     assert not outs or outs[0].num_cached_tokens == (len(story) - 1) // 16 * 16
+
+
+def test_a_prompt_continuing_a_finished_one_computes_only_its_new_tokens(make_engine, prompts, hf_reference):
+    """The voice loop warms the history, then the turn's prompt continues it: same tokens as without a cache."""
+    eng = make_engine(block_size=16)
+    history = prompts[5][:37]  # two full blocks and a tail of 5
+    for rid, prompt in (("turn", history + prompts[3]), ("other", history[:-2] + prompts[1])):
+        run(eng, [history], n=1)  # the warm-up: its last 5 tokens stay as a tail
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=N))
+        first = eng.step()
+        assert first[0].num_cached_tokens == (37 if rid == "turn" else 35)
+        tokens = list(first[0].token_ids_delta)
+        while eng.has_unfinished():
+            tokens += [t for out in eng.step() for t in out.token_ids_delta]
+        assert tokens == hf_reference(prompt, N)
 
 
 @pytest.mark.parametrize("block_size", [1, 7])

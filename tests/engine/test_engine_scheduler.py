@@ -211,7 +211,47 @@ def test_prefix_of_generated_tokens_is_cached_too():
     b = Request("b", history + [1, 2, 3], SamplingParams(max_tokens=1), eos_token_ids=(EOS,))
     s.add_request(b)
     fake_step(s)
-    assert b.num_cached_tokens == 12  # the 4th block held the last output, whose K/V was never computed
+    # 3 full blocks, then the 4th block's first 3 tokens: its last output's K/V was never computed
+    assert b.num_cached_tokens == 15
+
+
+def test_a_freed_partial_block_is_taken_over_by_a_request_continuing_its_tokens():
+    """The history warm-up ends mid-block; the next turn's prompt continues it."""
+    s = make(block_size=4)
+    warm = req("warm", 10, max_tokens=1)  # 2 full blocks, then a tail of 2 tokens (100..109)
+    s.add_request(warm)
+    run_all(s)
+    tail_block = s.kv.pool.blocks[[b for b in range(64) if s.kv.pool.blocks[b].tail is not None][0]]
+    turn = Request("turn", [*range(100, 110), 55, 56, 57], SamplingParams(max_tokens=2), eos_token_ids=(EOS,))
+    twin = Request("twin", [*range(100, 110), 55, 66], SamplingParams(max_tokens=2), eos_token_ids=(EOS,))
+    s.add_request(turn)
+    s.add_request(twin)
+    out, _ = fake_step(s)
+    assert turn.num_cached_tokens == 10  # the whole warm-up: 8 in full blocks, 2 in its tail
+    assert scheduled(out)["turn"] == 3 and out.chunks[0].start == 10
+    assert s.kv.block_ids("turn")[2] == tail_block.block_id and tail_block.tail is None
+    assert twin.num_cached_tokens == 8  # the tail is taken over, not shared: the twin computes its own
+    run_all(s)
+    assert s.kv.num_used_blocks == 0
+
+
+def test_a_tail_is_reused_up_to_where_the_tokens_part_and_never_after_a_failed_step():
+    s = make(block_size=8)
+    a = req("a", 14, max_tokens=1)  # tail: 106..113
+    s.add_request(a)
+    run_all(s)
+    b = Request("b", [*range(100, 111), 9, 9, 9], SamplingParams(max_tokens=1), eos_token_ids=(EOS,))
+    s.add_request(b)
+    out, _ = fake_step(s)
+    assert b.num_cached_tokens == 11  # 8 + the 3 tail tokens b shares (106..110)
+    s.add_request(c := req("c", 13, max_tokens=4))
+    out, _ = fake_step(s)
+    s.finish_request("c", "error")  # its K/V may be garbage: kept neither as blocks nor as a tail
+    d = req("d", 13, max_tokens=1)
+    s.add_request(d)
+    fake_step(s)
+    assert d.num_cached_tokens == 8
+    assert c.num_computed_tokens == 13
 
 
 def test_lru_eviction_of_cached_free_blocks():
