@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     pause_ms: int = Field(96, ge=64, le=1000, description="silence after which the tail is transcribed")
     partial_interval_ms: int = Field(400, ge=100, description="how often partial transcripts are made")
     speculative_reply: bool = Field(True, description="start the reply during the endpoint silence")
+    llm_warm_while_speaking: bool = Field(
+        True,
+        description="prefill the prompt with the user's words so far at each partial transcript, so the "
+        "reply's prompt adds only the last words (engine backend)",
+    )
     turn_model: Literal["smart-turn-v3", "none"] = Field(
         "smart-turn-v3", description="end-of-turn model heard at each pause ('none': the words alone)"
     )

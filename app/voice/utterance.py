@@ -199,6 +199,12 @@ class UtteranceTracker:
         return self._utterance is not None
 
     @property
+    def speech_may_be_ending(self) -> bool:
+        """In the VAD's hangover or a pause: the tail (the critical path) is about to run, or runs."""
+        utterance = self._utterance
+        return utterance is not None and (utterance.pause is not None or self._vad.trailing_silence)
+
+    @property
     def buffered_samples(self) -> int:
         return len(self._audio)
 

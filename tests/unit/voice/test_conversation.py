@@ -454,3 +454,36 @@ async def test_a_reply_that_says_a_sentence_again_ends_before_the_repeat(convers
     ]
     assert conv.session.history[-1] == {"role": "assistant", "content": done.text}
     assert conv.llm.closed == conv.llm.request_ids  # the LLM request was stopped
+
+
+async def test_the_words_so_far_are_prefilled_while_the_user_speaks_and_not_once_speech_may_be_ending(conversation):
+    conv = conversation()
+    conv.asr.partial = "What is the capital of"
+    await conv.speak(1.6, QUESTION)
+    shown = [t.text for t in conv.of(protocol.Transcript) if not t.final]
+    assert shown, "no partial transcript"
+    warmed = list(conv.llm.warmed)
+    assert warmed and warmed[-1][-1] == {"role": "user", "content": shown[-1]}
+    await conv.silence(0.06)  # the VAD's hangover: a partial finishing now must not hold the tail's cores
+    conv.session._warm_words_so_far(shown[-1])
+    await conv.settle()
+    assert conv.llm.warmed == warmed
+    await conv.silence_until(committed(conv))
+    await conv.settle()
+    [call] = conv.llm.calls
+    assert warmed[-1][:-1] == call[:-1]  # the reply's prompt continues what was prefilled
+    # after speech: only the history warm-up that follows the reply (its last message is the answer)
+    assert all(prompt[-1]["role"] == "assistant" for prompt in conv.llm.warmed[len(warmed) :])
+
+
+async def test_no_words_are_prefilled_while_a_reply_is_written_or_when_turned_off(conversation):
+    conv = conversation(llm_warm_while_speaking=False)
+    conv.asr.partial = "What is the capital of"
+    await conv.speak(1.6, QUESTION)
+    assert conv.of(protocol.Transcript) and not conv.llm.warmed
+    conv = conversation()
+    conv.llm.forever = True  # the reply is still being written while the user talks over it
+    await conv.type("Tell me a story.")
+    conv.asr.partial = "Mm-hmm yeah"
+    await conv.speak(1.2, "Mm-hmm yeah.")
+    assert conv.of(protocol.Transcript) and not any(p[-1]["role"] == "user" for p in conv.llm.warmed)
