@@ -248,7 +248,10 @@ class ModelRunner:
 
     def _use_threads(self, sched: SchedulerOutput) -> None:
         """Set torch's CPU threads for this step (on the stepping thread: OpenMP settings are per thread)."""
-        urgent = any(chunk.num_tokens > 1 or chunk.generated < self._first_tokens for chunk in sched.chunks)
+        # A reply's first tokens are urgent only while the request is alone: beside other requests
+        # (other users' replies, whose speech is being synthesized) extra threads slow everyone.
+        alone = len(sched.chunks) == 1
+        urgent = any(chunk.num_tokens > 1 or (alone and chunk.generated < self._first_tokens) for chunk in sched.chunks)
         threads = self._prefill_threads if urgent else self._decode_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

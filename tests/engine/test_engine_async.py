@@ -181,14 +181,15 @@ def test_an_engine_that_cannot_be_built_fails_its_constructor(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("first_tokens", "expected"),
-    [(0, [2, 1, 1, 1]), (3, [2, 2, 2, 1])],  # the prompt, then one token a step
+    ("first_tokens", "requests", "expected"),
+    # the prompt, then one token a step; two requests decode side by side: never urgent
+    [(0, 1, [2, 1, 1, 1]), (3, 1, [2, 2, 2, 1]), (3, 2, [2, 1, 1, 1])],
 )
 def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(
-    make_engine, prompts, first_tokens, expected
+    make_engine, prompts, first_tokens, requests, expected
 ):
     """Run on a thread of its own: torch's thread setting belongs to the calling thread. With
-    ``prefill_threads_first_tokens`` the steps that write a request's first tokens count as prefill."""
+    ``prefill_threads_first_tokens`` the steps that write a lone request's first tokens count as prefill."""
     import threading
 
     import torch
@@ -205,7 +206,8 @@ def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(
             return out
 
         eng.runner.execute = recording
-        eng.add_request("t", prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        for i in range(requests):
+            eng.add_request(f"t{i}", prompts[i], SamplingParams(max_tokens=4, ignore_eos=True))
         while eng.has_unfinished():
             eng.step()
 
