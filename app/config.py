@@ -135,6 +135,11 @@ class Settings(BaseSettings):
         description="pause the LLM request while its first piece is synthesized on tts_first_piece_threads "
         "(measured: faster for one user on a busy VM, slower for four users; README)",
     )
+    solo_speedups: bool = Field(
+        True,
+        description="while one session is open: first_piece_priority, and a reply's first "
+        "SOLO_FIRST_TOKENS tokens on the LLM's prefill threads (with several sessions both slow everyone)",
+    )
     asr_window_s: float = Field(10.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
     min_speech_ms: int = Field(96, ge=0)
     max_utterance_s: float = Field(30.0, gt=0)

@@ -137,6 +137,10 @@ class AsyncLLMEngine:
             self._pauses.append((request_id, 0.0))
             self._cond.notify()
 
+    def set_prefill_threads_first_tokens(self, n: int) -> None:
+        """Change ``EngineConfig.prefill_threads_first_tokens`` from now on (the next step reads it)."""
+        self.engine.runner.first_tokens = n
+
     def is_running(self) -> bool:
         """The step loop is alive and not down after a crash (what /healthz reports)."""
         return self._error is None and self._down is None and self._thread.is_alive()

@@ -246,6 +246,15 @@ class ModelRunner:
             f"KV cache {self.num_blocks} blocks x {self.block_size} tokens ({self.kv_cache_bytes / 2**20:.0f} MiB)"
         )
 
+    @property
+    def first_tokens(self) -> int:
+        """How many first output tokens of a lone request decode on the prefill threads."""
+        return self._first_tokens
+
+    @first_tokens.setter
+    def first_tokens(self, n: int) -> None:
+        self._first_tokens = max(0, int(n))  # read once per step, on the stepping thread
+
     def _use_threads(self, sched: SchedulerOutput) -> None:
         """Set torch's CPU threads for this step (on the stepping thread: OpenMP settings are per thread)."""
         # A reply's first tokens are urgent only while the request is alone: beside other requests

@@ -192,6 +192,10 @@ class EngineChatLLM:
     def resume(self, request_id: str) -> None:
         self.engine.resume(request_id)
 
+    def set_urgent_first_tokens(self, n: int) -> None:
+        """How many first tokens of a lone reply decode on every core (the server's solo mode)."""
+        self.engine.set_prefill_threads_first_tokens(n)
+
     async def warm(self, messages: list[Message]) -> None:
         """Prefill ``messages`` (no generation prompt: the next prompt continues them) for one token, so
         their full KV blocks are in the prefix cache when the next turn's prompt arrives."""

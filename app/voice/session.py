@@ -370,7 +370,8 @@ class VoiceSession:
             run_blocking=self._run,
             request_id=f"{self.session_id}-{turn_id}-{next(self._request_ids)}",
             first_clause_chars=self.settings.first_clause_chars,
-            first_piece_priority=self.settings.first_piece_priority,
+            # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
+            first_piece_priority=self.settings.first_piece_priority or getattr(self.models, "solo", False),
             voice=self._prefs.voice_for(self._turn_language),
             on_complete=self._record_reply,
             on_failed=self._forget_failed_turn,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -39,6 +40,24 @@ def test_sessions_over_the_limit_get_a_clear_error_and_others_keep_working(model
                 kinds.append(json.loads(message["text"])["type"])
         assert "assistant_text" in kinds
         assert client.get("/healthz").json()["sessions"] == 1
+
+
+def test_the_solo_speedups_follow_the_number_of_open_sessions(models):
+    app = create_app(Settings(max_sessions=2), models=models)
+    with (
+        TestClient(app, base_url="http://127.0.0.1:8000") as client,
+        client.websocket_connect("ws://127.0.0.1:8000/ws") as first,
+    ):
+        assert json.loads(first.receive_text())["type"] == "ready"
+        assert models.solo
+        with client.websocket_connect("ws://127.0.0.1:8000/ws") as second:
+            assert json.loads(second.receive_text())["type"] == "ready"
+            assert not models.solo
+        deadline = time.monotonic() + 10  # the server sees the second one close on its own task
+        while not models.solo and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert models.solo
+    assert not models.solo
 
 
 def test_page_static_files_and_health(models):

@@ -438,6 +438,38 @@ async def test_with_first_piece_priority_the_first_piece_is_urgent_while_the_llm
     await plain.type(QUESTION)
     await plain.settle()
     assert plain.session.models.tts.urgent == [False, False, False] and plain.llm.pauses == []
+    solo = conversation(llm_pieces=pieces)
+    solo.session.models.solo = True  # the server's solo mode: one session open
+    await solo.type(QUESTION)
+    await solo.settle()
+    assert solo.session.models.tts.urgent == [True, False, False] and len(solo.llm.pauses) == 2
+
+
+def test_the_solo_speedups_apply_while_exactly_one_session_is_open():
+    from app.config import Settings
+    from app.stages.registry import SOLO_FIRST_TOKENS, set_open_sessions
+
+    class EngineLLM:
+        first_tokens: list[int] = []
+
+        def set_urgent_first_tokens(self, n: int) -> None:
+            self.first_tokens.append(n)
+
+    class Models:
+        llm, solo = EngineLLM(), False
+
+    models = Models()
+    settings = Settings(llm_prefill_threads_first_tokens=3)
+    for open_sessions, solo, first_tokens in (
+        (1, True, SOLO_FIRST_TOKENS),
+        (2, False, 3),
+        (1, True, 12),
+        (0, False, 3),
+    ):
+        set_open_sessions(models, settings, open_sessions)
+        assert models.solo is solo and models.llm.first_tokens[-1] == first_tokens
+    set_open_sessions(models, Settings(solo_speedups=False), 1)
+    assert models.solo is False and models.llm.first_tokens[-1] == 0
 
 
 async def test_a_reply_that_says_a_sentence_again_ends_before_the_repeat(conversation):
