@@ -132,8 +132,8 @@ class Settings(BaseSettings):
     first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
     first_piece_priority: bool = Field(
         False,
-        description="pause the LLM request while its first piece is synthesized on tts_first_piece_threads "
-        "(measured: faster for one user on a busy VM, slower for four users; README)",
+        description="pause the LLM request while its first piece is synthesized on tts_first_piece_threads, "
+        "with any number of sessions (solo_speedups does it while one is open; slower for four users: README)",
     )
     solo_speedups: bool = Field(
         True,

@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt drops little
 # With first_piece_priority the LLM waits (at most this long) while the first piece is
 # synthesized: nothing can be heard before that audio, and the text is already ahead of it.
-# Off by default: on the 2-core VM it sped one user's first audio up in one period (288 -> 226
-# ms) and slowed it in another (196 -> 246), and with four users the paused request also waits
-# for the shared Piper lock (v2v p50 1569 -> 2079-2389 ms, underruns 0 -> 5-6).
+# The session asks for it while the server has one session open (``Settings.solo_speedups``):
+# with four users the paused request also waits for the shared Piper lock (v2v p50 1569 ->
+# 2079-2389 ms, underruns 0 -> 5-6), with one it took p50 from 1094 to 901 ms.
 FIRST_PIECE_PAUSE_MAX_S = 2.0
 # A piece of at least this many words said again word for word ends the reply: the bundled
 # SmolLM2-135M loops ("I'm not today. I'm not today.", or a 120-token run-on that repeats one
