@@ -137,8 +137,8 @@ class Settings(BaseSettings):
     )
     solo_speedups: bool = Field(
         True,
-        description="while one session is open: first_piece_priority, and a reply's first "
-        "SOLO_FIRST_TOKENS tokens on the LLM's prefill threads (with several sessions both slow everyone)",
+        description="while one session is open: first_piece_priority, and a reply's first 12 tokens on "
+        "the LLM's prefill threads (with several sessions both slow everyone)",
     )
     asr_window_s: float = Field(10.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
     min_speech_ms: int = Field(96, ge=0)

@@ -107,6 +107,7 @@ class ScriptedTurnModel:
 class FakeStages:
     def __init__(self, asr: ScriptedASR, llm: ScriptedLLM, turn: ScriptedTurnModel | None = None) -> None:
         self.asr, self.llm, self.tts, self.turn = asr, llm, WordTTS(), turn
+        self.solo = False
 
     def vad_stream(self, config: VadConfig) -> VadStream:
         return VadStream(EnergyVadModel(), config)

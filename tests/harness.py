@@ -70,6 +70,9 @@ class ScriptedLLM:
     def resume(self, request_id):
         self.pauses.append(("resume", request_id))
 
+    def set_urgent_first_tokens(self, n):
+        pass
+
     async def warm(self, messages):
         self.warmed.append([dict(m) for m in messages])
 

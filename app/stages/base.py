@@ -115,6 +115,11 @@ class ChatLLM(Protocol):
 
     def resume(self, request_id: str) -> None: ...
 
+    def set_urgent_first_tokens(self, n: int) -> None:
+        """Decode the first ``n`` tokens of a lone request on every core (the server's solo mode); a no-op
+        where the LLM runs elsewhere."""
+        ...
+
     async def warm(self, messages: list[Message]) -> None:
         """Compute (and cache) the KV of ``messages`` as the start of a later prompt; a no-op without a prefix cache."""
         ...
@@ -153,6 +158,7 @@ class VoiceStages(Protocol):
     llm: ChatLLM
     tts: Synthesizer
     turn: TurnDetector | None  # the end-of-turn model, when one is configured
+    solo: bool  # one session is open: the speed-ups that slow several sessions apply (the server sets it)
 
     def vad_stream(self, config: VadConfig) -> VoiceActivity:
         """A fresh VAD state for one input stream (the model itself is shared)."""

@@ -110,6 +110,9 @@ class TransformersChatLLM:
     def resume(self, request_id: str) -> None:
         pass
 
+    def set_urgent_first_tokens(self, n: int) -> None:
+        pass
+
     async def warm(self, messages: list[Message]) -> None:
         pass  # generate() keeps no cache between calls
 
@@ -291,6 +294,9 @@ class OpenAIChatLLM:
         pass  # the server is elsewhere: its cores are not ours to free
 
     def resume(self, request_id: str) -> None:
+        pass
+
+    def set_urgent_first_tokens(self, n: int) -> None:
         pass
 
     async def warm(self, messages: list[Message]) -> None:

@@ -47,10 +47,8 @@ def set_open_sessions(models: Models, settings: Settings, count: int) -> None:
     """
     solo = settings.solo_speedups and count == 1
     models.solo = solo
-    set_first_tokens = getattr(models.llm, "set_urgent_first_tokens", None)  # the engine backend's
-    if set_first_tokens is not None:
-        base = settings.llm_prefill_threads_first_tokens
-        set_first_tokens(max(base, SOLO_FIRST_TOKENS) if solo else base)
+    base = settings.llm_prefill_threads_first_tokens
+    models.llm.set_urgent_first_tokens(max(base, SOLO_FIRST_TOKENS) if solo else base)
 
 
 def llm_dtype(setting: str, device: str) -> str:

@@ -371,7 +371,7 @@ class VoiceSession:
             request_id=f"{self.session_id}-{turn_id}-{next(self._request_ids)}",
             first_clause_chars=self.settings.first_clause_chars,
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
-            first_piece_priority=self.settings.first_piece_priority or getattr(self.models, "solo", False),
+            first_piece_priority=self.settings.first_piece_priority or self.models.solo,
             voice=self._prefs.voice_for(self._turn_language),
             on_complete=self._record_reply,
             on_failed=self._forget_failed_turn,
@@ -467,8 +467,7 @@ class VoiceSession:
         """
         if self._closed or not self.settings.llm_warm_while_speaking or self._tracker.speech_may_be_ending:
             return
-        busy = [self._speculation, self._reply]
-        if any(reply is not None and reply.producing for reply in busy) or self._speculation is not None:
+        if self._speculation is not None or (self._reply is not None and self._reply.producing):
             return
         if self._warm_task is not None and not self._warm_task.done():
             return

@@ -81,6 +81,7 @@ class ToneTTS:
 
 class FakeStages:
     turn = None  # no end-of-turn model
+    solo = False
 
     def __init__(self, llm: ScriptedLLM, asr: ScriptedASR | None = None) -> None:
         self.llm, self.asr, self.tts = llm, asr or ScriptedASR(), ToneTTS()
