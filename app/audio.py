@@ -10,6 +10,9 @@ import numpy as np
 import soxr
 
 ASR_SAMPLE_RATE = 16_000
+# A sample at least this loud (-34 dBFS) is heard. TTS audio starts with quieter near-silence
+# (Piper's bundled voice: ~50 ms before the first word) that is sent but not a reply yet.
+AUDIBLE_LEVEL = 0.02
 
 
 def pcm16_to_float(data: bytes) -> np.ndarray:
@@ -64,3 +67,20 @@ def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
 
 def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int) -> None:
     Path(path).write_bytes(wav_bytes(samples, sample_rate))
+
+
+def trim_leading_quiet(samples: np.ndarray, sample_rate: int, keep_ms: float) -> np.ndarray:
+    """``samples`` from ``keep_ms`` before the first ``AUDIBLE_LEVEL`` sample, the kept quiet faded in.
+
+    A voice's first word then plays as soon as its audio does; the few quiet milliseconds kept
+    hold a soft onset ("h", "f"), and the fade keeps the cut from clicking. Audio with no audible
+    sample is returned whole.
+    """
+    loud = np.flatnonzero(np.abs(samples) >= AUDIBLE_LEVEL)
+    start = max(0, int(loud[0]) - int(keep_ms * sample_rate / 1000)) if len(loud) else 0
+    if start == 0:
+        return samples
+    kept = samples[start:].copy()
+    lead = int(loud[0]) - start
+    kept[:lead] *= np.linspace(0.0, 1.0, lead, endpoint=False, dtype=kept.dtype)
+    return kept

@@ -79,6 +79,7 @@ class WordTTS:
     def __init__(self) -> None:
         self.spoken: list[tuple[str | None, str]] = []
         self.urgent: list[bool] = []
+        self.lead_quiet_s = 0.0  # near-silence before each piece's first word (Piper's is ~50 ms)
 
     def voice_for(self, language):
         return {"en": "tone", "de": "other-tone"}.get(language)
@@ -87,7 +88,8 @@ class WordTTS:
         self.spoken.append((voice, text))
         self.urgent.append(urgent)
         samples = int(len(text.split()) * self.seconds_per_word * RATE)
-        yield np.full(samples, 0.1, np.float32)
+        quiet = np.full(int(self.lead_quiet_s * RATE), 0.005, np.float32)
+        yield np.concatenate([quiet, np.full(samples, 0.1, np.float32)])
 
 
 class ScriptedTurnModel:

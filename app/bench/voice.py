@@ -5,8 +5,10 @@ once with the bundled voice and cached), at real-time pace with natural trailing
 waits for the reply to finish playing, and asks the next. Voice-to-voice latency and
 underruns are measured on the client, as a user would experience them: from the acoustic end
 of the question (its last frame above the noise floor; the clips are cut there) to the first
-reply audio received. The server's own figure, from where its VAD placed the end, is
-reported beside it; stage latencies come from the server's per-turn metrics.
+audible reply sample (``app.audio.AUDIBLE_LEVEL``; the near-silence a TTS voice starts
+with is not counted as heard). The server's own figure, from where its VAD placed the end to
+the first reply audio it sent, is reported beside it; stage latencies come from the server's
+per-turn metrics.
 
 Sets (``--set``):
 * ``plain``: whole questions;

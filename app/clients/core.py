@@ -10,7 +10,7 @@ end-to-end tests all talk to the server through this module:
   one-line reason for every drop.
 * ``VoiceClient`` / ``speak_turn``: a scripted user that streams speech like a microphone and
   collects one turn (``TurnResult``). Voice-to-voice latency is measured here, on the client
-  side, as a user hears it (last speech sample sent -> first reply audio sample received).
+  side, as a user hears it (last speech sample sent -> first audible reply sample played).
 
 No client reads server events as raw dicts: they are the typed models of ``app.protocol``, and
 per-turn figures are ``protocol.TurnMetrics`` fields.
@@ -29,7 +29,7 @@ import numpy as np
 import websockets
 
 from app import protocol
-from app.audio import float_to_pcm16
+from app.audio import AUDIBLE_LEVEL, float_to_pcm16
 
 FRAME_MS = 20
 MAX_MESSAGE_BYTES = 1 << 22  # reply audio arrives in chunks far below this
@@ -295,10 +295,32 @@ class TurnResult:
 
     @property
     def voice_to_voice_ms(self) -> float | None:
-        """Last speech sample sent -> first reply audio received, as the user experiences it."""
-        if self.speech_end_sent is None or self.first_audio_received is None:
+        """Last speech sample sent -> first audible reply sample played, as the user experiences it."""
+        heard = self.first_audible_at
+        if self.speech_end_sent is None or heard is None:
             return None
-        return (self.first_audio_received - self.speech_end_sent) * 1000
+        return (heard - self.speech_end_sent) * 1000
+
+    @property
+    def first_audible_at(self) -> float | None:
+        """When the reply's first sample of ``AUDIBLE_LEVEL`` plays, played gaplessly from its arrival.
+
+        The quiet a TTS voice starts with is audio received but nothing heard; a reply with no
+        audible sample at all counts from its first audio.
+        """
+        first = self.first_audio_received
+        if first is None or not self.output_sample_rate:
+            return first
+        loud = np.flatnonzero(np.abs(self.reply_samples) >= AUDIBLE_LEVEL)
+        if not len(loud):
+            return first
+        target, offset, playing_until = int(loud[0]), 0, first
+        for arrived, samples in self.audio_arrivals:
+            starts = max(arrived, playing_until)
+            if target < offset + samples:
+                return starts + (target - offset) / self.output_sample_rate
+            offset, playing_until = offset + samples, starts + samples / self.output_sample_rate
+        return playing_until + (target - offset) / self.output_sample_rate  # (arrivals not recorded)
 
     @property
     def reply_samples(self) -> np.ndarray:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from app import protocol
-from app.audio import float_to_pcm16
+from app.audio import float_to_pcm16, trim_leading_quiet
 from app.stages.base import ChatLLM, Message, Synthesizer
 from app.voice.clock import Clock, RunBlocking
 from app.voice.playback import ReplyPlayback
@@ -25,6 +25,9 @@ from app.voice.text import SentenceSplitter, speakable, words
 log = logging.getLogger(__name__)
 
 AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt drops little
+# Each piece's audio starts this long before its first audible sample. Piper's bundled voice
+# begins with ~50 ms of near-silence; sent whole, it was waited for before the first word.
+LEAD_KEEP_MS = 20
 # With first_piece_priority the LLM waits (at most this long) while the first piece is
 # synthesized: nothing can be heard before that audio, and the text is already ahead of it.
 # The session asks for it while the server has one session open (``Settings.solo_speedups``):
@@ -212,6 +215,8 @@ class Reply:
             finally:
                 if urgent:
                     self._llm.resume(self.request_id)
+            if audio:
+                audio[0] = trim_leading_quiet(audio[0], sample_rate, LEAD_KEEP_MS)
             if first:
                 self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
                 await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))

@@ -137,6 +137,23 @@ def test_turn_result_reads_typed_events_and_measures_the_client_side():
     assert TurnResult().server_metrics == protocol.TurnMetrics()
 
 
+def test_voice_to_voice_counts_to_the_first_audible_sample_not_the_quiet_a_voice_starts_with():
+    result = TurnResult(output_sample_rate=1000, speech_end_sent=10.0, first_audio_received=10.25)
+    quiet = np.full(150, 0.005, np.float32)  # near-silence before the first word
+    loud = np.full(350, 0.3, np.float32)
+    result.reply_audio.extend(float_to_pcm16(np.concatenate([quiet[:100], quiet[100:], loud, loud])))
+    # two chunks: the first (100 quiet samples) arrives at 10.25 and plays to 10.35; the second
+    # arrives late, at 10.5, and plays its own 50 quiet samples first
+    result.audio_arrivals = [(10.25, 100), (10.5, 750)]
+    assert result.voice_to_voice_ms == pytest.approx(550.0)
+    result.audio_arrivals = [(10.25, 100), (10.3, 750)]  # on time: played gaplessly, heard at 10.4
+    assert result.voice_to_voice_ms == pytest.approx(400.0)
+    silent = TurnResult(output_sample_rate=1000, speech_end_sent=10.0, first_audio_received=10.25)
+    silent.reply_audio.extend(b"\x00\x00" * 500)
+    silent.audio_arrivals = [(10.25, 500)]
+    assert silent.voice_to_voice_ms == pytest.approx(250.0)  # nothing audible: from its first audio
+
+
 def test_a_continued_turn_keeps_only_its_whole_transcript_and_its_last_reply():
     result = TurnResult(output_sample_rate=1000, first_audio_received=9.5)
     result.reply_audio.extend(b"\x00\x00" * 300)  # 0.3 s of the first half's reply, heard mid-question

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app import protocol
+from app.voice.reply import LEAD_KEEP_MS
 
 QUESTION = "What is the capital of France?"
 ENDPOINT_MS, UNFINISHED_MS, PAUSE_MS = 400, 1200, 96
@@ -32,6 +35,15 @@ async def test_a_finished_sentence_commits_after_the_endpoint_silence(conversati
     done = conv.of(protocol.TurnDone)[-1]
     assert done.text == "Paris is the capital of France." and not done.interrupted
     assert conv.audio_s > 0
+
+
+async def test_a_reply_s_audio_starts_just_before_its_first_word(conversation):
+    conv = conversation()
+    conv.session.models.tts.lead_quiet_s = 0.1  # the voice starts each piece with 100 ms of near-silence
+    await conv.type("Hi")
+    await conv.settle()
+    # "Paris is the capital of France.": six words of 0.25 s, and 20 ms of the quiet before them
+    assert conv.audio_s == pytest.approx(1.5 + LEAD_KEEP_MS / 1000, abs=1e-3)
 
 
 async def test_words_ending_mid_clause_wait_for_the_longer_silence(conversation):
