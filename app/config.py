@@ -130,6 +130,12 @@ class Settings(BaseSettings):
         500, ge=0, le=5000, description="a reply heard longer than this is not withdrawn; speech over it is a new turn"
     )
     first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
+    first_piece_words: int = Field(
+        6,
+        ge=2,
+        le=30,
+        description="a reply's first piece is cut after this many words when no clause or sentence ends sooner",
+    )
     first_piece_priority: bool = Field(
         False,
         description="pause the LLM request while its first piece is synthesized on tts_first_piece_threads, "

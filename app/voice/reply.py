@@ -20,7 +20,7 @@ from app.audio import float_to_pcm16, trim_leading_quiet
 from app.stages.base import ChatLLM, Message, Synthesizer
 from app.voice.clock import Clock, RunBlocking
 from app.voice.playback import ReplyPlayback
-from app.voice.text import SentenceSplitter, speakable, words
+from app.voice.text import FIRST_PHRASE_MAX_WORDS, SentenceSplitter, speakable, words
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class Reply:
         run_blocking: RunBlocking,
         request_id: str,
         first_clause_chars: int = 0,
+        first_piece_words: int = FIRST_PHRASE_MAX_WORDS,
         first_piece_priority: bool = False,
         voice: str | None = None,
         on_complete: Callable[[Reply], None] | None = None,
@@ -77,6 +78,7 @@ class Reply:
         self._send_json, self._send_bytes = send_json, send_bytes
         self._clock, self._run = clock, run_blocking
         self._first_clause_chars = first_clause_chars
+        self._first_piece_words = first_piece_words
         self._first_piece_priority = first_piece_priority
         self._voice = voice
         self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
@@ -153,7 +155,9 @@ class Reply:
         """LLM tokens -> clauses/sentences -> TTS -> audio, all overlapped."""
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speak(pieces), name=f"tts-{self.turn_id}")
-        splitter = SentenceSplitter(first_clause_chars=self._first_clause_chars)
+        splitter = SentenceSplitter(
+            first_clause_chars=self._first_clause_chars, first_piece_words=self._first_piece_words
+        )
         self._produce_started = self._clock.now()
         stream = self._llm.stream(messages, self.request_id)
         said: list[str] = []

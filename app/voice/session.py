@@ -370,6 +370,7 @@ class VoiceSession:
             run_blocking=self._run,
             request_id=f"{self.session_id}-{turn_id}-{next(self._request_ids)}",
             first_clause_chars=self.settings.first_clause_chars,
+            first_piece_words=self.settings.first_piece_words,
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
             first_piece_priority=self.settings.first_piece_priority or self.models.solo,
             voice=self._prefs.voice_for(self._turn_language),

@@ -18,8 +18,8 @@ _JOINING_WORDS = frozenset(
 # audio starts, at ~60 ms a word on the 2-core CPU (~25 ms of decode and ~35 ms of Piper).
 # `parley bench voice --clients 1 --turns 20`, back to back with the earlier 10-word cap (and
 # the engine's thread changes): the first piece took 335 ms to write and 301 ms to speak,
-# against 442 and 415; voice-to-voice p50 1412 -> 1200 ms.
-FIRST_PHRASE_WORDS = 4
+# against 442 and 415; voice-to-voice p50 1412 -> 1200 ms. The cap is the setting
+# ``first_piece_words``; a joining word ends the piece from two words before it (at least 3).
 FIRST_PHRASE_MAX_WORDS = 6
 # Later pieces end at sentences, but a run-on sentence (small LLMs write 100-word ones) is cut
 # too: speaking it whole would leave the listener in silence while it is written and
@@ -41,12 +41,16 @@ class SentenceSplitter:
 
     ``first_clause_chars``: while nothing has been released yet, also release at a clause
     break (comma, semicolon, ...) once this many characters are buffered, so the first audio
-    starts early on a long opening sentence. 0 disables it.
+    starts early on a long opening sentence; and cut a first sentence without one before a
+    joining word, or after ``first_piece_words`` words. 0 disables both.
     """
 
-    def __init__(self, min_chars: int = 12, first_clause_chars: int = 0) -> None:
+    def __init__(
+        self, min_chars: int = 12, first_clause_chars: int = 0, first_piece_words: int = FIRST_PHRASE_MAX_WORDS
+    ) -> None:
         self.min_chars = min_chars
         self.first_clause_chars = first_clause_chars
+        self.first_piece_words = first_piece_words
         self._buffer = ""
         self._released = 0
 
@@ -74,7 +78,8 @@ class SentenceSplitter:
             return self._take(match.end())
         if self._released == 0:
             if self.first_clause_chars and spoken_length(self._buffer) >= self.first_clause_chars:
-                return self._phrase(self.min_chars, 0, FIRST_PHRASE_WORDS, FIRST_PHRASE_MAX_WORDS)
+                most = self.first_piece_words
+                return self._phrase(self.min_chars, 0, min(most, max(3, most - 2)), most)
             return None
         return self._phrase(0, LATER_PHRASE_WORDS, LATER_PHRASE_WORDS, LATER_PHRASE_MAX_WORDS)
 

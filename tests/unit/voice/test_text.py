@@ -65,6 +65,18 @@ def test_first_piece_is_capped_at_six_words_when_nothing_joins():
     ]
 
 
+def test_the_first_piece_s_word_cap_is_a_setting():
+    words_only = "one two three four five six seven eight."
+    assert stream(SentenceSplitter(first_clause_chars=16, first_piece_words=4), words_only) == [
+        "one two three four",
+        "five six seven eight.",
+    ]
+    # with a cap of 4 a joining word ends the piece from the third word on
+    text = "The best way to cook dinner tonight is with friends."
+    assert stream(SentenceSplitter(first_clause_chars=16, first_piece_words=4), text)[0] == "The best way"
+    assert stream(SentenceSplitter(first_clause_chars=16), text)[0] == "The best way to cook dinner"
+
+
 def test_first_piece_is_cut_before_a_preposition():
     text = "The most popular dog breed in the world is the Labrador."
     assert stream(SentenceSplitter(first_clause_chars=16), text) == [
