@@ -25,8 +25,11 @@ from app.voice.text import FIRST_PHRASE_MAX_WORDS, SentenceSplitter, speakable, 
 log = logging.getLogger(__name__)
 
 AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt drops little
-# Each piece's audio starts this long before its first audible sample. Piper's bundled voice
-# begins with ~50 ms of near-silence; sent whole, it was waited for before the first word.
+# A reply's audio starts this long before its first audible sample. Piper's bundled voice
+# begins each piece with ~50 ms of near-silence; sent whole, it was waited for before the first
+# word. Later pieces keep theirs: it is part of the gap between pieces, and of the audio buffered
+# ahead of the next piece (with four users on 2 cores, cutting it from every piece went with
+# more underruns).
 LEAD_KEEP_MS = 20
 # With first_piece_priority the LLM waits (at most this long) while the first piece is
 # synthesized: nothing can be heard before that audio, and the text is already ahead of it.
@@ -219,9 +222,9 @@ class Reply:
             finally:
                 if urgent:
                     self._llm.resume(self.request_id)
-            if audio:
-                audio[0] = trim_leading_quiet(audio[0], sample_rate, LEAD_KEEP_MS)
             if first:
+                if audio:
+                    audio[0] = trim_leading_quiet(audio[0], sample_rate, LEAD_KEEP_MS)
                 self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
                 await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
             for samples in audio:

@@ -38,12 +38,12 @@ async def test_a_finished_sentence_commits_after_the_endpoint_silence(conversati
 
 
 async def test_a_reply_s_audio_starts_just_before_its_first_word(conversation):
-    conv = conversation()
+    conv = conversation(llm_pieces=["Paris is the capital of France. ", "It is lovely."])
     conv.session.models.tts.lead_quiet_s = 0.1  # the voice starts each piece with 100 ms of near-silence
     await conv.type("Hi")
     await conv.settle()
-    # "Paris is the capital of France.": six words of 0.25 s, and 20 ms of the quiet before them
-    assert conv.audio_s == pytest.approx(1.5 + LEAD_KEEP_MS / 1000, abs=1e-3)
+    # nine words of 0.25 s; 20 ms of the first piece's quiet, all of the second's (the gap between them)
+    assert conv.audio_s == pytest.approx(9 * 0.25 + LEAD_KEEP_MS / 1000 + 0.1, abs=1e-3)
 
 
 async def test_words_ending_mid_clause_wait_for_the_longer_silence(conversation):
