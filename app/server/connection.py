@@ -129,7 +129,7 @@ class Connection:
         state, settings, metrics = self.state, self.settings, self.state.metrics
         session.on_turn_metrics = metrics.observe_turn
         state.sessions.add(session)
-        self._count_sessions()
+        set_open_sessions(session.models, settings, len(state.sessions))
         close_code, close_reason = 1000, ""
         receiving = asyncio.create_task(self._receive(session, on_text, on_bytes), name=f"{self.label}-receive")
         watching = asyncio.create_task(self._evicted.wait(), name=f"{self.label}-evicted")
@@ -155,18 +155,13 @@ class Connection:
             for task in (receiving, watching):
                 task.cancel()
             state.sessions.discard(session)
-            self._count_sessions()
+            set_open_sessions(session.models, settings, len(state.sessions))
             if closing is not None:
                 await closing()
             await session.close()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(CLOSE_WAIT_S):
                     await self.websocket.close(code=close_code, reason=close_reason)
-
-    def _count_sessions(self) -> None:
-        models = getattr(self.state, "models", None)
-        if models is not None:
-            set_open_sessions(models, self.settings, len(self.state.sessions))
 
     async def _receive(
         self,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from app.config import Settings
 from app.stages.asr import Transcriber
-from app.stages.base import ChatLLM, GenerationSettings, Synthesizer, TurnDetector, VadConfig
+from app.stages.base import ChatLLM, GenerationSettings, Synthesizer, TurnDetector, VadConfig, VoiceStages
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad, VadStream
 
@@ -37,7 +37,7 @@ class Models:
 SOLO_FIRST_TOKENS = 12  # about a reply's first spoken piece
 
 
-def set_open_sessions(models: Models, settings: Settings, count: int) -> None:
+def set_open_sessions(models: VoiceStages, settings: Settings, count: int) -> None:
     """The server opened or closed a session: the solo speed-ups apply while exactly one is open.
 
     Measured on the 2-core VM (`parley bench voice`, 12 turns twice, back to back): with one user
