@@ -23,8 +23,20 @@ four linears, 1 thread, microseconds; end-to-end decode rates are what
 
 ``torch._weight_int8pack_mm`` is weight-only (activations stay bf16, so answers stay
 close to bf16) and the fastest at batch 1, where a voice turn decodes; it scales
-linearly with M, so above ``INT8PACK_MAX_M`` tokens (prefill) the same int8 weights are
-dequantized to bf16 per call and multiplied in bf16. ``torch.ao`` dynamic quantization
+linearly with M, so above a number of rows (prefill) the same int8 weights are dequantized
+per call and multiplied densely. Where the CPU computes bf16 (oneDNN on AVX512 and up) or on
+CUDA, that product is bf16 and starts above ``INT8PACK_MAX_M`` rows. Elsewhere a bf16
+matmul is emulated element by element and was the slowest of all: on a 2-core AMD EPYC
+without AVX2 (2 threads, one SmolLM2 layer's four linears, ms; ``dense_matmul_is_16bit``):
+
+    M (tokens)        16     32     64    128    192    256    512
+    int8pack         2.0    4.2    6.2   14.9   22.2   31.1   62.8
+    dequant->bf16    8.7   15.4   25.7   53.9
+    dequant->fp32    4.8    6.8   10.1   19.8   16.2   24.7   32.9
+
+so there the product is fp32 (cast back to bf16) and int8pack keeps up to
+``INT8PACK_MAX_M_EMULATED`` rows. Four prompts arriving together (a 93-row step) took
+1.4 s to prefill with bf16, the first turn of ``parley bench voice --clients 4``. ``torch.ao`` dynamic quantization
 is faster at batch >= 8 but quantizes activations per tensor, which changed answers in
 our measurements; it remains selectable (``EngineConfig(int8_method="ao")``) for comparison.
 
@@ -51,12 +63,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import INT8_METHODS
+from engine.layers.linear import onednn_packing_available
 
 log = logging.getLogger(__name__)
 
-INT8PACK_MAX_M = 32
+INT8PACK_MAX_M = 32  # rows through int8pack where the dense product is bf16 at full speed
+INT8PACK_MAX_M_EMULATED = 192  # ... and where bf16 is emulated, so the dense product is fp32
 INT4_GROUP = 32
 INT4PACK_MAX_M = 64  # int4 matmul cost grows with M; above this, dequantize once per call (prefill)
+INT4PACK_MAX_M_EMULATED = 192  # where bf16 is emulated: a layer's four linears at 96 rows took 15 ms
+# in int4pack, 325 ms dequantized to bf16 and 21 ms to fp32; int4pack and fp32 meet near 192 rows
 INT4_TILE_N = 64  # output rows per tile of the CPU int4 pack layout
 
 
@@ -76,19 +92,30 @@ class Int8PackLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
         self.qweight, scale = quantize_per_channel(weight)
         self.scale = scale.to(act_dtype).contiguous()
-        self.scale_col = self.scale[:, None]
+        native = dense_matmul_is_16bit(act_dtype, weight.device)
+        self.max_rows = INT8PACK_MAX_M if native else INT8PACK_MAX_M_EMULATED
+        self.dense_dtype = act_dtype if native else torch.float32
+        self.scale_col = scale.to(self.dense_dtype)[:, None].contiguous()
         self.bias = bias
+        self.dense_bias = None if bias is None else bias.to(self.dense_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT8PACK_MAX_M:
+        if x.shape[0] <= self.max_rows:
             y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
             return y + self.bias if self.bias is not None else y
-        w = self.qweight.to(x.dtype) * self.scale_col  # transient; freed right after the matmul
-        return F.linear(x, w, self.bias)
+        w = self.qweight.to(self.dense_dtype) * self.scale_col  # transient; freed right after the matmul
+        return F.linear(x.to(self.dense_dtype), w, self.dense_bias).to(x.dtype)
 
     def nbytes(self) -> int:
         b = self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+        b += self.scale_col.numel() * self.scale_col.element_size() if self.dense_dtype != self.scale.dtype else 0
         return b + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+def dense_matmul_is_16bit(act_dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a dequantized 16-bit weight is multiplied in 16 bits here (CUDA, or oneDNN's bf16 on
+    the CPU); where 16-bit matmuls are emulated, prefill products are computed in fp32 instead."""
+    return torch.device(device).type == "cuda" or onednn_packing_available(act_dtype, device)
 
 
 @functools.cache
@@ -129,9 +156,12 @@ class Int4PackLinear:
         self.scales_zeros = torch.stack((scale.t(), (lo + 8 * scale).t()), -1).to(act_dtype).contiguous()
         self.shape = (n, k)
         self.bias = bias
+        native = dense_matmul_is_16bit(act_dtype, weight.device)
+        self.max_rows = INT4PACK_MAX_M if native else INT4PACK_MAX_M_EMULATED
+        self.dense_dtype = act_dtype if native else torch.float32
 
-    def dequantize_tiles(self) -> torch.Tensor:
-        """The 16-bit weight in the kernel's tile order: [n / B, k, B], tile t holding rows Bt..Bt+B-1.
+    def dequantize_tiles(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight (16-bit, or ``dtype``) in the kernel's tile order: [n / B, k, B], tile t holding rows Bt..Bt+B-1.
 
         The CPU pack layout: per B-row tile, byte (t, k, j) holds row Bt+j in its low nibble
         and row Bt+j+B/2 in its high one; B is 64 where torch's kernel was built for AVX512
@@ -145,7 +175,7 @@ class Int4PackLinear:
         t = self.packed.view(tiles, k, B // 2)
         q = torch.cat((t & 15, t >> 4), -1).view(tiles, groups, INT4_GROUP, B)
         sz = self.scales_zeros.float().view(groups, tiles, 1, B, 2).transpose(0, 1)
-        dtype = self.scales_zeros.dtype
+        dtype = dtype or self.scales_zeros.dtype
         scale = sz[..., 0].to(dtype).contiguous()
         offset = (sz[..., 1] - 8 * sz[..., 0]).to(dtype).contiguous()  # the kernel's (q - 8) * s + zero
         return torch.addcmul(offset, q.to(dtype), scale).view(tiles, k, B)
@@ -156,10 +186,12 @@ class Int4PackLinear:
         return self.dequantize_tiles().transpose(1, 2).reshape(n, k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT4PACK_MAX_M:
+        if x.shape[0] <= self.max_rows:
             y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scales_zeros)
         else:  # prefill: one batched matmul over the dequantized tiles ([tiles, M, 64] -> [M, n])
-            y = torch.matmul(x, self.dequantize_tiles()).transpose(0, 1).reshape(x.shape[0], self.shape[0])
+            tiles = self.dequantize_tiles(self.dense_dtype)
+            y = torch.matmul(x.to(self.dense_dtype), tiles).to(x.dtype)
+            y = y.transpose(0, 1).reshape(x.shape[0], self.shape[0])
         return y + self.bias if self.bias is not None else y
 
     def nbytes(self) -> int:

@@ -14,9 +14,12 @@ from engine_prompts import STORY
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import perplexity
+import engine.quant
 from engine.quant import (
     INT4PACK_MAX_M,
+    INT4PACK_MAX_M_EMULATED,
     INT8PACK_MAX_M,
+    INT8PACK_MAX_M_EMULATED,
     AoDynamicLinear,
     Int4PackLinear,
     Int8Embedding,
@@ -80,15 +83,37 @@ def test_greedy_answers_mostly_agree(quant_engine, engine, prompts):
 
 
 def test_prefill_path_matches_small_batch_path(quant_engine):
-    # more rows than the packed kernels take dequantize to bf16 first; both must compute the same product
+    # more rows than the packed kernels take are dequantized first; both must compute the same product
     lin = quant_engine.model.layers[3].gate_up
-    rows = max(INT8PACK_MAX_M, INT4PACK_MAX_M) + 8
+    rows = lin.max_rows + 8
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
     big = lin(x).float()
     small = torch.cat([lin(x[i : i + 8]) for i in range(0, rows, 8)]).float()
     # bf16 rounding of the products differs between the kernels: compare at the output's scale
     assert (big - small).abs().max() < 0.02 * small.abs().max()
     assert torch.nn.functional.cosine_similarity(big.flatten(), small.flatten(), dim=0) > 0.9999
+
+
+@pytest.mark.parametrize("kind", [Int8PackLinear, Int4PackLinear])
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_prefill_product_is_fp32_where_bf16_is_emulated(monkeypatch, kind, native_bf16):
+    # Without oneDNN's bf16 a 16-bit matmul is emulated: ~4x (int8) to ~15x (int4) slower than the
+    # packed kernel at prefill sizes, so there the dense product is fp32 and starts at more rows.
+    monkeypatch.setattr(engine.quant, "onednn_packing_available", lambda dtype, device: native_bf16)
+    torch.manual_seed(0)
+    w = (torch.randn(128, 64) * 0.05).bfloat16()
+    lin = kind(w, None, torch.bfloat16)
+    limits = {
+        Int8PackLinear: (INT8PACK_MAX_M, INT8PACK_MAX_M_EMULATED),
+        Int4PackLinear: (INT4PACK_MAX_M, INT4PACK_MAX_M_EMULATED),
+    }
+    assert lin.max_rows == limits[kind][0 if native_bf16 else 1]
+    assert lin.dense_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    x = torch.randn(lin.max_rows + 1, 64, dtype=torch.bfloat16)
+    dense = lin(x)  # the dense path
+    assert dense.dtype == torch.bfloat16  # the model's activations stay 16-bit either way
+    packed = torch.cat([lin(x[i : i + 8]) for i in range(0, len(x), 8)])
+    assert torch.allclose(dense.float(), packed.float(), rtol=0.02, atol=0.02 * packed.float().abs().max().item())
 
 
 def test_int4_dequantize_recovers_the_group_grid():
