@@ -35,10 +35,12 @@ without AVX2 (2 threads, one SmolLM2 layer's four linears, ms; ``dense_matmul_is
     dequant->fp32    4.8    6.8   10.1   19.8   16.2   24.7   32.9
 
 so there the product is fp32 (cast back to bf16) and int8pack keeps up to
-``INT8PACK_MAX_M_EMULATED`` rows. Four prompts arriving together (a 93-row step) took
-1.4 s to prefill with bf16, the first turn of ``parley bench voice --clients 4``. ``torch.ao`` dynamic quantization
-is faster at batch >= 8 but quantizes activations per tensor, which changed answers in
-our measurements; it remains selectable (``EngineConfig(int8_method="ao")``) for comparison.
+``INT8PACK_MAX_M_EMULATED`` rows. Four prompts arriving together (a 96-row step, the first
+turn of ``parley bench voice --clients 4``) took 1.4 s to prefill with bf16, 0.42 s now.
+
+``torch.ao`` dynamic quantization is faster at batch >= 8 but quantizes activations per
+tensor, which changed answers in our measurements; it remains selectable
+(``EngineConfig(int8_method="ao")``) for comparison.
 
 On CUDA, int8 is bitsandbytes LLM.int8 (``bnb.nn.Linear8bitLt``, ``has_fp16_weights=False``,
 outlier threshold 6.0, as ``load_in_8bit`` sets it up; embedding and ``lm_head`` stay 16-bit):
@@ -161,7 +163,8 @@ class Int4PackLinear:
         self.dense_dtype = act_dtype if native else torch.float32
 
     def dequantize_tiles(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weight (16-bit, or ``dtype``) in the kernel's tile order: [n / B, k, B], tile t holding rows Bt..Bt+B-1.
+        """The weight (16-bit, or ``dtype``) in the kernel's tile order: [n / B, k, B], tile t holding
+        rows Bt..Bt+B-1.
 
         The CPU pack layout: per B-row tile, byte (t, k, j) holds row Bt+j in its low nibble
         and row Bt+j+B/2 in its high one; B is 64 where torch's kernel was built for AVX512

@@ -270,6 +270,27 @@ def decode_tokens_per_s(eng, prompts: list[list[int]], n_tokens: int) -> float:
     return n / max(time.perf_counter() - t0, 1e-9)
 
 
+def prefill_tokens_per_s(eng, prompts: list[list[int]]) -> float:
+    """Prompt tokens per second when ``prompts`` arrive together, timed to their first tokens.
+
+    Several prompts at once is what the voice server sees when users finish speaking close
+    together: their prefills share one step, whose row count decides which kernel runs.
+    """
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        eng.add_request(None, p, params)
+    while eng.has_unfinished():
+        eng.step()
+    return sum(map(len, prompts)) / max(time.perf_counter() - t0, 1e-9)
+
+
+# the prefill shapes timed per precision: a burst of four short prompts (one 96-row step), and one long prompt
+PREFILL_SHAPES = {"burst4x24": (4, 24), "long1x384": (1, 384)}
+
+
 def engine_perplexity(eng, ids: list[int]) -> float:
     """Perplexity of ``ids`` with the engine's own model forward (quantized or not), one causal prefill
     on a private KV buffer (the engine's cache and prefix blocks are not touched)."""
@@ -326,6 +347,11 @@ def precision_section(
             for name, eng in engines.items():
                 key = f"{name}_decode_tokens_per_s_bs{b}"
                 out[key] = max(out.get(key, 0.0), decode_tokens_per_s(eng, prompts[:b], decode_tokens))
+        for shape, (count, length) in PREFILL_SHAPES.items():
+            prompts = [text_ids[53 * i : 53 * i + length] for i in range(count)]
+            for name, eng in engines.items():
+                key = f"{name}_prefill_tokens_per_s_{shape}"
+                out[key] = max(out.get(key, 0.0), prefill_tokens_per_s(eng, prompts))
     for name, eng in engines.items():
         try:
             out[f"{name}_perplexity"] = engine_perplexity(eng, ppl_ids)
@@ -352,6 +378,11 @@ def precision_section(
     out["int8_perplexity_ratio"] = ratio("int8_perplexity", "fp32_perplexity")
     out["int4_weight_memory_ratio"] = ratio("int4_weight_bytes", "fp32_weight_bytes")
     out["int4_perplexity_ratio"] = ratio("int4_perplexity", "fp32_perplexity")
+    for shape in PREFILL_SHAPES:
+        for name in ("bf16", "int8", "int4"):
+            out[f"{name}_prefill_speedup_{shape}"] = ratio(
+                f"{name}_prefill_tokens_per_s_{shape}", f"fp32_prefill_tokens_per_s_{shape}"
+            )
     for b in batch_sizes:
         out[f"int4_decode_speedup_bs{b}"] = ratio(f"int4_decode_tokens_per_s_bs{b}", f"fp32_decode_tokens_per_s_bs{b}")
     out["bf16_perplexity_ratio"] = ratio("bf16_perplexity", "fp32_perplexity")
@@ -463,6 +494,7 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
     lines.append("")
     bss = r.get("decode_batch_sizes", [1, 8])
     head = f"{'precision':<11}{'activations':<13}" + "".join(f"{'decode bs' + str(b) + ' tok/s':>20}" for b in bss)
+    head += "".join(f"{'prefill ' + shape + ' tok/s':>26}" for shape in PREFILL_SHAPES)
     lines.append(head + f"{'weights MB':>12}{'linear MB':>11}{'perplexity':>12}")
     for name in ("fp32", "bf16", "int8", "int4"):
         if f"{name}_weight_bytes" not in r:
@@ -470,13 +502,15 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
             continue
         row = f"{name:<11}{r[f'{name}_activation_dtype']:<13}"
         row += "".join(f"{_fmt(r.get(f'{name}_decode_tokens_per_s_bs{b}')):>20}" for b in bss)
+        row += "".join(f"{_fmt(r.get(f'{name}_prefill_tokens_per_s_{shape}'), '.0f'):>26}" for shape in PREFILL_SHAPES)
         row += f"{r[f'{name}_weight_bytes'] / 2**20:>12.1f}{r[f'{name}_linear_weight_bytes'] / 2**20:>11.1f}"
         row += f"{_fmt(r.get(f'{name}_perplexity'), '.3f'):>12}"
         lines.append(row)
     if r.get("decode_reps"):
         lines.append(
             f"(decode: {r.get('decode_tokens')} tokens per request after a 32-token prompt, prefill not timed, "
-            f"best of {r['decode_reps']} interleaved runs)"
+            f"best of {r['decode_reps']} interleaved runs; prefill: prompt tokens to the first token, "
+            "burst4x24 = four 24-token prompts arriving together, long1x384 = one 384-token prompt, no prefix cache)"
         )
     if r.get("hf_fp32_perplexity") is not None:
         lines.append(
@@ -487,10 +521,16 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
     def speedups(key: str) -> str:
         return ", ".join(f"bs{b} {_fmt(r.get(f'{key}_bs{b}'), '.2f')}x" for b in bss)
 
+    def prefill_speedups(name: str) -> str:
+        return "; prefill " + ", ".join(
+            f"{shape} {_fmt(r.get(f'{name}_prefill_speedup_{shape}'), '.2f')}x" for shape in PREFILL_SHAPES
+        )
+
     if r.get("int8_available"):
         lines.append(
             "int8 vs fp32: decode "
             + speedups("int8_decode_speedup")
+            + prefill_speedups("int8")
             + f"; weights {_fmt(r.get('int8_weight_memory_ratio'), '.3f')}x (linear layers "
             f"{_fmt(r.get('int8_linear_weight_memory_ratio'), '.3f')}x); "
             f"perplexity {_fmt(r.get('int8_perplexity_ratio'), '.4f')}x"
@@ -504,6 +544,7 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
         lines.append(
             "int4 vs fp32 (layer linears in 4-bit groups of 32, as GGUF Q4_1): decode "
             + speedups("int4_decode_speedup")
+            + prefill_speedups("int4")
             + f"; weights {_fmt(r.get('int4_weight_memory_ratio'), '.3f')}x; "
             f"perplexity {_fmt(r.get('int4_perplexity_ratio'), '.4f')}x"
         )

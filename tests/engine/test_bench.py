@@ -25,6 +25,8 @@ REQUIRED_KEYS = {
     "int8_decode_speedup_bs8": (float, type(None)),
     "int8_weight_memory_ratio": (float, type(None)),
     "int8_perplexity_ratio": (float, type(None)),
+    "int8_prefill_speedup_burst4x24": (float, type(None)),
+    "int8_prefill_speedup_long1x384": (float, type(None)),
     "quick": bool,
 }
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from engine_prompts import STORY
 
+import engine.quant
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import perplexity
-import engine.quant
 from engine.quant import (
     INT4PACK_MAX_M,
     INT4PACK_MAX_M_EMULATED,
