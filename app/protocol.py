@@ -196,6 +196,9 @@ class TurnMetrics(BaseModel):
     reply_audio_s: float | None = Field(None, description="seconds of reply audio sent")
     rtf: float | None = Field(None, description="reply audio seconds per wall second spent producing it")
     underruns: int = Field(0, description="reply audio chunks sent after the previous ones would have played")
+    underrun_s: float | None = Field(
+        None, description="silence heard mid-reply while late audio was awaited (all underruns together)"
+    )
     speculative: bool = Field(False, description="the reply was started before the endpoint and released")
     barge_in: bool = Field(False, description="the user interrupted the reply")
 

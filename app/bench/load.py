@@ -43,6 +43,7 @@ class User:
     voice_to_voice_ms: list[float] = field(default_factory=list)
     rtf: list[float] = field(default_factory=list)
     underruns: int = 0
+    underrun_s: float = 0.0  # the silence those underruns left mid-reply
     answered_at: list[float] = field(default_factory=list)  # seconds into the ramp, one per turn
 
     def record(self, at_s: float, voice_to_voice_ms: float, rtf: float | None) -> None:
@@ -84,7 +85,9 @@ async def converse(
                     user.failed.append(f"turn {turn}: {error.message if error else 'no reply audio'}")
                     continue
                 user.record(time.monotonic() - began, result.voice_to_voice_ms, done.metrics.rtf)
-                user.underruns += result.underruns
+                gaps = result.underrun_gaps
+                user.underruns += len(gaps)
+                user.underrun_s += sum(gaps)
                 await client.listen_until_played(result)
     except ServerRefused as refused:
         user.refused = refused.event.message
@@ -189,6 +192,7 @@ def summarize(users: list[User], threshold_ms: float) -> dict:
         "voice_to_voice_ms_p95": percentile(v2v, 95),
         "rtf_min": min(rtf) if rtf else None,
         "underruns": sum(u.underruns for u in admitted),
+        "underrun_s": sum(u.underrun_s for u in admitted),
         "threshold_ms": threshold_ms,
         "per_user": [
             {
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"voice-to-voice p50 {summary['voice_to_voice_ms_p50'] or 0:.0f} ms, p95 {summary['voice_to_voice_ms_p95'] or 0:.0f} ms; "
-        f"RTF min {summary['rtf_min'] or 0:.2f}; underruns {summary['underruns']}"
+        f"RTF min {summary['rtf_min'] or 0:.2f}; underruns {summary['underruns']} ({summary['underrun_s']:.2f} s of silence)"
     )
     for level in summary["levels"]:
         p95, rtf = level["voice_to_voice_ms_p95"], level["rtf_min"]

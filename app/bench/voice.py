@@ -244,6 +244,9 @@ def summarize(records: list[TurnRecord], clients: int) -> dict:
         "rtf_min": min(rtf) if rtf else None,
         "rtf_p50": percentile(rtf, 50),
         "underruns": sum(r.at_client.underruns for r in records),
+        # a longer gap between two pieces and a stall mid-word both count as one underrun; the silence tells them apart
+        "underrun_s": sum(r.at_client.underrun_s or 0.0 for r in records),
+        "underrun_s_max": max((r.at_client.underrun_s or 0.0 for r in records), default=0.0),
         "asr_speed_p50": percentile(asr_speed, 50),
         "asr_speed_min": min(asr_speed) if asr_speed else None,
         "transcripts_correct": sum(r.transcript_correct for r in records),
@@ -283,7 +286,8 @@ def print_table(summary: dict) -> None:
         f"{'ASR speed (x real time)':<28}{'min ' + fmt(summary['asr_speed_min']):>10}{'p50 ' + fmt(summary['asr_speed_p50']):>10}"
     )
     print(
-        f"underruns {summary['underruns']}, transcripts correct {summary['transcripts_correct']}/{summary['turns']}, "
+        f"underruns {summary['underruns']} ({summary['underrun_s']:.2f} s of silence in all, "
+        f"{summary['underrun_s_max']:.2f} s at most in one reply), transcripts correct {summary['transcripts_correct']}/{summary['turns']}, "
         f"speculative replies used {summary['speculative_turns']}, questions split in two {summary['split_questions']}"
     )
     if summary["continued_questions"] or summary["talked_over_questions"]:

@@ -331,19 +331,28 @@ class TurnResult:
         return len(self.reply_audio) / 2 / self.output_sample_rate if self.output_sample_rate else 0.0
 
     @property
-    def underruns(self) -> int:
-        """Chunks that arrived after the audio before them had finished playing (gapless playback)."""
-        count, playing_until = 0, None
+    def underrun_gaps(self) -> list[float]:
+        """The silences mid-reply (s): each chunk that arrived after the audio before it had finished
+        playing (gapless playback) leaves the listener waiting from that end to its arrival."""
+        gaps, playing_until = [], None
         for arrived, samples in self.audio_arrivals:
             if playing_until is not None and arrived > playing_until + 0.005:
-                count += 1
+                gaps.append(arrived - playing_until)
             playing_until = max(playing_until or arrived, arrived) + samples / self.output_sample_rate
-        return count
+        return gaps
+
+    @property
+    def underruns(self) -> int:
+        return len(self.underrun_gaps)
 
     def client_metrics(self) -> protocol.TurnMetrics:
         """The figures measured here, at the client, in the protocol's vocabulary."""
+        gaps = self.underrun_gaps
         return protocol.TurnMetrics(
-            voice_to_voice_ms=self.voice_to_voice_ms, reply_audio_s=self.reply_seconds, underruns=self.underruns
+            voice_to_voice_ms=self.voice_to_voice_ms,
+            reply_audio_s=self.reply_seconds,
+            underruns=len(gaps),
+            underrun_s=sum(gaps) if self.audio_arrivals else None,
         )
 
 

@@ -22,6 +22,7 @@ class ReplyPlayback:
     started_at: float | None = None  # wall time the first chunk was sent
     sent_s: float = 0.0
     underruns: int = 0
+    underrun_s: float = 0.0  # silence mid-reply while the next chunk was late, all underruns together
     reported_played_s: float | None = None
     pieces: list[tuple[str, float]] = field(default_factory=list)  # (text, audio end in s)
     _clock_origin: float = 0.0  # started_at, shifted by each underrun's stall
@@ -31,6 +32,7 @@ class ReplyPlayback:
             self.started_at = self._clock_origin = now
         elif now > self._clock_origin + self.sent_s + 0.02:
             self.underruns += 1
+            self.underrun_s += now - (self._clock_origin + self.sent_s)
             self._clock_origin = now - self.sent_s  # the client restarts playback when data arrives
         self.sent_s += samples / self.sample_rate
 

@@ -133,6 +133,7 @@ class Reply:
             metrics.reply_audio_s = playback.sent_s
             metrics.rtf = playback.sent_s / max(1e-6, spent)
         metrics.underruns = playback.underruns
+        metrics.underrun_s = playback.underrun_s if playback.sent_s else None
         if self._on_metrics:
             self._on_metrics(metrics)
         return metrics

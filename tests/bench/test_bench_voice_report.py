@@ -21,7 +21,9 @@ def record(client: int, turn: int, heard_ms: float | None, server_ms: float, que
         transcript=question if turn % 2 == 0 else "why is this guy blue",
         reply="Because of Rayleigh scattering.",
         speech_s=1.5,
-        at_client=protocol.TurnMetrics(voice_to_voice_ms=heard_ms, reply_audio_s=2.0, underruns=turn),
+        at_client=protocol.TurnMetrics(
+            voice_to_voice_ms=heard_ms, reply_audio_s=2.0, underruns=turn, underrun_s=0.04 * turn
+        ),
         server=protocol.TurnMetrics(
             endpoint_ms=300.0,
             asr_final_ms=100.0,
@@ -48,6 +50,7 @@ def test_summary_takes_voice_to_voice_from_the_client_and_stages_from_the_server
     assert summary["endpoint_ms_p95"] == pytest.approx(300.0)
     assert summary["asr_speed_p50"] == pytest.approx(10.0)  # 1.5 s of speech in 150 ms
     assert summary["rtf_min"] == 4.0 and summary["underruns"] == 1
+    assert summary["underrun_s"] == pytest.approx(0.04) and summary["underrun_s_max"] == pytest.approx(0.04)
     assert summary["transcripts_correct"] == 2 and summary["speculative_turns"] == 2
     json.dumps(summary)
 

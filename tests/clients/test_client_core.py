@@ -134,6 +134,7 @@ def test_turn_result_reads_typed_events_and_measures_the_client_side():
     assert measured.voice_to_voice_ms == pytest.approx(250.0)
     assert measured.reply_audio_s == pytest.approx(1.5)
     assert measured.underruns == 1
+    assert measured.underrun_s == pytest.approx(0.15)  # silent from 10.75 to 10.9
     assert TurnResult().server_metrics == protocol.TurnMetrics()
 
 

@@ -74,8 +74,8 @@ def test_playback_heard_text_and_underruns():
     assert playback.underruns == 0
     assert playback.heard_text(now=11.5) == "One two three four. Five six"
     assert playback.heard_text(now=13.0) == "One two three four. Five six seven eight."
-    playback.on_send(500, now=14.0)  # 1 s after the audio ran dry
-    assert playback.underruns == 1
+    playback.on_send(500, now=14.0)  # the 2 s sent by 10.5 ran dry at 12.0: 2 s of silence
+    assert playback.underruns == 1 and abs(playback.underrun_s - 2.0) < 1e-9
     assert playback.playing(now=14.2) and not playback.playing(now=14.6)
 
 
