@@ -64,11 +64,9 @@ def llm_dtype(setting: str, device: str) -> str:
         return "bfloat16"
     import torch
 
-    try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        native = False
-    return "bfloat16" if native else "float32"
+    from engine.layers.linear import onednn_packing_available
+
+    return "bfloat16" if onednn_packing_available(torch.bfloat16, "cpu") else "float32"
 
 
 def llm_quantization(setting: str, dtype: str, device: str) -> str | None:
