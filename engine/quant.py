@@ -27,7 +27,7 @@ linearly with M, so above a number of rows (prefill) the same int8 weights are d
 per call and multiplied densely. Where the CPU computes bf16 (oneDNN on AVX512 and up) or on
 CUDA, that product is bf16 and starts above ``INT8PACK_MAX_M`` rows. Elsewhere a bf16
 matmul is emulated element by element and was the slowest of all: on a 2-core AMD EPYC
-without AVX2 (2 threads, one SmolLM2 layer's four linears, ms; ``dense_matmul_is_16bit``):
+without AVX2 (2 threads, one SmolLM2 layer's four linears, ms; ``prefill_path``):
 
     M (tokens)        16     32     64    128    192    256    512
     int8pack         2.0    4.2    6.2   14.9   22.2   31.1   62.8
@@ -94,10 +94,10 @@ class Int8PackLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
         self.qweight, scale = quantize_per_channel(weight)
         self.scale = scale.to(act_dtype).contiguous()
-        native = dense_matmul_is_16bit(act_dtype, weight.device)
-        self.max_rows = INT8PACK_MAX_M if native else INT8PACK_MAX_M_EMULATED
-        self.dense_dtype = act_dtype if native else torch.float32
-        self.scale_col = scale.to(self.dense_dtype)[:, None].contiguous()
+        self.max_rows, self.dense_dtype = prefill_path(
+            act_dtype, weight.device, INT8PACK_MAX_M, INT8PACK_MAX_M_EMULATED
+        )
+        self.scale_col = (self.scale if self.dense_dtype == act_dtype else scale.to(self.dense_dtype))[:, None]
         self.bias = bias
         self.dense_bias = None if bias is None else bias.to(self.dense_dtype)
 
@@ -114,10 +114,17 @@ class Int8PackLinear:
         return b + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
-def dense_matmul_is_16bit(act_dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether a dequantized 16-bit weight is multiplied in 16 bits here (CUDA, or oneDNN's bf16 on
-    the CPU); where 16-bit matmuls are emulated, prefill products are computed in fp32 instead."""
-    return torch.device(device).type == "cuda" or onednn_packing_available(act_dtype, device)
+def prefill_path(
+    act_dtype: torch.dtype, device: torch.device | str, packed_rows: int, packed_rows_emulated: int
+) -> tuple[int, torch.dtype]:
+    """(most rows for the packed kernel, dtype of the dense product above them) for a quantized linear.
+
+    A dequantized weight is multiplied in 16 bits where that runs at full speed (CUDA, or oneDNN's
+    bf16 on the CPU); where 16-bit matmuls are emulated, in fp32, and the packed kernel keeps more rows.
+    """
+    if torch.device(device).type == "cuda" or onednn_packing_available(act_dtype, device):
+        return packed_rows, act_dtype
+    return packed_rows_emulated, torch.float32
 
 
 @functools.cache
@@ -158,9 +165,9 @@ class Int4PackLinear:
         self.scales_zeros = torch.stack((scale.t(), (lo + 8 * scale).t()), -1).to(act_dtype).contiguous()
         self.shape = (n, k)
         self.bias = bias
-        native = dense_matmul_is_16bit(act_dtype, weight.device)
-        self.max_rows = INT4PACK_MAX_M if native else INT4PACK_MAX_M_EMULATED
-        self.dense_dtype = act_dtype if native else torch.float32
+        self.max_rows, self.dense_dtype = prefill_path(
+            act_dtype, weight.device, INT4PACK_MAX_M, INT4PACK_MAX_M_EMULATED
+        )
 
     def dequantize_tiles(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight (16-bit, or ``dtype``) in the kernel's tile order: [n / B, k, B], tile t holding
