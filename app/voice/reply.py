@@ -188,6 +188,8 @@ class Reply:
                 await stream.aclose()  # aborts the LLM request if we stopped early
             rest = None if looped else splitter.flush()
             if rest:
+                if self.metrics.llm_first_piece_ms is None:  # the whole reply was one short piece
+                    self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
                 pieces.put_nowait(rest)
             pieces.put_nowait(None)
             await speaker

@@ -227,6 +227,13 @@ async def test_turn_metrics_are_observed_once_per_turn(conversation):
     assert metrics.voice_to_voice_ms is not None and metrics.rtf is not None and metrics.underruns == 0
 
 
+async def test_a_reply_of_one_short_piece_still_reports_when_it_was_written(conversation):
+    conv = conversation(llm_pieces=["Paris."])  # no break follows: the splitter's flush releases it
+    await conv.type(QUESTION)
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].metrics.llm_first_piece_ms is not None
+
+
 async def test_cancel_stops_the_reply_and_keeps_what_was_heard(conversation):
     conv = conversation()
     await reply_playing(conv)
