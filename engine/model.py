@@ -219,6 +219,12 @@ class LlamaModel:
         from engine.fused import fused_kernels
 
         self.fused = fused_kernels()
+        if self.fused is not None:
+            for linear in [self.lm_head_linear] + [
+                getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")
+            ]:
+                if hasattr(linear, "use_fused_kernels"):  # int8 weights: a lone row's int8 x int8 kernel
+                    linear.use_fused_kernels(self.fused)
         return self.fused is not None
 
     def _dense_lookup(self, ids: torch.Tensor) -> torch.Tensor:

@@ -7,15 +7,21 @@
 //   rotary_kv_write     rotate q and k in place, write k and v to their cache slots
 //   paged_decode_attention  one query token per request against its paged K/V, no gather
 //   silu_mul            silu(gate) * up
+//   int8_linear         x @ (int8 w * scale).T for a few rows: the decode step's int8 linears (AVX2)
 // Arithmetic is in fp32 with one rounding to the model dtype per output, as transformers does
 // for RMSNorm; the fp32 engine keeps the ATen ops (its tokens must equal transformers').
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -158,6 +164,55 @@ void silu_mul_kernel(const T* gu, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+#ifdef __AVX2__
+constexpr int64_t kQBlock = 32;  // activations are quantized per block of 32 inputs, as llama.cpp's Q8_0
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[m, n] = scale[n] * sum_b d[m, b] * (qx[m, block b] . w[n, block b]): int8 x int8 dots, 32 per
+// instruction pair (maddubs takes unsigned x signed, so |w| times x with w's sign), one fp32 fma
+// per block. Each weight row is read from memory once for all M rows; decode is bound by that read.
+template <typename T>
+void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t B = K / kQBlock;
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * B);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < B; ++b) {
+      const T* src = x + m * K + b * kQBlock;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(to_f(src[i])));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      dx[m * B + b] = d;
+      for (int64_t i = 0; i < kQBlock; ++i) qx[m * K + b * kQBlock + i] = static_cast<int8_t>(std::nearbyint(to_f(src[i]) * inv));
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int8_t* wr = w + n * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xr = qx.data() + m * K;
+        const float* dr = dx.data() + m * B;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < B; ++b) {
+          const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kQBlock));
+          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * kQBlock));
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qv, qw));
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(dr[b]), _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc);
+        }
+        y[m * N + n] = static_cast<T>(hsum8(acc) * to_f(scale[n]));
+      }
+    }
+  });
+}
+#endif
+
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -250,9 +305,39 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return out;
 }
 
+bool has_int8_linear() {
+#ifdef __AVX2__
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(w, "w");
+  check_cpu_contiguous(scale, "scale");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x must be [M, K] and w [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == x.scalar_type() && scale.numel() == w.size(0),
+              "w must be int8 and scale [N] in x's dtype");
+#ifdef __AVX2__
+  TORCH_CHECK(x.size(1) % kQBlock == 0, "in_features must be a multiple of 32");
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
+    int8_linear_kernel<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<int8_t>(), scale.data_ptr<scalar_t>(),
+                                 y.data_ptr<scalar_t>(), x.size(0), w.size(0), x.size(1));
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "int8_linear needs AVX2 (see has_int8_linear)");
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "h += delta (optional); returns (h, rmsnorm(h) * w)");
   m.def("rotary_kv_write", &rotary_kv_write, "rotary on q and k in place; k, v written to their cache slots");
   m.def("paged_decode_attention", &paged_decode_attention, "one query token per request against its paged K/V");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up row");
+  m.def("has_int8_linear", &has_int8_linear, "int8_linear was built (the CPU has AVX2)");
+  m.def("int8_linear", &int8_linear, "x @ (w * scale[:, None]).T, int8 w, x quantized per block of 32");
 }

@@ -159,3 +159,48 @@ def test_every_checkout_builds_from_one_source_path_so_a_new_clone_reuses_the_bu
     ninja = (_build_dir() / "build.ninja").read_text()
     assert str(_build_dir() / "src" / "fused_cpu.cpp") in ninja
     assert str(clone) not in ninja and str(REPO / "engine") not in ninja
+
+
+int8_dot = pytest.mark.skipif(fk is None or not fk.has_int8_linear(), reason="int8_linear needs AVX2")
+
+
+@int8_dot
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_int8_linear_matches_the_dequantized_product(dtype):
+    from engine.quant import quantize_per_channel
+
+    torch.manual_seed(0)
+    q, scale = quantize_per_channel(torch.randn(960, 576) * 0.05)
+    scale = scale.to(dtype)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 576).to(dtype)
+        exact = x.float() @ (q.float() * scale.float()[:, None]).T
+        got = fk.int8_linear(x, q, scale)
+        assert got.dtype == dtype and got.shape == (rows, 960)
+        # the activations are int8 per block of 32: ~0.5% of the output's scale, as bf16 rounding
+        assert close(got, exact, rel=0.015)
+        assert F.cosine_similarity(got.float().flatten(), exact.flatten(), dim=0) > 0.9999
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        fk.int8_linear(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
+
+
+@int8_dot
+def test_int8_dot_kernel_keeps_perplexity_and_greedy_answers(prompts, monkeypatch):
+    """The kernel quantizes activations: run every row of a prefill through it to measure what that costs."""
+    from engine_prompts import STORY
+
+    import engine.quant
+
+    dot = LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", device="cpu"))
+    plain = LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", device="cpu", fused_kernels=False))
+    assert dot.model.layers[0].qkv.dot is not None and dot.model.lm_head_linear.dot is not None
+    assert plain.model.layers[0].qkv.dot is None
+    ids = dot.tokenizer(STORY)["input_ids"]
+    reference = plain.perplexity(ids)
+    monkeypatch.setattr(engine.quant, "INT8_DOT_MAX_M", 1 << 20)
+    assert abs(dot.perplexity(ids) / reference - 1) < 0.01
+    monkeypatch.undo()
+    params = SamplingParams(max_tokens=8)
+    sel = prompts[:10]
+    a, b = dot.generate(sel, params), plain.generate(sel, params)  # decode rows through the kernel
+    assert sum(x[:4] == y[:4] for x, y in zip(a, b, strict=True)) >= 8, (a, b)
