@@ -174,9 +174,28 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Up to MR rows of quantized x against one int8 weight row: each 32-weight block is loaded once
+// for all MR rows. maddubs takes unsigned x signed bytes, so it multiplies |w| by x with w's sign.
+template <int MR>
+inline void rows_dot(const int8_t* wr, const int8_t* qx, const float* dx, int64_t K, int64_t B, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kQBlock));
+    const __m256i abs_w = _mm256_sign_epi8(qw, qw);
+    for (int i = 0; i < MR; ++i) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + i * K + b * kQBlock));
+      const __m256i pairs = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(qv, qw));
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * B + b]), _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i] = hsum8(acc[i]);
+}
+
 // y[m, n] = scale[n] * sum_b d[m, b] * (qx[m, block b] . w[n, block b]): int8 x int8 dots, 32 per
-// instruction pair (maddubs takes unsigned x signed, so |w| times x with w's sign), one fp32 fma
-// per block. Each weight row is read from memory once for all M rows; decode is bound by that read.
+// instruction pair, one fp32 fma per block. Each weight row is read from memory once for all M
+// rows; decode is bound by that read.
 template <typename T>
 void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64_t M, int64_t N, int64_t K) {
   const int64_t B = K / kQBlock;
@@ -192,21 +211,22 @@ void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64
       for (int64_t i = 0; i < kQBlock; ++i) qx[m * K + b * kQBlock + i] = static_cast<int8_t>(std::nearbyint(to_f(src[i]) * inv));
     }
   }
-  const __m256i ones = _mm256_set1_epi16(1);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float out[4];
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* wr = w + n * K;
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xr = qx.data() + m * K;
-        const float* dr = dx.data() + m * B;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < B; ++b) {
-          const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kQBlock));
-          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * kQBlock));
-          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qv, qw));
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(dr[b]), _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc);
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        const int8_t* q = qx.data() + m * K;
+        const float* d = dx.data() + m * B;
+        switch (rows) {
+          case 4: rows_dot<4>(wr, q, d, K, B, out); break;
+          case 3: rows_dot<3>(wr, q, d, K, B, out); break;
+          case 2: rows_dot<2>(wr, q, d, K, B, out); break;
+          default: rows_dot<1>(wr, q, d, K, B, out);
         }
-        y[m * N + n] = static_cast<T>(hsum8(acc) * to_f(scale[n]));
+        const float s = to_f(scale[n]);
+        for (int64_t i = 0; i < rows; ++i) y[(m + i) * N + n] = static_cast<T>(out[i] * s);
       }
     }
   });
