@@ -7,7 +7,7 @@
 //   rotary_kv_write     rotate q and k in place, write k and v to their cache slots
 //   paged_decode_attention  one query token per request against its paged K/V, no gather
 //   silu_mul            silu(gate) * up
-//   int8_linear         x @ (int8 w * scale).T for a few rows: the decode step's int8 linears (AVX2)
+//   int8_linear         x @ (int8 w * scale).T, x quantized per block of 32: the int8 linears (AVX2 + FMA)
 // Arithmetic is in fp32 with one rounding to the model dtype per output, as transformers does
 // for RMSNorm; the fp32 engine keeps the ATen ops (its tokens must equal transformers').
 
@@ -17,9 +17,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
+#define PARLEY_INT8_LINEAR 1
 #include <immintrin.h>
 #endif
 
@@ -164,7 +166,7 @@ void silu_mul_kernel(const T* gu, T* out, int64_t rows, int64_t inter) {
   });
 }
 
-#ifdef __AVX2__
+#ifdef PARLEY_INT8_LINEAR
 constexpr int64_t kQBlock = 32;  // activations are quantized per block of 32 inputs, as llama.cpp's Q8_0
 
 inline float hsum8(__m256 v) {
@@ -204,11 +206,24 @@ void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < B; ++b) {
       const T* src = x + m * K + b * kQBlock;
+      int8_t* dst = qx.data() + m * K + b * kQBlock;
       float amax = 0.f;
-      for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(to_f(src[i])));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      dx[m * B + b] = d;
-      for (int64_t i = 0; i < kQBlock; ++i) qx[m * K + b * kQBlock + i] = static_cast<int8_t>(std::nearbyint(to_f(src[i]) * inv));
+      bool finite = true;
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        const float v = to_f(src[i]);
+        finite = finite && std::isfinite(v);
+        amax = std::max(amax, std::fabs(v));
+      }
+      if (!finite) {  // a NaN or inf stays one in every output it reaches, as in a float product
+        dx[m * B + b] = std::numeric_limits<float>::quiet_NaN();
+        std::fill(dst, dst + kQBlock, 0);
+        continue;
+      }
+      // below the smallest normal float the block is zero for every purpose (and 127 / amax overflows)
+      const bool zero = amax < std::numeric_limits<float>::min();
+      const float inv = zero ? 0.f : 127.f / amax;
+      dx[m * B + b] = zero ? 0.f : amax / 127.f;
+      for (int64_t i = 0; i < kQBlock; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(to_f(src[i]) * inv));
     }
   }
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -326,7 +341,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 }
 
 bool has_int8_linear() {
-#ifdef __AVX2__
+#ifdef PARLEY_INT8_LINEAR
   return true;
 #else
   return false;
@@ -340,7 +355,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x must be [M, K] and w [N, K]");
   TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == x.scalar_type() && scale.numel() == w.size(0),
               "w must be int8 and scale [N] in x's dtype");
-#ifdef __AVX2__
+#ifdef PARLEY_INT8_LINEAR
   TORCH_CHECK(x.size(1) % kQBlock == 0, "in_features must be a multiple of 32");
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
@@ -349,7 +364,8 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
   });
   return y;
 #else
-  TORCH_CHECK(false, "int8_linear needs AVX2 (see has_int8_linear)");
+  TORCH_CHECK(false, "int8_linear needs AVX2 and FMA (see has_int8_linear)");
+  return {};
 #endif
 }
 
@@ -358,6 +374,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_kv_write", &rotary_kv_write, "rotary on q and k in place; k, v written to their cache slots");
   m.def("paged_decode_attention", &paged_decode_attention, "one query token per request against its paged K/V");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up row");
-  m.def("has_int8_linear", &has_int8_linear, "int8_linear was built (the CPU has AVX2)");
-  m.def("int8_linear", &int8_linear, "x @ (w * scale[:, None]).T, int8 w, x quantized per block of 32");
+  m.def("has_int8_linear", &has_int8_linear, "int8_linear was built (the CPU has AVX2 and FMA)");
+  // without the GIL, as torch's own ops: the engine steps on its own thread beside the server's Python threads
+  m.def("int8_linear", &int8_linear, "x @ (w * scale[:, None]).T, int8 w, x quantized per block of 32",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -165,43 +165,71 @@ int8_dot = pytest.mark.skipif(fk is None or not fk.has_int8_linear(), reason="in
 
 
 @int8_dot
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("dtype", [BF16, torch.half, torch.float32])
 def test_int8_linear_matches_the_dequantized_product(dtype):
     from engine.quant import quantize_per_channel
 
     torch.manual_seed(0)
-    q, scale = quantize_per_channel(torch.randn(960, 576) * 0.05)
-    scale = scale.to(dtype)
-    for rows in (1, 2, 5):
-        x = torch.randn(rows, 576).to(dtype)
-        exact = x.float() @ (q.float() * scale.float()[:, None]).T
-        got = fk.int8_linear(x, q, scale)
-        assert got.dtype == dtype and got.shape == (rows, 960)
-        # the activations are int8 per block of 32: ~0.5% of the output's scale, as bf16 rounding
-        assert close(got, exact, rel=0.015)
-        assert F.cosine_similarity(got.float().flatten(), exact.flatten(), dim=0) > 0.9999
+    for out_features, in_features in ((960, 576), (7, 96)):  # (7, 96): fewer outputs than a thread's share, odd blocks
+        q, scale = quantize_per_channel(torch.randn(out_features, in_features) * 0.05)
+        scale = scale.to(dtype)
+        for rows in range(1, 10):  # every remainder of the 4-row blocking
+            x = torch.randn(rows, in_features).to(dtype)
+            exact = x.float() @ (q.float() * scale.float()[:, None]).T
+            got = fk.int8_linear(x, q, scale)
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            # the activations are int8 per block of 32: ~0.5% of the output's scale, as bf16 rounding
+            assert close(got, exact, rel=0.015), (out_features, in_features, rows)
+            assert F.cosine_similarity(got.float().flatten(), exact.flatten(), dim=0) > 0.9999
     with pytest.raises(RuntimeError, match="multiple of 32"):
         fk.int8_linear(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
 
 
 @int8_dot
+def test_int8_linear_keeps_a_non_finite_input_non_finite():
+    """A NaN must reach the logits (the sampler refuses non-finite ones), not become a plausible number."""
+    q = torch.ones(4, 64, dtype=torch.int8)
+    x = torch.ones(2, 64)
+    x[0, 3] = float("nan")
+    x[1, 40] = 1e-40  # a subnormal beside ones: an ordinary block
+    y = fk.int8_linear(x, q, torch.ones(4))
+    assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
+    assert fk.int8_linear(torch.full((1, 32), 1e-41), q[:, :32].contiguous(), torch.ones(4)).abs().max() < 1e-30
+
+
+@int8_dot
 def test_int8_dot_kernel_keeps_perplexity_and_greedy_answers(prompts, monkeypatch):
-    """The kernel quantizes activations: run every row of a prefill through it to measure what that costs."""
+    """The kernel quantizes activations: against the same engine on int8pack, perplexity and greedy answers."""
     from engine_prompts import STORY
 
     dot = LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", device="cpu"))
-    plain = LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", device="cpu", fused_kernels=False))
-    assert dot.model.layers[0].qkv.dot is not None and dot.model.lm_head_linear.dot is not None
-    assert plain.model.layers[0].qkv.dot is None
+    pack = LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", device="cpu"))
+    linears = [pack.model.lm_head_linear] + [
+        getattr(layer, name) for layer in pack.model.layers for name in ("qkv", "o", "gate_up", "down")
+    ]
+    assert all(linear.dot is not None for linear in linears)
+    for linear in linears:
+        linear.dot = None  # the same fused engine, its int8 linears on int8pack
+    calls = []
+    product = type(dot.model.layers[0].qkv.dot).product
+    monkeypatch.setattr(
+        type(dot.model.layers[0].qkv.dot), "product", lambda self, x: calls.append(1) or product(self, x)
+    )
+
     ids = dot.tokenizer(STORY)["input_ids"]
-    reference = plain.perplexity(ids)
+    reference = pack.perplexity(ids)
     for layer in dot.model.layers:  # every row of the prompt through the kernel (one step, any CPU)
         for name in ("qkv", "o", "gate_up", "down"):
             monkeypatch.setattr(getattr(layer, name), "max_rows", 1 << 20)
     assert abs(dot.perplexity(ids) / reference - 1) < 0.01
-    monkeypatch.undo()
+    assert len(calls) >= 4 * len(dot.model.layers)
+    for layer in dot.model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            monkeypatch.setattr(getattr(layer, name), "max_rows", getattr(pack.model.layers[0], name).max_rows)
     params = SamplingParams(max_tokens=8)
     sel = prompts[:10]
-    a, b = dot.generate(sel, params), plain.generate(sel, params)
+    calls.clear()
+    a, b = dot.generate(sel, params), pack.generate(sel, params)
+    assert calls, "decode never reached the kernel"
     # as the int8 engine against bf16 (test_engine_quant): 7-8 of 10 measured, int8pack vs bf16 alike
     assert sum(x[:4] == y[:4] for x, y in zip(a, b, strict=True)) >= 6, (a, b)
