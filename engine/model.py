@@ -223,7 +223,7 @@ class LlamaModel:
             for linear in [self.lm_head_linear] + [
                 getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")
             ]:
-                if hasattr(linear, "use_fused_kernels"):  # int8 weights: a lone row's int8 x int8 kernel
+                if hasattr(linear, "use_fused_kernels"):  # int8 weights: the int8 x int8 kernel (Int8Dot)
                     linear.use_fused_kernels(self.fused)
         return self.fused is not None
 

@@ -253,7 +253,7 @@ class Int8Embedding:
 
 
 class Int8Dot:
-    """x times int8 weights as int8 x int8 dot products (the fused ``int8_linear`` kernel, AVX2).
+    """x times int8 weights as int8 x int8 dot products (the fused ``int8_linear`` kernel, AVX2 and FMA).
 
     The activations are quantized to int8 per block of 32 inputs (a scale per block, as
     llama.cpp's Q8_0), so a row costs 32-wide integer multiply-adds instead of widening every
