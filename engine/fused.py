@@ -2,8 +2,8 @@
 
 Why JIT and not a wheel: the package stays pure Python (``pip install -e .`` never needs a
 torch build environment), and the kernels are built for this CPU (``-march=native``). The
-build takes ~1 minute once and is cached under ``~/.cache/torch_extensions``; ``make setup``
-runs it. If no compiler is available, or ``PARLEY_FUSED_KERNELS=0``, the engine keeps its
+build takes ~1 minute once per CPU kind and is cached under ``~/.cache/torch_extensions``;
+``make setup`` runs it. If no compiler is available, or ``PARLEY_FUSED_KERNELS=0``, the engine keeps its
 ATen ops (same results within bf16 rounding, ~1.4x slower decode on a small model).
 """
 
@@ -13,6 +13,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import platform
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -48,10 +50,8 @@ def _build_and_load():
 
     _put_ninja_on_path()
     log.info("loading fused CPU kernels (first build takes about a minute)")
-    # Named by the source's hash: checkouts with the same kernels share one build, and an
-    # edited kernel never overwrites the build another checkout is using.
     source = _SOURCE.read_bytes()
-    name = f"parley_fused_cpu_{hashlib.sha256(source).hexdigest()[:12]}"
+    name = build_name(source, cpu_features())
     build_dir = Path(_get_build_directory(name, verbose=False))
     with _exclusive(build_dir / "parley.lock"):
         # torch's own lock is a file that only its creator removes: a build killed midway
@@ -69,6 +69,48 @@ def _build_and_load():
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+
+
+def build_name(source: bytes, cpu: str) -> str:
+    """The build's name, from the kernel source and the CPU it is compiled for.
+
+    The source's hash: checkouts with the same kernels share one build, and an edited kernel
+    never overwrites the build another checkout is using. The CPU's: the build is
+    ``-march=native``, so one made on a CPU with AVX2 or AVX-512 dies with SIGILL on a CPU
+    without them; a cache shared between machines (a home directory on NFS, a copied
+    ``~/.cache``, a VM moved to another host) must give each kind of CPU its own build.
+    """
+    source_hash = hashlib.sha256(source).hexdigest()[:12]
+    cpu_hash = hashlib.sha256(cpu.encode()).hexdigest()[:8]
+    return f"parley_fused_cpu_{source_hash}_{cpu_hash}"
+
+
+def cpu_features() -> str:
+    """What ``-march=native`` turns on for this CPU: the compiler's predefined macros (``__AVX2__``, ...).
+
+    Asked of the compiler, not read from /proc/cpuinfo: on a VM the kernel's flags can leave out
+    what cpuid reports (seen here: no ``avx2`` in /proc/cpuinfo, yet ``-march=native`` defines
+    ``__AVX2__`` and its instructions run). Without a compiler nothing can be built: the name made
+    from the CPU's flags then finds no build, and the engine keeps its ATen ops.
+    """
+    compiler = os.environ.get("CXX", "c++")
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            [compiler, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if done.returncode == 0 and done.stdout.strip():
+            return "\n".join(sorted(done.stdout.splitlines()))
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):  # x86, ARM
+                flags = " ".join(sorted(value.split()))
+                break
+    return f"{platform.machine()} {flags or platform.processor()}"
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ bf16 precision, not bit for bit; the fp32 engine never uses them (checked here t
 
 from __future__ import annotations
 
-import hashlib
+import platform
 import shutil
 import subprocess
 import sys
@@ -134,8 +134,21 @@ def _load_in_a_new_process(cwd: Path, timeout: float = 600) -> subprocess.Comple
 def _build_dir() -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
-    digest = hashlib.sha256(fused_module._SOURCE.read_bytes()).hexdigest()[:12]
-    return Path(_get_build_directory(f"parley_fused_cpu_{digest}", verbose=False))
+    name = fused_module.build_name(fused_module._SOURCE.read_bytes(), fused_module.cpu_features())
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def test_each_kind_of_cpu_gets_its_own_build():
+    """-march=native: a build from a CPU with AVX2 dies with SIGILL on one without (a shared ~/.cache)."""
+    source = fused_module._SOURCE.read_bytes()
+    here = fused_module.cpu_features()
+    assert here == fused_module.cpu_features()
+    if platform.machine() == "x86_64":
+        assert "__SSE2__" in here  # what -march=native turns on was read, not a fallback
+    without_avx2 = here.replace("#define __AVX2__ 1", "")
+    with_avx2 = f"{without_avx2}\n#define __AVX2__ 1"
+    assert fused_module.build_name(source, with_avx2) != fused_module.build_name(source, without_avx2)
+    assert fused_module.build_name(source + b"//", here) != fused_module.build_name(source, here)
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next_start():
