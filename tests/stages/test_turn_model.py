@@ -30,8 +30,8 @@ def test_a_finished_question_sounds_finished_and_a_trailing_and_does_not(model):
         model.complete_probability(ending(t)) for t in ("I would like to visit Paris and", "Hmm, let me think, um")
     ]
     # The verdicts the endpoint acts on: the model's int8 output moves with the CPU's kernels
-    # ("How are you today?": 0.96 on an AVX2 CPU, 0.62 on one without AVX2, 0.83 there with ORT's
-    # graph optimizations off). These two questions measured 0.98 on the latter; the trailing ones <= 0.04.
+    # ("How are you today?": 0.96 on the VM this test was written on, 0.62 on another 2-core EPYC VM,
+    # 0.83 there with ORT's graph optimizations off). These two questions measured 0.98 on the latter; the trailing ones <= 0.04.
     endpointer = Endpointer()
     assert min(finished) >= endpointer.complete_threshold, finished
     assert max(unfinished) < endpointer.incomplete_threshold, unfinished
