@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -90,27 +89,19 @@ def cpu_features() -> str:
 
     Asked of the compiler, not read from /proc/cpuinfo: on a VM the kernel's flags can leave out
     what cpuid reports (seen here: no ``avx2`` in /proc/cpuinfo, yet ``-march=native`` defines
-    ``__AVX2__`` and its instructions run). Without a compiler nothing can be built: the name made
-    from the CPU's flags then finds no build, and the engine keeps its ATen ops.
+    ``__AVX2__`` and its instructions run). Without a compiler nothing can be built either: the
+    error says so, and the engine keeps its ATen ops.
     """
     compiler = os.environ.get("CXX", "c++")
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        done = subprocess.run(
-            [compiler, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if done.returncode == 0 and done.stdout.strip():
-            return "\n".join(sorted(done.stdout.splitlines()))
-    flags = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):  # x86, ARM
-                flags = " ".join(sorted(value.split()))
-                break
-    return f"{platform.machine()} {flags or platform.processor()}"
+    done = subprocess.run(
+        [compiler, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if done.returncode != 0 or not done.stdout.strip():
+        raise RuntimeError(f"{compiler} -march=native failed: {done.stderr.strip()[:200]}")
+    return "\n".join(sorted(done.stdout.splitlines()))
 
 
 @contextlib.contextmanager
