@@ -144,7 +144,7 @@ def test_each_kind_of_cpu_gets_its_own_build():
     here = fused_module.cpu_features()
     assert here == fused_module.cpu_features()
     if platform.machine() == "x86_64":
-        assert "__SSE2__" in here  # what -march=native turns on was read, not a fallback
+        assert "__SSE2__" in here  # what -march=native turns on was read
     without_avx2 = here.replace("#define __AVX2__ 1", "")
     with_avx2 = f"{without_avx2}\n#define __AVX2__ 1"
     assert fused_module.build_name(source, with_avx2) != fused_module.build_name(source, without_avx2)
