@@ -143,3 +143,16 @@ def test_llm_quantization_auto_is_int8_where_the_llm_would_run_float32_on_the_cp
     assert llm_quantization("auto", "float32", "cuda") is None
     assert llm_quantization("none", "float32", "cpu") is None  # an explicit choice is kept
     assert llm_quantization("int4", "bfloat16", "cpu") == "int4"
+
+
+def test_numpy_blas_runs_on_one_thread_once_the_models_load():
+    """numpy's OpenBLAS workers spin after each call and took a core from Whisper (registry.one_blas_thread)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from app.stages.registry import one_blas_thread
+
+    np.ones((64, 64)) @ np.ones((64, 64))  # numpy's BLAS is loaded
+    with threadpool_limits(None):  # restores the test process's own setting afterwards
+        one_blas_thread()
+        blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
+        assert blas and all(pool["num_threads"] == 1 for pool in blas)
