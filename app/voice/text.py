@@ -92,11 +92,15 @@ class SentenceSplitter:
             if spoken_length(piece) >= clause_chars and len(piece.split()) >= clause_words:
                 return self._take(match.end())
         spans = [match.span() for match in re.finditer(r"\S+", self._buffer)]
-        complete = spans[:-1] if not self._buffer[-1:].isspace() else spans  # the last word may still grow
-        for index in range(min_words, len(complete)):
-            word = self._buffer[complete[index][0] : complete[index][1]].lower()
-            if word in _JOINING_WORDS or index >= max_words:
-                return self._take(complete[index - 1][1])
+        complete = len(spans) - (not self._buffer[-1:].isspace())  # the last word may still grow
+        for index in range(min_words, len(spans)):
+            # word ``index`` has begun, so the piece before it is whole: the word cap needs no more
+            # (a token sooner than waiting for that word to end); a joining word must be whole
+            # ("for", not "format").
+            if index >= max_words:
+                return self._take(spans[index - 1][1])
+            if index < complete and self._buffer[spans[index][0] : spans[index][1]].lower() in _JOINING_WORDS:
+                return self._take(spans[index - 1][1])
         return None
 
     def _take(self, end: int) -> str:

@@ -113,3 +113,15 @@ def test_later_sentences_of_ordinary_length_are_spoken_whole():
         "In spring, the parks are full of people walking their dogs.",
         "Go in May.",
     ]
+
+
+def test_the_word_cap_cuts_as_soon_as_the_next_word_begins():
+    """The LLM streams words with their leading space: " seven" begins the seventh word, so the six before are whole."""
+    splitter = SentenceSplitter(first_clause_chars=16)
+    released = [splitter.push(token) for token in ["one", " two", " three", " four", " five", " six", " sev"]]
+    assert released[:-1] == [[]] * 6
+    assert released[-1] == ["one two three four five six"]
+    # a joining word must be whole before it ends the piece: " form" may become " format"
+    splitter = SentenceSplitter(first_clause_chars=16)
+    assert [splitter.push(token) for token in ["The", " best", " way", " to", " cook", " for"]][-1] == []
+    assert splitter.push(" dinner") == ["The best way to cook"]
