@@ -121,7 +121,7 @@ def test_the_word_cap_cuts_as_soon_as_the_next_word_begins():
     released = [splitter.push(token) for token in ["one", " two", " three", " four", " five", " six", " sev"]]
     assert released[:-1] == [[]] * 6
     assert released[-1] == ["one two three four five six"]
-    # a joining word must be whole before it ends the piece: " form" may become " format"
+    # a joining word must be whole before it ends the piece: " for" may become " format"
     splitter = SentenceSplitter(first_clause_chars=16)
     assert [splitter.push(token) for token in ["The", " best", " way", " to", " cook", " for"]][-1] == []
     assert splitter.push(" dinner") == ["The best way to cook"]
