@@ -97,9 +97,8 @@ class SentenceSplitter:
             # word ``index`` has begun, so the piece before it is whole: the word cap needs no more
             # (a token sooner than waiting for that word to end); a joining word must be whole
             # ("for", not "format").
-            if index >= max_words:
-                return self._take(spans[index - 1][1])
-            if index < complete and self._buffer[spans[index][0] : spans[index][1]].lower() in _JOINING_WORDS:
+            joins = index < complete and self._buffer[slice(*spans[index])].lower() in _JOINING_WORDS
+            if joins or index >= max_words:
                 return self._take(spans[index - 1][1])
         return None
 
