@@ -49,6 +49,11 @@ class VoiceActivity(Protocol):
         """Speaking, but the latest windows were quiet: the speech may be ending (hangover)."""
         ...
 
+    @property
+    def silence_start(self) -> int | None:
+        """In the hangover: the stream sample where the quiet began (the speech end, if it stays quiet)."""
+        ...
+
     def feed(self, samples: np.ndarray) -> list[VadEvent]: ...
 
 

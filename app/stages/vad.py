@@ -75,6 +75,11 @@ class VadStream:
         """Speaking, but the latest windows were quiet: the speech may be ending (hangover)."""
         return self.speaking and self._silence_start is not None
 
+    @property
+    def silence_start(self) -> int | None:
+        """In the hangover: the stream sample where the quiet began (the speech end, if it stays quiet)."""
+        return self._silence_start if self.speaking else None
+
     def reset(self) -> None:
         self.__init__(self.model, self.config)
 

@@ -114,6 +114,7 @@ class VoiceSession:
                 ),
                 partial_interval_ms=settings.partial_interval_ms,
                 max_utterance_s=settings.max_utterance_s,
+                early_tail=settings.early_tail,
             ),
         )
 

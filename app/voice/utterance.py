@@ -5,7 +5,10 @@ schedules the two kinds of ASR job:
 
 * partials while the user speaks (every ``partial_interval_ms``, skipped when ASR is busy);
 * the tail at each pause: the not-yet-stable audio, transcribed at once so that its text is
-  ready (and a reply can be speculated) before the endpoint silence has passed.
+  ready (and a reply can be speculated) before the endpoint silence has passed. With
+  ``early_tail`` the job starts at the VAD's first quiet window, ``pause_ms`` before the pause
+  is confirmed, and the pause takes it over; a quiet window that turns back into speech
+  wastes that job.
 
 It decides when an utterance ends (the endpoint rule of ``app.voice.turns``) and reports
 everything as events; what to do about them (speculate, reply, barge in) is the session's
@@ -15,6 +18,7 @@ business. It knows no socket, no protocol and no model: VAD and ASR come in thro
 Timeline of a spoken turn::
 
   speech ─┬─ Partial texts every partial_interval_ms
+          ├─ first quiet window: the tail's transcription starts (early_tail)
           └─ pause (VAD silence ≥ pause_ms): Paused, the tail is transcribed -> TailText
                ├─ the user speaks again: Resumed (a speculation on TailText is void)
                └─ silence reaches the endpoint: Committed (or Dropped when it was noise)
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.audio import ASR_SAMPLE_RATE
-from app.stages.base import SpeechRecognizer, TurnDetector, VoiceActivity
+from app.stages.base import SpeechRecognizer, Transcription, TurnDetector, VoiceActivity
 from app.voice.clock import ArrivalClock, Clock, RunBlocking
 from app.voice.text import text_after
 from app.voice.turns import Endpointer, PartialStabilizer, is_filler
@@ -128,6 +132,25 @@ class TrackerOptions:
     endpointer: Endpointer = field(default_factory=Endpointer)
     partial_interval_ms: int = 400
     max_utterance_s: float = 30.0
+    early_tail: bool = True  # start the tail's transcription at the first quiet window
+
+
+@dataclass(frozen=True)
+class _TailHeard:
+    """What the tail's jobs found: its transcription (None if ASR failed to run) and the turn model's verdict."""
+
+    transcription: Transcription | None
+    asr_ms: float
+    turn_probability: float | None
+    turn_ms: float
+
+
+@dataclass
+class _TailJob:
+    """The tail being heard, for the silence that began at stream sample ``pause``."""
+
+    pause: int
+    task: asyncio.Task[_TailHeard]
 
 
 @dataclass
@@ -141,7 +164,8 @@ class _Utterance:
     stabilizer: PartialStabilizer = field(default_factory=PartialStabilizer)
     last_partial_at: int = 0
     pause: int | None = None  # stream sample where the current silence began
-    tail_task: asyncio.Task | None = None  # transcribing the tail up to ``pause``
+    early_tail: _TailJob | None = None  # started at a quiet window the VAD has not yet called a pause
+    tail_task: asyncio.Task | None = None  # the tail up to ``pause``: its job, then its events
     tail_text: str | None = None  # its result, once done
     turn_probability: float | None = None  # the end-of-turn model's verdict at this pause
     turn_ms: float | None = None
@@ -161,9 +185,15 @@ class _Utterance:
         return self.stable_until or self.start - PREROLL_MS * SAMPLES_PER_MS
 
     def cancel_jobs(self) -> None:
+        self.forget_early_tail()
         for task in (self.tail_task, self.partial_task):
             if task is not None:
                 task.cancel()
+
+    def forget_early_tail(self) -> None:
+        if self.early_tail is not None:
+            self.early_tail.task.cancel()
+            self.early_tail = None
 
 
 class UtteranceTracker:
@@ -230,8 +260,11 @@ class UtteranceTracker:
             # In the VAD's hangover the speech may be ending: a partial started now would hold ASR
             # just when the tail (the words a reply is made from) is wanted.
             if not self._vad.trailing_silence:  # the hangover is silence, not speech to count
+                utterance.forget_early_tail()  # the quiet window was a dip between words
                 self._maybe_partial(utterance)
                 await self._emit(Speaking(utterance.turn_id, (self._audio_end - utterance.start) / SAMPLES_PER_MS))
+            elif self.options.early_tail:
+                self._start_early_tail(utterance)
             if utterance is not self._utterance:
                 return
             if self._audio_end - utterance.start > self.options.max_utterance_s * ASR_SAMPLE_RATE:
@@ -300,10 +333,35 @@ class UtteranceTracker:
             return
         utterance.pause = sample
         await self._emit(Paused(utterance.turn_id))
-        end = sample + TAIL_PAD_MS * SAMPLES_PER_MS
+        job, utterance.early_tail = utterance.early_tail, None
+        if job is None or job.pause != sample:  # no early job, or one for an earlier dip
+            if job is not None:
+                job.task.cancel()
+            job = self._start_tail_job(utterance, sample)
+        utterance.tail_task = asyncio.create_task(self._finish_tail(utterance, job), name="asr-tail")
+
+    def _start_early_tail(self, utterance: _Utterance) -> None:
+        """At the first quiet window of a silence: hear the tail now, ``pause_ms`` before the VAD calls it a pause.
+
+        The VAD needs ``pause_ms`` of silence to call a pause, and the reply cannot start before
+        the tail's words are known; starting the job at once takes that wait off the critical
+        path. The audio ends a window after the silence began instead of ``TAIL_PAD_MS``.
+        """
+        silence = self._vad.silence_start
+        if silence is None or utterance.pause is not None:
+            return
+        if utterance.early_tail is not None:
+            if utterance.early_tail.pause == silence:
+                return
+            utterance.forget_early_tail()
+        utterance.early_tail = self._start_tail_job(utterance, silence)
+
+    def _start_tail_job(self, utterance: _Utterance, pause: int) -> _TailJob:
+        end = pause + TAIL_PAD_MS * SAMPLES_PER_MS
         audio = self._slice(utterance.audio_start(), end)
         whole = self._slice(utterance.start - PREROLL_MS * SAMPLES_PER_MS, end)  # the turn model hears it all
-        utterance.tail_task = asyncio.create_task(self._transcribe_tail(utterance, audio, whole), name="asr-tail")
+        heard = self._hear_tail(audio, whole, utterance.stable_text)
+        return _TailJob(pause, asyncio.create_task(heard, name="asr-tail-job"))
 
     async def _detect_turn_end(self, audio: np.ndarray) -> tuple[float | None, float]:
         """The end-of-turn model's probability (None when there is no model, or it failed) and its cost."""
@@ -317,24 +375,32 @@ class UtteranceTracker:
             probability = None
         return probability, (self._clock.now() - started) * 1000
 
-    async def _transcribe_tail(self, utterance: _Utterance, audio: np.ndarray, whole: np.ndarray) -> None:
+    async def _hear_tail(self, audio: np.ndarray, whole: np.ndarray, context: str) -> _TailHeard:
+        """Transcribe the tail and, beside it on another core, ask the end-of-turn model."""
         started = self._clock.now()
-        turn_end = asyncio.ensure_future(self._detect_turn_end(whole))  # beside ASR, on another core
+        turn_end = asyncio.ensure_future(self._detect_turn_end(whole))
         try:
             language = self._language()
-            result = await self._run(
-                lambda: self._asr.transcribe(audio, context=utterance.stable_text, language=language)
-            )
+            result = await self._run(lambda: self._asr.transcribe(audio, context=context, language=language))
             asr_ms = (self._clock.now() - started) * 1000
             probability, turn_ms = await turn_end
         finally:
             turn_end.cancel()
+        return _TailHeard(result, asr_ms, probability, turn_ms)
+
+    async def _finish_tail(self, utterance: _Utterance, job: _TailJob) -> None:
+        """The pause's tail is heard: record it, tell the session (it may speculate) and see if the turn ends."""
+        try:
+            heard = await job.task
+        finally:
+            job.task.cancel()  # when this one is cancelled (the user went on), so is the job
         if utterance.pause is None:
             return  # the user went on speaking; a newer tail will be transcribed
+        result = heard.transcription
         utterance.tail_text = result.text if result is not None else ""
         utterance.language = result.language if result is not None and result.language else None
-        utterance.asr_ms = asr_ms
-        utterance.turn_probability, utterance.turn_ms = probability, turn_ms
+        utterance.asr_ms = heard.asr_ms
+        utterance.turn_probability, utterance.turn_ms = heard.turn_probability, heard.turn_ms
         if utterance is not self._utterance:
             return  # already being committed; _commit reads tail_text
         speech_end = self._arrivals.time_of(utterance.pause)

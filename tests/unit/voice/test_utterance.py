@@ -1,0 +1,146 @@
+"""When the tail is heard: ``UtteranceTracker`` alone, on the energy VAD, scripted ASR and a manual clock.
+
+The runner records when each blocking job was asked for (the clock is audio time: 20 ms a
+frame), and can hold jobs back, standing in for an ASR that takes a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from fakes import FRAME_S, RATE, EnergyVadModel, ManualClock, ScriptedASR, ScriptedTurnModel
+
+from app.stages.base import VadConfig
+from app.stages.vad import VadStream
+from app.voice import utterance as heard
+
+PAUSE_MS, VAD_WINDOW_MS, FRAME_MS = 96, 32, 20
+QUESTION = "What is the capital of France?"
+
+
+class Runner:
+    """Runs blocking work inline once ``open`` is set (cleared: an ASR that takes a while); counts the jobs asked for."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def __call__(self, work):
+        self.asked += 1
+        await self.open.wait()
+        return work()
+
+
+class TimedASR(ScriptedASR):
+    """Also records the clock at each transcription."""
+
+    def __init__(self, clock: ManualClock, text: str) -> None:
+        super().__init__(text)
+        self.clock = clock
+        self.at: list[float] = []
+
+    def transcribe(self, audio, **options):
+        self.at.append(self.clock.now())
+        return super().transcribe(audio, **options)
+
+
+class Ear:
+    """One tracker and the events it emits; ``speech_end`` is the clock when the last loud frame ended."""
+
+    def __init__(self, early_tail: bool = True) -> None:
+        self.clock = ManualClock()
+        self.asr = TimedASR(self.clock, QUESTION)
+        self.run = Runner()
+        self.events: list[heard.UtteranceEvent] = []
+        self.speech_end = 0.0
+        turn_ids = iter(range(1, 1000))
+        self.tracker = heard.UtteranceTracker(
+            VadStream(EnergyVadModel(), VadConfig(min_silence_ms=PAUSE_MS)),
+            self.asr,
+            self._emit,
+            next_turn_id=lambda: next(turn_ids),
+            clock=self.clock,
+            run_blocking=self.run,
+            options=heard.TrackerOptions(early_tail=early_tail, partial_interval_ms=60_000),  # no partials
+            turn_detector=ScriptedTurnModel(0.9),
+        )
+
+    async def _emit(self, event) -> None:
+        self.events.append(event)
+
+    async def feed(self, seconds: float, level: float) -> None:
+        for _ in range(round(seconds / FRAME_S)):
+            self.clock.advance(FRAME_S)
+            await self.tracker.feed(np.full(int(FRAME_S * RATE), level, np.float32))
+            for _ in range(10):
+                await asyncio.sleep(0)
+        if level:
+            self.speech_end = self.clock.now()
+
+    def of(self, kind: type) -> list:
+        return [event for event in self.events if isinstance(event, kind)]
+
+    def transcribed_ms(self) -> list[float]:
+        """When each transcription ran, in ms after the speech ended."""
+        return [(t - self.speech_end) * 1000 for t in self.asr.at]
+
+
+async def test_the_tail_is_transcribed_at_the_first_quiet_window():
+    ear = Ear()
+    await ear.feed(1.0, 0.3)
+    await ear.feed(0.6, 0.0)
+    [started] = ear.transcribed_ms()
+    # once the first wholly quiet window is in (the window the speech ended in still sounds
+    # loud), not PAUSE_MS of quiet later when the VAD confirms the pause
+    assert started <= 2 * VAD_WINDOW_MS + FRAME_MS < PAUSE_MS
+    [tail] = ear.of(heard.TailText)
+    assert tail.text == QUESTION and ear.of(heard.Committed)[0].text == QUESTION
+
+
+async def test_without_early_tail_the_tail_waits_for_the_pause():
+    ear = Ear(early_tail=False)
+    await ear.feed(1.0, 0.3)
+    await ear.feed(0.6, 0.0)
+    [started] = ear.transcribed_ms()
+    assert started >= PAUSE_MS
+
+
+async def test_a_slow_early_job_is_taken_over_by_the_pause_not_run_again():
+    ear = Ear()
+    ear.run.open.clear()  # ASR takes a while
+    await ear.feed(1.0, 0.3)
+    await ear.feed(0.3, 0.0)
+    assert ear.of(heard.Paused) and not ear.of(heard.TailText)
+    ear.run.open.set()
+    await ear.feed(0.3, 0.0)
+    assert len(ear.asr.calls) == 1
+    assert [tail.text for tail in ear.of(heard.TailText)] == [QUESTION]
+
+
+async def test_a_dip_between_words_is_not_a_tail():
+    ear = Ear()
+    ear.asr.text = "What is the"
+    await ear.feed(0.6, 0.3)
+    await ear.feed(0.06, 0.0)  # one quiet VAD window: an early job starts
+    assert len(ear.asr.calls) == 1
+    ear.asr.text = QUESTION
+    await ear.feed(0.6, 0.3)
+    await ear.feed(0.6, 0.0)
+    assert not ear.of(heard.Paused)[1:] and not ear.of(heard.Resumed)
+    assert [tail.text for tail in ear.of(heard.TailText)] == [QUESTION]
+    assert [turn.text for turn in ear.of(heard.Committed)] == [QUESTION]
+
+
+async def test_speech_after_a_dip_cancels_an_early_job_still_waiting_for_asr():
+    ear = Ear()
+    ear.run.open.clear()
+    await ear.feed(0.6, 0.3)
+    await ear.feed(0.06, 0.0)
+    await ear.feed(0.1, 0.3)
+    ear.run.open.set()
+    await ear.feed(0.5, 0.3)
+    assert ear.run.asked == 2 and ear.asr.calls == []  # the dip's jobs (ASR, turn model) never ran
+    await ear.feed(0.6, 0.0)
+    assert len(ear.asr.calls) == 1 and ear.of(heard.Committed)[0].text == QUESTION
