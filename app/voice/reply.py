@@ -20,7 +20,7 @@ from app.audio import float_to_pcm16, trim_leading_quiet
 from app.stages.base import ChatLLM, Message, Synthesizer
 from app.voice.clock import Clock, RunBlocking
 from app.voice.playback import ReplyPlayback
-from app.voice.text import FIRST_PHRASE_MAX_WORDS, SentenceSplitter, speakable, words
+from app.voice.text import FIRST_PHRASE_MAX_WORDS, SentenceSplitter, loop_end, speakable, words
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class Reply:
         self._produce_started = self._clock.now()
         stream = self._llm.stream(messages, self.request_id)
         said: list[str] = []
-        looped = False
+        repeated = looping = False  # a piece said again word for word; a few words said again and again
         try:
             try:
                 async for delta in stream:
@@ -173,24 +173,32 @@ class Reply:
                         self.metrics.llm_ttft_ms = (self._clock.now() - self._produce_started) * 1000
                     self.text_parts.append(delta)
                     await self._emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
+                    written = "".join(self.text_parts)
+                    loop_at = loop_end(written)
+                    if looping := loop_at is not None:  # say the loop's first time, not the rest
+                        before = len(written) - len(delta)
+                        splitter.forget_last(max(0, before - loop_at))
+                        delta = delta[: max(0, loop_at - before)]
                     for piece in splitter.push(delta):
                         if self.metrics.llm_first_piece_ms is None:
                             self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
-                        if looped := _repeats(piece, said):
+                        if repeated := _repeats(piece, said):
                             break
                         said.append(piece)
                         pieces.put_nowait(piece)
-                    if looped:
+                    if repeated or looping:
                         log.info("turn %s: the LLM repeated itself; the reply ends before the repeat", self.turn_id)
-                        self.text_parts = [" ".join(said)]  # what is spoken (the page and the history get it)
                         break
             finally:
                 await stream.aclose()  # aborts the LLM request if we stopped early
-            rest = None if looped else splitter.flush()
+            rest = None if repeated else splitter.flush()
             if rest:
                 if self.metrics.llm_first_piece_ms is None:  # the whole reply was one short piece
                     self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
+                said.append(rest)
                 pieces.put_nowait(rest)
+            if repeated or looping:
+                self.text_parts = [" ".join(said)]  # what is spoken (the page and the history get it)
             pieces.put_nowait(None)
             await speaker
             self._produced_at = self._clock.now()

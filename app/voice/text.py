@@ -67,6 +67,10 @@ class SentenceSplitter:
         rest, self._buffer = self._buffer.strip(), ""
         return rest or None
 
+    def forget_last(self, chars: int) -> None:
+        """Drop the last ``chars`` characters pushed, as far as they are not released yet (a loop to leave unsaid)."""
+        self._buffer = self._buffer[: max(0, len(self._buffer) - chars)]
+
     def _next_piece(self) -> str | None:
         for match in _SENTENCE_END.finditer(self._buffer):
             candidate = self._buffer[: match.end()].strip()
@@ -106,6 +110,52 @@ class SentenceSplitter:
         piece, self._buffer = self._buffer[:end].strip(), self._buffer[end:]
         self._released += 1
         return piece
+
+
+# A run of the same few words said again and again ("a big ol' ol' ol' ol'", "the I.Pauli, and the
+# I.Pauli, and the I.Pauli"): the bundled SmolLM2-135M falls into such loops inside one run-on
+# piece, where a repeated *piece* is never seen (``Reply`` ends a reply at one), and they ran for
+# seconds of audio. A unit of up to LOOP_UNIT_MAX_WORDS words said LOOP_TIMES times in a row is a
+# loop; a single word needs LOOP_TIMES_ONE_WORD ("no, no, no" and "very, very, very" are speech).
+LOOP_UNIT_MAX_WORDS = 8
+LOOP_TIMES = 3
+LOOP_TIMES_ONE_WORD = 4
+_WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
+_TRAILING_MARKS = re.compile(r"[^\w\s]*")
+_BREAK_MARK = re.compile(r"[,;:.!?…，、；：。！？]")
+
+
+def loop_end(text: str) -> int | None:
+    """Where a loop in ``text`` should have stopped (after the unit's first time), or None without one.
+
+    Only whole words count (the last may still grow), and a loop of digits is a number ("0.0.0.0").
+    Checked at each streamed delta, so only runs ending in the last few words are looked for.
+    """
+    spans = [(match.end(), match.group().lower().replace("’", "'")) for match in _WORD.finditer(text)]
+    if spans and spans[-1][0] == len(text):
+        spans.pop()  # the last word may still grow ("ol" -> "olive")
+    said = [word for _, word in spans]
+    for end in range(max(0, len(said) - LOOP_UNIT_MAX_WORDS), len(said) + 1):
+        for unit in range(1, LOOP_UNIT_MAX_WORDS + 1):
+            times = LOOP_TIMES_ONE_WORD if unit == 1 else LOOP_TIMES
+            start = end - unit * times
+            if start < 0:
+                break
+            if all(said[i] == said[i + unit] for i in range(start, end - unit)):
+                if not all(word.isdigit() for word in said[start : start + unit]):
+                    return _loop_cut(text, [end for end, _ in spans[start + unit - 1 : start + 2 * unit - 1]])
+    return None
+
+
+def _loop_cut(text: str, word_ends: list[int]) -> int:
+    """Where to stop in a loop, given where its unit's first time ends and the unit's next words end:
+    at the first of them followed by a comma or full stop ("the I.Pauli, | and the I.Pauli"), else at
+    the first; with its marks ("ol'" keeps its apostrophe)."""
+    cuts = [_TRAILING_MARKS.match(text, end).end() for end in word_ends]
+    for cut, end in zip(cuts, word_ends, strict=True):
+        if _BREAK_MARK.search(text, end, cut) and (cut == len(text) or text[cut].isspace()):
+            return cut
+    return cuts[0]
 
 
 def text_after(text: str, said: str) -> str:

@@ -507,6 +507,17 @@ async def test_a_reply_that_says_a_sentence_again_ends_before_the_repeat(convers
     assert conv.llm.closed == conv.llm.request_ids  # the LLM request was stopped
 
 
+async def test_a_reply_looping_inside_a_sentence_ends_after_the_loop_s_first_time(conversation):
+    conv = conversation(llm_pieces=["Sure thing. ", "You want a big", *[" ol'"] * 8, " party."])
+    await conv.type(QUESTION)
+    await conv.settle()
+    done = conv.of(protocol.TurnDone)[-1]
+    assert done.text == "Sure thing. You want a big ol'"
+    assert " ".join(text for _, text in conv.session.models.tts.spoken) == done.text  # said once, not eight times
+    assert conv.session.history[-1] == {"role": "assistant", "content": done.text}
+    assert conv.llm.closed == conv.llm.request_ids  # the LLM request was stopped
+
+
 async def test_the_words_so_far_are_prefilled_while_the_user_speaks_and_not_once_speech_may_be_ending(conversation):
     conv = conversation()
     conv.asr.partial = "What is the capital of"

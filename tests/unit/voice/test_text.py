@@ -1,4 +1,4 @@
-from app.voice.text import SentenceSplitter, speakable, words
+from app.voice.text import SentenceSplitter, loop_end, speakable, words
 
 
 def stream(splitter: SentenceSplitter, text: str, step: int = 3) -> list[str]:
@@ -125,3 +125,46 @@ def test_the_word_cap_cuts_as_soon_as_the_next_word_begins():
     splitter = SentenceSplitter(first_clause_chars=16)
     assert [splitter.push(token) for token in ["The", " best", " way", " to", " cook", " for"]][-1] == []
     assert splitter.push(" dinner") == ["The best way to cook"]
+
+
+def first_loop_end(text: str, step: int = 2) -> str | None:
+    """Stream ``text`` a few characters at a time, as the LLM does; the text kept at the first loop found."""
+    for index in range(step, len(text) + step, step):
+        end = loop_end(text[:index])
+        if end is not None:
+            return text[:end]
+    return None
+
+
+def test_a_loop_inside_a_piece_is_found_as_it_is_written_and_only_its_first_time_is_kept():
+    # loops the bundled LLM fell into in `parley bench voice` (one piece each: no sentence end)
+    assert first_loop_end("You want to have a big ol' ol' ol' ol' ol' ol' party") == "You want to have a big ol'"
+    assert (
+        first_loop_end("The I.Pauli, and the I.Pauli, and the I.Pauli, and the I.Pauli, and")
+        == "The I.Pauli, and the I.Pauli,"  # at a comma rather than after "and"
+    )
+
+
+def test_repetition_people_use_is_not_a_loop():
+    for text in (
+        "No, no, no, that is not it. Very, very, very good.",
+        "Row, row, row your boat, gently down the stream.",
+        "The address is 0.0.0.0 and the mask is 255.255.255.0 today.",
+        "It was a long, long way. Step by step, day by day, we got there.",
+        "Paris is the capital of France. It is known for the Eiffel Tower.",
+    ):
+        assert first_loop_end(text) is None, text
+
+
+def test_a_word_still_being_written_does_not_complete_a_loop():
+    assert loop_end("ol' ol' ol' ol") is None  # "ol" may become "olive"
+    assert loop_end("ol' ol' ol' ol' ") is not None
+
+
+def test_forget_last_drops_only_what_is_not_released():
+    splitter = SentenceSplitter()
+    assert splitter.push("Paris is lovely in spring. It has ol' ol'") == ["Paris is lovely in spring."]
+    splitter.forget_last(len(" ol'"))
+    assert splitter.flush() == "It has ol'"
+    splitter.forget_last(100)
+    assert splitter.flush() is None
