@@ -98,10 +98,12 @@ class Settings(BaseSettings):
         1200, ge=100, le=5000, description="silence that ends a turn whose words end mid-clause"
     )
     pause_ms: int = Field(96, ge=64, le=1000, description="silence after which the speech is paused")
-    early_tail: bool = Field(
-        True,
-        description="start transcribing the tail (and the end-of-turn model) at the first quiet VAD window, "
-        "not pause_ms later; a quiet window that turns back into speech wastes one transcription",
+    tail_start_ms: int = Field(
+        32,
+        ge=32,
+        le=1000,
+        description="quiet after which the tail is transcribed, before the pause is confirmed (at most pause_ms; "
+        "quiet that turns back into speech wastes one transcription)",
     )
     partial_interval_ms: int = Field(400, ge=100, description="how often partial transcripts are made")
     speculative_reply: bool = Field(True, description="start the reply during the endpoint silence")

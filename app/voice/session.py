@@ -114,7 +114,7 @@ class VoiceSession:
                 ),
                 partial_interval_ms=settings.partial_interval_ms,
                 max_utterance_s=settings.max_utterance_s,
-                early_tail=settings.early_tail,
+                tail_start_ms=settings.tail_start_ms,
             ),
         )
 

@@ -49,7 +49,7 @@ class TimedASR(ScriptedASR):
 class Ear:
     """One tracker and the events it emits; ``speech_end`` is the clock when the last loud frame ended."""
 
-    def __init__(self, early_tail: bool = True) -> None:
+    def __init__(self, tail_start_ms: int = VAD_WINDOW_MS) -> None:
         self.clock = ManualClock()
         self.asr = TimedASR(self.clock, QUESTION)
         self.run = Runner()
@@ -63,7 +63,7 @@ class Ear:
             next_turn_id=lambda: next(turn_ids),
             clock=self.clock,
             run_blocking=self.run,
-            options=heard.TrackerOptions(early_tail=early_tail, partial_interval_ms=60_000),  # no partials
+            options=heard.TrackerOptions(tail_start_ms=tail_start_ms, partial_interval_ms=60_000),  # no partials
             turn_detector=ScriptedTurnModel(0.9),
         )
 
@@ -99,12 +99,31 @@ async def test_the_tail_is_transcribed_at_the_first_quiet_window():
     assert tail.text == QUESTION and ear.of(heard.Committed)[0].text == QUESTION
 
 
-async def test_without_early_tail_the_tail_waits_for_the_pause():
-    ear = Ear(early_tail=False)
+async def test_tail_start_ms_sets_how_much_quiet_starts_the_tail():
+    starts = []
+    for tail_start_ms in (VAD_WINDOW_MS, 2 * VAD_WINDOW_MS, PAUSE_MS):
+        ear = Ear(tail_start_ms)
+        await ear.feed(1.0, 0.3)
+        await ear.feed(0.6, 0.0)
+        [started] = ear.transcribed_ms()
+        starts.append(started)
+        assert [tail.text for tail in ear.of(heard.TailText)] == [QUESTION]
+    assert starts[0] < starts[1] < starts[2] and starts[2] >= PAUSE_MS  # 96: when the pause is confirmed
+
+
+async def test_the_turn_model_waits_for_the_pause_and_hears_its_quiet():
+    ear = Ear()
+    await ear.feed(0.5, 0.0)
+    ear.run.open.clear()
     await ear.feed(1.0, 0.3)
-    await ear.feed(0.6, 0.0)
-    [started] = ear.transcribed_ms()
-    assert started >= PAUSE_MS
+    await ear.feed(0.06, 0.0)
+    assert ear.run.asked == 1  # the tail's transcription only
+    await ear.feed(0.1, 0.0)
+    assert ear.of(heard.Paused) and ear.run.asked == 2
+    ear.run.open.set()
+    await ear.feed(0.1, 0.0)
+    [heard_s] = ear.tracker._turn_detector.heard_seconds
+    assert heard_s >= 1.0 + 0.3 + PAUSE_MS / 1000  # the speech, the pre-roll and the pause's quiet
 
 
 async def test_a_slow_early_job_is_taken_over_by_the_pause_not_run_again():
@@ -141,6 +160,6 @@ async def test_speech_after_a_dip_cancels_an_early_job_still_waiting_for_asr():
     await ear.feed(0.1, 0.3)
     ear.run.open.set()
     await ear.feed(0.5, 0.3)
-    assert ear.run.asked == 2 and ear.asr.calls == []  # the dip's jobs (ASR, turn model) never ran
+    assert ear.run.asked == 1 and ear.asr.calls == []  # the dip's job never ran
     await ear.feed(0.6, 0.0)
     assert len(ear.asr.calls) == 1 and ear.of(heard.Committed)[0].text == QUESTION
