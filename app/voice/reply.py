@@ -39,8 +39,9 @@ LEAD_KEEP_MS = 20
 FIRST_PIECE_PAUSE_MAX_S = 2.0
 # A piece of at least this many words said again word for word ends the reply: the bundled
 # SmolLM2-135M loops ("I'm not today. I'm not today.", or a 120-token run-on that repeats one
-# clause), which is 30 s of the same words for the listener.
-REPEAT_MIN_WORDS = 4
+# clause), which is 30 s of the same words for the listener. (Loops inside one piece:
+# ``app.voice.text.loop_end``.)
+REPEAT_MIN_WORDS = 3
 
 SendJson = Callable[[protocol.ServerMessage], Awaitable[None]]
 SendBytes = Callable[[bytes], Awaitable[None]]

@@ -507,6 +507,17 @@ async def test_a_reply_that_says_a_sentence_again_ends_before_the_repeat(convers
     assert conv.llm.closed == conv.llm.request_ids  # the LLM request was stopped
 
 
+async def test_a_short_sentence_said_again_ends_the_reply_but_a_two_word_one_does_not(conversation):
+    conv = conversation(llm_pieces=["I'm not today. ", "I'm not today. ", "I'm not today."])
+    await conv.type(QUESTION)
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].text == "I'm not today."
+    conv = conversation(llm_pieces=["Yes, indeed. ", "It is Paris. ", "Yes, indeed."])
+    await conv.type(QUESTION)
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].text == "Yes, indeed. It is Paris. Yes, indeed."
+
+
 async def test_a_reply_looping_inside_a_sentence_ends_after_the_loop_s_first_time(conversation):
     conv = conversation(llm_pieces=["Sure thing. ", "You want a big", *[" ol'"] * 8, " party."])
     await conv.type(QUESTION)
