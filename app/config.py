@@ -102,8 +102,9 @@ class Settings(BaseSettings):
         32,
         ge=32,
         le=1000,
-        description="quiet after which the tail is transcribed, before the pause is confirmed (at most pause_ms; "
-        "quiet that turns back into speech wastes one transcription)",
+        description="while one session is open (solo_speedups): quiet after which the tail is transcribed, before "
+        "the pause is confirmed (at most pause_ms; quiet that turns back into speech wastes one transcription); "
+        "with several sessions the pause starts it",
     )
     partial_interval_ms: int = Field(400, ge=100, description="how often partial transcripts are made")
     speculative_reply: bool = Field(True, description="start the reply during the endpoint silence")
@@ -150,8 +151,9 @@ class Settings(BaseSettings):
     )
     solo_speedups: bool = Field(
         True,
-        description="while one session is open: first_piece_priority, and a reply's first 12 tokens on "
-        "the LLM's prefill threads (with several sessions both slow everyone)",
+        description="while one session is open: first_piece_priority, a reply's first 12 tokens on "
+        "the LLM's prefill threads, and the tail transcribed after tail_start_ms of quiet (with several "
+        "sessions all three slow everyone)",
     )
     asr_window_s: float = Field(10.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
     min_speech_ms: int = Field(96, ge=0)

@@ -104,6 +104,7 @@ class VoiceSession:
             run_blocking=self._run,
             turn_detector=self.models.turn,
             language=lambda: self.prefs.language,
+            early_tail=lambda: self.models.solo,  # several sessions share Whisper: no transcriptions wasted on gaps
             options=heard.TrackerOptions(
                 endpointer=Endpointer(
                     settings.endpoint_silence_ms,

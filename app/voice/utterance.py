@@ -198,11 +198,13 @@ class UtteranceTracker:
         options: TrackerOptions | None = None,
         turn_detector: TurnDetector | None = None,
         language: Callable[[], str | None] = lambda: None,
+        early_tail: Callable[[], bool] = lambda: True,
     ) -> None:
         self._vad = vad
         self._asr = asr
         self._turn_detector = turn_detector
         self._language = language  # read at each call, so a session's config applies to the next words
+        self._early_tail = early_tail  # read at each quiet window: tail_start_ms applies, or the pause
         self._emit = emit
         self._next_turn_id = next_turn_id
         self._clock = clock
@@ -341,7 +343,7 @@ class UtteranceTracker:
         end-of-turn model waits for the pause: it heard less trailing quiet as a less finished turn.
         """
         silence = self._vad.silence_start
-        if silence is None or utterance.pause is not None:
+        if silence is None or utterance.pause is not None or not self._early_tail():
             return
         if self._audio_end - silence < self.options.tail_start_ms * SAMPLES_PER_MS:
             return

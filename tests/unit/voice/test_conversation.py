@@ -464,6 +464,19 @@ async def test_with_first_piece_priority_the_first_piece_is_urgent_while_the_llm
     assert solo.session.models.tts.urgent == [True, False, False] and len(solo.llm.pauses) == 2
 
 
+async def test_the_tail_starts_before_the_pause_only_while_the_session_is_alone(conversation):
+    for solo in (True, False):
+        conv = conversation()
+        conv.session.models.solo = solo  # the server's solo mode: one session open
+        await conv.speak(1.0, QUESTION)
+        spoken_calls = len(conv.asr.calls)
+        await conv.silence(0.08)  # two quiet VAD windows: tail_start_ms (32) has passed, pause_ms (96) not
+        assert not conv.of(protocol.SpeechStopped)
+        assert len(conv.asr.calls) - spoken_calls == (1 if solo else 0)
+        await conv.silence_until(committed(conv))
+        assert len(conv.asr.calls) - spoken_calls == 1 and conv.finals()[-1].text == QUESTION
+
+
 def test_the_solo_speedups_apply_while_exactly_one_session_is_open():
     from app.config import Settings
     from app.stages.registry import SOLO_FIRST_TOKENS, set_open_sessions
