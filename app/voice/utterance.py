@@ -339,8 +339,8 @@ class UtteranceTracker:
         The VAD needs ``pause_ms`` of silence to call a pause, and the reply cannot start before
         the tail's words are known; starting the transcription sooner takes part of that wait off
         the critical path. Its audio ends where the quiet has reached rather than ``TAIL_PAD_MS``
-        after the silence began (as accurate on the benchmark's questions: README). The
-        end-of-turn model waits for the pause: it heard less trailing quiet as a less finished turn.
+        after the silence began (what that cost in accuracy: README). The end-of-turn model waits
+        for the pause: it heard less trailing quiet as a less finished turn.
         """
         silence = self._vad.silence_start
         if silence is None or utterance.pause is not None or not self._early_tail():
