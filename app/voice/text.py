@@ -120,7 +120,7 @@ class SentenceSplitter:
 LOOP_UNIT_MAX_WORDS = 8
 LOOP_TIMES = 3
 LOOP_TIMES_ONE_WORD = 4
-_WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
+_WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")  # a word, as ``words`` counts them
 _TRAILING_MARKS = re.compile(r"[^\w\s]*")
 _BREAK_MARK = re.compile(r"[,;:.!?…，、；：。！？]")
 
@@ -170,4 +170,4 @@ def spoken_length(text: str) -> int:
 
 def words(text: str) -> list[str]:
     """Lower-case words without punctuation, in any script ("spät", "ciudad"; a run of CJK is one word)."""
-    return re.findall(r"[^\W_]+(?:'[^\W_]+)*", text.lower().replace("’", "'"))
+    return _WORD.findall(text.lower().replace("’", "'"))

@@ -324,10 +324,11 @@ class UtteranceTracker:
             return
         utterance.pause = sample
         await self._emit(Paused(utterance.turn_id))
-        job, utterance.early_tail = utterance.early_tail, None
-        if job is None or job.pause != sample:  # no early job, or one for an earlier dip
-            if job is not None:
-                job.task.cancel()
+        job = utterance.early_tail
+        if job is not None and job.pause == sample:
+            utterance.early_tail = None  # the pause takes the job over
+        else:  # no early job, or one for an earlier dip
+            utterance.forget_early_tail()
             job = self._start_tail_job(utterance, sample)
         end = sample + TAIL_PAD_MS * SAMPLES_PER_MS
         whole = self._slice(utterance.start - PREROLL_MS * SAMPLES_PER_MS, end)  # the turn model hears it all
@@ -347,10 +348,9 @@ class UtteranceTracker:
             return
         if self._audio_end - silence < self.options.tail_start_ms * SAMPLES_PER_MS:
             return
-        if utterance.early_tail is not None:
-            if utterance.early_tail.pause == silence:
-                return
-            utterance.forget_early_tail()
+        if utterance.early_tail is not None and utterance.early_tail.pause == silence:
+            return  # already started for this quiet
+        utterance.forget_early_tail()
         utterance.early_tail = self._start_tail_job(utterance, silence)
 
     def _start_tail_job(self, utterance: _Utterance, pause: int) -> _TailJob:

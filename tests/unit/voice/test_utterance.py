@@ -1,7 +1,8 @@
 """When the tail is heard: ``UtteranceTracker`` alone, on the energy VAD, scripted ASR and a manual clock.
 
-The runner records when each blocking job was asked for (the clock is audio time: 20 ms a
-frame), and can hold jobs back, standing in for an ASR that takes a while.
+The ASR records when each transcription ran (the clock is audio time: 20 ms a frame); the
+runner counts the blocking jobs asked for and can hold them back, standing in for an ASR that
+takes a while.
 """
 
 from __future__ import annotations
