@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import numpy as np
 from app.audio import ASR_SAMPLE_RATE
 from app.stages.base import SpeechRecognizer, Transcription, TurnDetector, VoiceActivity
 from app.voice.clock import ArrivalClock, Clock, RunBlocking
-from app.voice.text import text_after
+from app.voice.text import text_after, without_trailing_loop
 from app.voice.turns import Endpointer, PartialStabilizer, is_filler
 
 log = logging.getLogger(__name__)
@@ -283,8 +284,7 @@ class UtteranceTracker:
         if utterance is None:
             return ""
         audio = self._slice(utterance.audio_start(), self._audio_end)
-        language = self._language()
-        result = await self._run(lambda: self._asr.transcribe(audio, context=utterance.stable_text, language=language))
+        result = await self._transcribe(audio, context=utterance.stable_text)
         return result.text if result is not None else ""
 
     async def drop(self) -> None:
@@ -358,6 +358,15 @@ class UtteranceTracker:
         transcribed = self._transcribe_tail(audio, utterance.stable_text)
         return _TailJob(pause, asyncio.create_task(transcribed, name="asr-tail-job"))
 
+    async def _transcribe(self, audio: np.ndarray, context: str, wait: bool = True) -> Transcription | None:
+        """``audio`` in words (None: ``wait=False`` and ASR was busy), without a loop Whisper ran into at its end."""
+        language = self._language()
+        options = {} if wait else {"wait": False}
+        result = await self._run(lambda: self._asr.transcribe(audio, context=context, language=language, **options))
+        if result is None:
+            return None
+        return dataclasses.replace(result, text=without_trailing_loop(result.text))
+
     async def _detect_turn_end(self, audio: np.ndarray) -> tuple[float | None, float]:
         """The end-of-turn model's probability (None when there is no model, or it failed) and its cost."""
         detector, started = self._turn_detector, self._clock.now()
@@ -371,8 +380,8 @@ class UtteranceTracker:
         return probability, (self._clock.now() - started) * 1000
 
     async def _transcribe_tail(self, audio: np.ndarray, context: str) -> tuple[Transcription | None, float]:
-        started, language = self._clock.now(), self._language()
-        result = await self._run(lambda: self._asr.transcribe(audio, context=context, language=language))
+        started = self._clock.now()
+        result = await self._transcribe(audio, context=context)
         return result, (self._clock.now() - started) * 1000
 
     async def _finish_tail(self, utterance: _Utterance, job: _TailJob, whole: np.ndarray) -> None:
@@ -408,10 +417,7 @@ class UtteranceTracker:
 
     async def _partial(self, utterance: _Utterance, audio: np.ndarray) -> None:
         # wait=False: a partial never queues behind another session's final transcript
-        language = self._language()
-        result = await self._run(
-            lambda: self._asr.transcribe(audio, wait=False, context=utterance.stable_text, language=language)
-        )
+        result = await self._transcribe(audio, context=utterance.stable_text, wait=False)
         if result is None or utterance is not self._utterance:
             return
         shown = utterance.stabilizer.update(" ".join(p for p in (utterance.stable_text, result.text) if p))

@@ -1,4 +1,4 @@
-from app.voice.text import SentenceSplitter, loop_end, speakable, words
+from app.voice.text import SentenceSplitter, loop_end, speakable, without_trailing_loop, words
 
 
 def stream(splitter: SentenceSplitter, text: str, step: int = 3) -> list[str]:
@@ -168,3 +168,26 @@ def test_forget_last_drops_only_what_is_not_released():
     assert splitter.flush() == "It has ol'"
     splitter.forget_last(100)
     assert splitter.flush() is None
+
+
+def test_a_transcript_that_ends_in_whisper_s_runaway_keeps_its_first_time():
+    # what Whisper tiny.en wrote for a noisy "Yes.", "Got it." and "Why is the sky blue?"
+    assert without_trailing_loop("Yes. Yes. Yes. Yes. Yes.") == "Yes."
+    assert without_trailing_loop("Got it. Got it. Got it. Got") == "Got it."
+    assert without_trailing_loop("Why is the sky blue? Why is the sky blue? Why") == "Why is the sky blue?"
+    assert without_trailing_loop("Yeah Yeah Yeah Yeah Yeah Yeah") == "Yeah"
+    assert without_trailing_loop("Tell me about dogs. Dogs. Dogs. Dogs. Dogs.") == "Tell me about dogs."
+    assert without_trailing_loop("The I.Pauli, and the I.Pauli, and the I.Pauli,") == "The I.Pauli,"
+
+
+def test_a_transcript_keeps_what_people_repeat_and_what_follows_a_restart():
+    for text in (
+        "No, no, no.",
+        "Hello? Hello?",
+        "Bye bye.",
+        "I think that I think that we should go.",  # a restart: the loop does not run to the end
+        "My number is 1 2 1 2 1 2.",
+        "What is the capital of France?",
+        "",
+    ):
+        assert without_trailing_loop(text) == text, text

@@ -164,3 +164,12 @@ async def test_speech_after_a_dip_cancels_an_early_job_still_waiting_for_asr():
     assert ear.run.asked == 1 and ear.asr.calls == []  # the dip's job never ran
     await ear.feed(0.6, 0.0)
     assert len(ear.asr.calls) == 1 and ear.of(heard.Committed)[0].text == QUESTION
+
+
+async def test_the_tail_and_the_turn_leave_out_a_loop_whisper_ran_into():
+    ear = Ear()
+    ear.asr.text = "Why is the sky blue? Why is the sky blue? Why"
+    await ear.feed(1.0, 0.3)
+    await ear.feed(0.6, 0.0)
+    assert [tail.text for tail in ear.of(heard.TailText)] == ["Why is the sky blue?"]
+    assert [turn.text for turn in ear.of(heard.Committed)] == ["Why is the sky blue?"]
