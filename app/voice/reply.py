@@ -193,6 +193,8 @@ class Reply:
             finally:
                 await stream.aclose()  # aborts the LLM request if we stopped early
             rest = None if repeated else splitter.flush()
+            if rest and _repeats(rest, said):  # the last piece, said again at the very end
+                rest, repeated = None, True
             if rest:
                 if self.metrics.llm_first_piece_ms is None:  # the whole reply was one short piece
                     self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000

@@ -525,6 +525,11 @@ async def test_a_short_sentence_said_again_ends_the_reply_but_a_two_word_one_doe
     await conv.type(QUESTION)
     await conv.settle()
     assert conv.of(protocol.TurnDone)[-1].text == "I'm not today."
+    conv = conversation(llm_pieces=["I'm not today. ", "I'm not today."])  # the repeat ends the reply
+    await conv.type(QUESTION)
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].text == "I'm not today."
+    assert [text for _, text in conv.session.models.tts.spoken] == ["I'm not today."]
     conv = conversation(llm_pieces=["Yes, indeed. ", "It is Paris. ", "Yes, indeed."])
     await conv.type(QUESTION)
     await conv.settle()
