@@ -8,10 +8,24 @@ to detect it per utterance (one decoder step on the encoding already made).
 
 Whisper is trained on 30 s windows and faster-whisper always pads to one, so every call pays
 for encoding 30 s however short the speech is. A voice turn is a few seconds, so we call
-CTranslate2 directly with a shorter window (``window_s``, padded with real silence features):
-measured on tiny.en here, a 10 s window encodes ~4x faster than 30 s with the same words on
-our test questions (whisper.cpp calls this ``audio_ctx``). ``window_s=30`` restores the
-standard behaviour.
+CTranslate2 directly with a shorter window (``window_s``, padded with real silence features;
+whisper.cpp calls this ``audio_ctx``): measured on tiny.en here, a 10 s window encodes ~4x
+faster than 30 s with the same words on our test questions. The decoder's cross-attention
+shrinks with it: an 8 s window (the default) transcribes a 2-3 s question in ~200 ms against
+~240 ms at 10 s (2 cores). Shorter windows make Whisper run on into repeats of what it heard
+("Yes. Yes. Yes. Yes."), which the voice layer cuts (``app.voice.text.without_trailing_loop``).
+Measured on the benchmark's questions, paused questions and backchannels at 3 rates:
+
+====== ============================ ============================ ========
+window noisy (186): repeats, right* clean (150): repeats, right* p50 time
+====== ============================ ============================ ========
+10 s   7, 127                       5, 118                       ~240 ms
+8 s    12, 129                      10, 114                      ~200 ms
+6 s    24, 133                      34 (6 left uncut), 115       ~180 ms
+====== ============================ ============================ ========
+
+(* right after the cut.) At 6 s the token cap ended some repeats mid-sentence, where the cut
+sees no loop, so 8 s is the default. ``window_s=30`` restores the standard behaviour.
 """
 
 from __future__ import annotations
@@ -156,7 +170,7 @@ class Transcriber:
         cpu_threads: int = 2,
         language: str | None = "en",
         beam_size: int = 1,
-        window_s: float = 10.0,
+        window_s: float = 8.0,
     ) -> None:
         from faster_whisper.tokenizer import _LANGUAGE_CODES, Tokenizer
 

