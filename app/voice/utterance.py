@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -365,7 +364,7 @@ class UtteranceTracker:
         result = await self._run(lambda: self._asr.transcribe(audio, context=context, language=language, **options))
         if result is None:
             return None
-        return dataclasses.replace(result, text=without_trailing_loop(result.text))
+        return replace(result, text=without_trailing_loop(result.text))
 
     async def _detect_turn_end(self, audio: np.ndarray) -> tuple[float | None, float]:
         """The end-of-turn model's probability (None when there is no model, or it failed) and its cost."""
