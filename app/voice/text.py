@@ -125,13 +125,18 @@ _TRAILING_MARKS = re.compile(r"[^\w\s]*")
 _BREAK_MARK = re.compile(r"[,;:.!?…，、；：。！？]")
 
 
+def _word_spans(text: str) -> list[tuple[int, str]]:
+    """(where each word ends, the word as ``words`` spells it) for every word of ``text``."""
+    return [(match.end(), match.group().lower().replace("’", "'")) for match in _WORD.finditer(text)]
+
+
 def loop_end(text: str) -> int | None:
     """Where a loop in ``text`` should have stopped (after the unit's first time), or None without one.
 
     Only whole words count (the last may still grow), and a loop of digits is a number ("0.0.0.0").
     Checked at each streamed delta, so only runs ending in the last few words are looked for.
     """
-    spans = [(match.end(), match.group().lower().replace("’", "'")) for match in _WORD.finditer(text)]
+    spans = _word_spans(text)
     if spans and spans[-1][0] == len(text):
         spans.pop()  # the last word may still grow ("ol" -> "olive")
     said = [word for _, word in spans]
@@ -172,7 +177,7 @@ def without_trailing_loop(transcript: str) -> str:
     Only a loop that runs to the end counts, so a restart inside a sentence ("I think that I think
     that we should go") and speech people repeat ("no, no, no") stay as they were heard.
     """
-    spans = [(match.end(), match.group().lower().replace("’", "'")) for match in _WORD.finditer(transcript)]
+    spans = _word_spans(transcript)
     said = [word for _, word in spans]
     for unit in range(1, LOOP_UNIT_MAX_WORDS + 1):
         times = LOOP_TIMES_ONE_WORD if unit == 1 else TRANSCRIPT_LOOP_TIMES

@@ -360,8 +360,7 @@ class UtteranceTracker:
     async def _transcribe(self, audio: np.ndarray, context: str, wait: bool = True) -> Transcription | None:
         """``audio`` in words (None: ``wait=False`` and ASR was busy), without a loop Whisper ran into at its end."""
         language = self._language()
-        options = {} if wait else {"wait": False}
-        result = await self._run(lambda: self._asr.transcribe(audio, context=context, language=language, **options))
+        result = await self._run(lambda: self._asr.transcribe(audio, wait=wait, context=context, language=language))
         if result is None:
             return None
         return replace(result, text=without_trailing_loop(result.text))
