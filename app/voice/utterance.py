@@ -158,6 +158,7 @@ class _Utterance:
     tail_text: str | None = None  # its result, once done
     turn_probability: float | None = None  # the end-of-turn model's verdict at this pause
     turn_ms: float | None = None
+    verdict_pending: bool = False  # the tail's words are in, the end-of-turn model's verdict is not yet
     language: str | None = None  # what ASR heard the tail in
     asr_ms: float = 0.0
     partial_task: asyncio.Task | None = None
@@ -307,14 +308,15 @@ class UtteranceTracker:
         if utterance.pause is None:
             return
         # The user went on after a pause: what we transcribed up to it becomes stable text.
-        if utterance.tail_task is not None and not utterance.tail_task.done():
-            utterance.tail_task.cancel()
-        elif utterance.tail_text is not None and utterance.pause - utterance.start >= STABLE_AFTER_S * ASR_SAMPLE_RATE:
+        if utterance.tail_text is not None and utterance.pause - utterance.start >= STABLE_AFTER_S * ASR_SAMPLE_RATE:
             # Long utterance: freeze the text so far, decode only what follows (with it as context).
             utterance.stable_text = utterance.text()
             utterance.stable_until = utterance.pause + TAIL_PAD_MS * SAMPLES_PER_MS
+        if utterance.tail_task is not None and not utterance.tail_task.done():
+            utterance.tail_task.cancel()  # its transcription, or the end-of-turn model after it
         utterance.pause, utterance.tail_task, utterance.tail_text = None, None, None
         utterance.turn_probability = utterance.turn_ms = None
+        utterance.verdict_pending = False
         await self._emit(Resumed(utterance.turn_id))
 
     async def _on_pause(self, sample: int) -> None:
@@ -383,25 +385,33 @@ class UtteranceTracker:
         return result, (self._clock.now() - started) * 1000
 
     async def _finish_tail(self, utterance: _Utterance, job: _TailJob, whole: np.ndarray) -> None:
-        """At the pause: ask the end-of-turn model (beside ASR, on another core) and, once the tail is
-        heard, record both, tell the session (it may speculate) and see if the turn ends."""
+        """At the pause: ask the end-of-turn model (beside ASR, on another core); once the tail is
+        heard, tell the session (it may speculate); once the model has answered too, see if the
+        turn ends.
+
+        The words are told without waiting for the model: a speculative reply needs only them, and
+        the model, started later (at the pause) and slowed by the transcription beside it, often
+        answered after them (``turn_detect`` ~110-280 ms with one user, ``asr_compute`` ~170-270).
+        """
         turn_end = asyncio.ensure_future(self._detect_turn_end(whole))
         try:
             result, asr_ms = await job.task
-            probability, turn_ms = await turn_end
+            if utterance.pause is None:
+                return  # the user went on speaking; a newer tail will be transcribed
+            utterance.tail_text = result.text if result is not None else ""
+            utterance.language = result.language if result is not None and result.language else None
+            utterance.asr_ms = asr_ms
+            utterance.verdict_pending = True
+            if utterance is self._utterance:  # (else already being committed; _commit reads tail_text)
+                speech_end = self._arrivals.time_of(utterance.pause)
+                await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
+            utterance.turn_probability, utterance.turn_ms = await turn_end
         finally:  # when this one is cancelled (the user went on), so are its jobs
             job.task.cancel()
             turn_end.cancel()
         if utterance.pause is None:
-            return  # the user went on speaking; a newer tail will be transcribed
-        utterance.tail_text = result.text if result is not None else ""
-        utterance.language = result.language if result is not None and result.language else None
-        utterance.asr_ms = asr_ms
-        utterance.turn_probability, utterance.turn_ms = probability, turn_ms
-        if utterance is not self._utterance:
-            return  # already being committed; _commit reads tail_text
-        speech_end = self._arrivals.time_of(utterance.pause)
-        await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
+            return
+        utterance.verdict_pending = False
         await self._maybe_commit(utterance)
 
     def _maybe_partial(self, utterance: _Utterance) -> None:
@@ -427,9 +437,9 @@ class UtteranceTracker:
             return  # (speech_pending: the user may be starting again; wait for the VAD to decide)
         silence_ms = (self._audio_end - utterance.pause) / SAMPLES_PER_MS
         endpointer = self.options.endpointer
-        if utterance.tail_text is None:
+        if utterance.tail_text is None or utterance.verdict_pending:
             if silence_ms >= endpointer.unfinished_silence_ms:
-                await self._commit(utterance)  # ASR is late: commit and wait for it
+                await self._commit(utterance)  # ASR or the end-of-turn model is late: commit and wait for it
             return
         required = endpointer.required_silence_ms(utterance.text(), utterance.turn_probability, utterance.language)
         if silence_ms >= required:

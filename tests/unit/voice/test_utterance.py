@@ -21,15 +21,22 @@ QUESTION = "What is the capital of France?"
 
 
 class Runner:
-    """Runs blocking work inline once ``open`` is set (cleared: an ASR that takes a while); counts the jobs asked for."""
+    """Runs blocking work inline once ``open`` is set (cleared: an ASR that takes a while); counts the jobs asked for.
+
+    The jobs numbered in ``slow`` (1 = the first asked) wait for ``slow_done`` as well.
+    """
 
     def __init__(self) -> None:
         self.asked = 0
         self.open = asyncio.Event()
         self.open.set()
+        self.slow: set[int] = set()
+        self.slow_done = asyncio.Event()
 
     async def __call__(self, work):
         self.asked += 1
+        if self.asked in self.slow:
+            await self.slow_done.wait()
         await self.open.wait()
         return work()
 
@@ -125,6 +132,43 @@ async def test_the_turn_model_waits_for_the_pause_and_hears_its_quiet():
     await ear.feed(0.1, 0.0)
     [heard_s] = ear.tracker._turn_detector.heard_seconds
     assert heard_s >= 1.0 + 0.3 + PAUSE_MS / 1000  # the speech, the pre-roll and the pause's quiet
+
+
+async def test_the_words_are_told_before_a_slow_turn_model_answers_and_the_turn_waits_for_it():
+    ear = Ear()
+    ear.run.slow = {2}  # job 1: the tail's transcription; job 2: the end-of-turn model, at the pause
+    await ear.feed(1.0, 0.3)
+    await ear.feed(0.6, 0.0)
+    assert ear.run.asked == 2
+    # the words are out (a reply can be speculated on them) ...
+    assert [tail.text for tail in ear.of(heard.TailText)] == [QUESTION]
+    # ... but the turn is not committed on the words alone while the model's verdict is due
+    # (600 ms of quiet: more than the endpoint's 400 ms without a verdict, less than 1200)
+    assert not ear.of(heard.Committed)
+    ear.run.slow_done.set()
+    await ear.feed(0.04, 0.0)
+    [turn] = ear.of(heard.Committed)
+    assert turn.text == QUESTION and turn.turn_probability == 0.9
+
+
+async def test_a_turn_model_that_never_answers_holds_the_turn_only_as_long_as_a_late_transcript():
+    ear = Ear()
+    ear.run.slow = {2}
+    await ear.feed(1.0, 0.3)
+    await ear.feed(1.0, 0.0)
+    assert not ear.of(heard.Committed)
+    # 1.4 s of quiet: past the endpoint's 1200 ms for a late ASR, the turn ends and waits for the verdict
+    feeding = asyncio.create_task(ear.feed(0.4, 0.0))
+    for _ in range(10_000):
+        if not ear.tracker.in_utterance:
+            break
+        await asyncio.sleep(0)
+    assert not ear.tracker.in_utterance
+    assert not ear.of(heard.Committed)
+    ear.run.slow_done.set()
+    await feeding
+    [turn] = ear.of(heard.Committed)  # with the verdict in its figures
+    assert turn.text == QUESTION and turn.turn_probability == 0.9
 
 
 async def test_a_slow_early_job_is_taken_over_by_the_pause_not_run_again():
