@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
@@ -30,9 +31,18 @@ class MonotonicClock:
         return time.monotonic()
 
 
+# Model work mostly waits: each model runs one call at a time behind its own lock (Whisper, Piper)
+# and orders its waiters itself. asyncio's default pool has cpu_count + 4 threads, 6 on 2 cores:
+# four conversations' pieces parked on the Piper lock and their ASR and end-of-turn jobs could use
+# them all, and a tail's transcription (the critical path) would wait for a thread, not for
+# Whisper. Threads are made only as jobs need them; this is a bound, not a cost.
+MODEL_WORK_THREADS = 64
+_model_work = ThreadPoolExecutor(max_workers=MODEL_WORK_THREADS, thread_name_prefix="parley-model")
+
+
 async def run_in_thread(work: Callable[[], T]) -> T:
-    """The default ``RunBlocking``: the loop's default thread pool."""
-    return await asyncio.get_running_loop().run_in_executor(None, work)
+    """The default ``RunBlocking``: a thread of a pool that has one for every job that may wait on a model."""
+    return await asyncio.get_running_loop().run_in_executor(_model_work, work)
 
 
 class ArrivalClock:

@@ -72,6 +72,7 @@ from app.server.realtime.schema import (
     validate_event,
 )
 from app.server.realtime.translate import Translator
+from app.voice.clock import run_in_thread
 from app.voice.text import without_trailing_loop
 
 log = logging.getLogger(__name__)
@@ -393,7 +394,7 @@ class RealtimeAdapter(Translator):
             kwargs = {}
             if "language" in inspect.signature(asr.transcribe).parameters:
                 kwargs["language"] = self.config.language
-            result = await asyncio.to_thread(lambda: asr.transcribe(audio16, **kwargs))
+            result = await run_in_thread(lambda: asr.transcribe(audio16, **kwargs))
             text = without_trailing_loop(result.text.strip()) if result is not None else ""
         except Exception as exc:
             log.exception("manual turn: transcription failed")
