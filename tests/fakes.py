@@ -69,7 +69,7 @@ class WordTTS:
     """A quarter of a second of tone per word, so the played share of a reply maps to its words.
 
     Voices: "tone" speaks English, "other-tone" German; ``spoken`` records (voice, text), ``urgent``
-    whether each was asked for urgently.
+    whether each was asked for urgently, ``deadlines`` the deadline each was asked with.
     """
 
     sample_rate = RATE
@@ -79,14 +79,16 @@ class WordTTS:
     def __init__(self) -> None:
         self.spoken: list[tuple[str | None, str]] = []
         self.urgent: list[bool] = []
+        self.deadlines: list[float | None] = []
         self.lead_quiet_s = 0.0  # near-silence before each piece's first word (Piper's is ~50 ms)
 
     def voice_for(self, language):
         return {"en": "tone", "de": "other-tone"}.get(language)
 
-    def synthesize(self, text, voice=None, *, urgent=False):
+    def synthesize(self, text, voice=None, *, urgent=False, deadline=None):
         self.spoken.append((voice, text))
         self.urgent.append(urgent)
+        self.deadlines.append(deadline)
         samples = int(len(text.split()) * self.seconds_per_word * RATE)
         quiet = np.full(int(self.lead_quiet_s * RATE), 0.005, np.float32)
         yield np.concatenate([quiet, np.full(samples, 0.1, np.float32)])

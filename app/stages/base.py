@@ -145,11 +145,16 @@ class Synthesizer(Protocol):
         """The voice that speaks ``language`` (a Whisper code), or None when none does."""
         ...
 
-    def synthesize(self, text: str, voice: str | None = None, *, urgent: bool = False) -> Iterator[np.ndarray]:
+    def synthesize(
+        self, text: str, voice: str | None = None, *, urgent: bool = False, deadline: float | None = None
+    ) -> Iterator[np.ndarray]:
         """Yield float32 mono audio chunks at ``sample_rate`` for ``text`` in ``voice`` (None: the default).
 
         ``urgent``: the listener is waiting for this audio (a reply's first piece, with the LLM paused):
         it may use more cores than a later piece, which is synthesized beside the LLM.
+        ``deadline``: when the listener runs out of audio without this piece (``time.monotonic()``
+        scale; None: now). Calls waiting for the same model go in deadline order
+        (``app.stages.scheduling.DeadlineLock``).
 
         Blocking; run it off the event loop.
         """

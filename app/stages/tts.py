@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import numpy as np
 
 from app.audio import resample
 from app.stages.base import Synthesizer
+from app.stages.scheduling import DeadlineLock
 
 __all__ = ["BUNDLED_VOICE", "PiperSynthesizer", "Synthesizer"]
 
@@ -57,7 +57,9 @@ class PiperSynthesizer:
         self._languages.setdefault(_language_of(self.voice), default)
         self.voices = list(self._voices)
         self._config = SynthesisConfig(length_scale=length_scale) if length_scale else None
-        self._lock = threading.Lock()  # one onnxruntime session at a time: avoid oversubscribing the cores
+        # One onnxruntime session at a time (two would fight over the cores); with several
+        # conversations, the piece whose listener runs out of audio soonest goes next.
+        self._lock = DeadlineLock()
 
     def _load(self, voice: str) -> str:
         from piper import PiperVoice
@@ -84,10 +86,12 @@ class PiperSynthesizer:
         """The voice that speaks ``language`` (a Whisper code such as "de"), or None when there is none."""
         return self._languages.get(language)
 
-    def synthesize(self, text: str, voice: str | None = None, *, urgent: bool = False) -> Iterator[np.ndarray]:
+    def synthesize(
+        self, text: str, voice: str | None = None, *, urgent: bool = False, deadline: float | None = None
+    ) -> Iterator[np.ndarray]:
         name = voice if voice in self._voices else self.voices[0]
         chosen = (self._urgent_voices if urgent else self._voices).get(name, self._voices[name])
-        with self._lock:
+        with self._lock.hold(deadline):
             chunks = [chunk.audio_float_array for chunk in chosen.synthesize(text, syn_config=self._config)]
         rate = chosen.config.sample_rate
         for chunk in chunks:

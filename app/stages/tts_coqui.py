@@ -12,11 +12,12 @@ into the models volume). The XTTS-v2 weights are under the Coqui Public Model Li
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
+from app.stages.scheduling import DeadlineLock
 
 XTTS_LANGUAGES = frozenset("en es fr de it pt pl tr ru nl cs ar zh ja hu ko hi".split())
 INSTALL_HINT = "pip install 'parley[coqui]' (needs a CUDA torch build; see docker/Dockerfile)"
@@ -70,7 +71,7 @@ class CoquiSynthesizer:
                     )
                 self.gpt_cond_latent, self.speaker_embedding = speakers[speaker].values()  # as Xtts.synthesize does
         self._torch = torch
-        self._lock = threading.Lock()  # one model; a GPU runs one stream at a time well
+        self._lock = DeadlineLock()  # one model; a GPU runs one stream at a time well
 
     @classmethod
     def from_settings(cls, settings) -> CoquiSynthesizer:
@@ -87,8 +88,10 @@ class CoquiSynthesizer:
         """XTTS-v2 speaks its 17 languages with the same (cloned or studio) speaker."""
         return self.voices[0] if language in XTTS_LANGUAGES else None
 
-    def synthesize(self, text: str, voice: str | None = None, *, urgent: bool = False) -> Iterator[np.ndarray]:
-        with self._lock, self._torch.inference_mode():
+    def synthesize(
+        self, text: str, voice: str | None = None, *, urgent: bool = False, deadline: float | None = None
+    ) -> Iterator[np.ndarray]:
+        with self._lock.hold(deadline), self._torch.inference_mode():
             for chunk in self.model.inference_stream(
                 text,
                 self.language,

@@ -47,6 +47,10 @@ class ReplyPlayback:
             return 0.0
         return max(0.0, min(self.sent_s, now - self._clock_origin))
 
+    def runs_dry_at(self, now: float) -> float:
+        """When the client has played everything sent so far (``now`` before anything was sent)."""
+        return now if self.started_at is None else self._clock_origin + self.sent_s
+
     def playing(self, now: float) -> bool:
         return self.started_at is not None and self.played_s(now) < self.sent_s - 0.05
 

@@ -90,6 +90,7 @@ class Reply:
         self._task: asyncio.Task | None = None
         self._produce_started = 0.0
         self._produced_at: float | None = None
+        self._synthesized_s = 0.0  # reply audio synthesized so far (sent, or held back by a speculation)
 
     @property
     def text(self) -> str:
@@ -231,8 +232,15 @@ class Reply:
             urgent = first and self._first_piece_priority
             if urgent:
                 self._llm.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
+            # the listener runs out of audio when what was sent has played, and what is held back after it
+            held_s = self._synthesized_s - self.playback.sent_s
+            deadline = self.playback.runs_dry_at(tts_started) + held_s
             try:
-                audio = await self._run(lambda t=text, u=urgent: list(self._tts.synthesize(t, self._voice, urgent=u)))
+                audio = await self._run(
+                    lambda t=text, u=urgent, d=deadline: list(
+                        self._tts.synthesize(t, self._voice, urgent=u, deadline=d)
+                    )
+                )
             finally:
                 if urgent:
                     self._llm.resume(self.request_id)
@@ -242,6 +250,7 @@ class Reply:
                 self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
                 await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
             for samples in audio:
+                self._synthesized_s += len(samples) / sample_rate
                 for offset in range(0, len(samples), chunk):
                     await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
             self.playback.add_piece(piece)

@@ -75,7 +75,7 @@ class ToneTTS:
     def voice_for(self, language):
         return "tone" if language == "en" else None
 
-    def synthesize(self, text, voice=None, *, urgent=False):
+    def synthesize(self, text, voice=None, *, urgent=False, deadline=None):
         yield np.full(int(len(text.split()) * 0.25 * TTS_RATE), 0.1, np.float32)
 
 

@@ -464,6 +464,25 @@ async def test_with_first_piece_priority_the_first_piece_is_urgent_while_the_llm
     assert solo.session.models.tts.urgent == [True, False, False] and len(solo.llm.pauses) == 2
 
 
+async def test_each_piece_asks_tts_for_it_by_when_the_listener_runs_out_of_audio(conversation):
+    # WordTTS: a quarter second a word; the clock stands still, so the client has played nothing yet
+    pieces = ["Paris is the capital of France. ", "It lies on the Seine. ", "It is big."]
+    conv = conversation(llm_pieces=pieces)
+    now = conv.clock.now()
+    await conv.type(QUESTION)
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].text.endswith("It is big.")
+    # the first piece is needed now; each later one when the audio before it has played
+    assert conv.session.models.tts.deadlines == pytest.approx([now, now + 6 * 0.25, now + 11 * 0.25])
+    # a speculation holds its audio back: a later piece is needed once that audio would have played
+    spoken = conversation(llm_pieces=pieces)
+    await spoken.speak(1.0, QUESTION)
+    await spoken.silence(0.2)  # the speculation ran to its end, all held back
+    assert spoken.audio_s == 0 and len(spoken.session.models.tts.deadlines) == 3
+    first = spoken.session.models.tts.deadlines[0]
+    assert spoken.session.models.tts.deadlines == pytest.approx([first, first + 6 * 0.25, first + 11 * 0.25])
+
+
 async def test_the_tail_starts_before_the_pause_only_while_the_session_is_alone(conversation):
     for solo in (True, False):
         conv = conversation()
