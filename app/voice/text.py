@@ -169,14 +169,44 @@ def _loop_cut(text: str, word_ends: list[int]) -> int:
 # kept up to the unit's first time. Measured on 186 noisy benchmark clips (questions, paused
 # questions, backchannels), Whisper tiny.en with a 10 s window: 7 such transcripts, right ones 120 -> 127.
 TRANSCRIPT_LOOP_TIMES = 2
+# The token cap can also end the runaway's *second* time: "What is the capital look, France? What is
+# the capital look," (a one-user benchmark turn: that trailing comma held the endpoint for the
+# unfinished-clause 1200 ms, and the LLM got the question one and a half times). When the transcript
+# has more words than its audio can hold (RUNAWAY_WORDS_PER_S: people say about 2.5-4 a second), and
+# its last sentence is followed only by its own first RESTART_MIN_WORDS or more words, it ends at that
+# sentence. (A person who restarts, "I want to go. I want to ...", said those words in that time, and
+# the trailing "to" keeps the endpoint waiting for the rest.)
+RESTART_MIN_WORDS = 2
+RUNAWAY_WORDS_PER_S = 4.5
+_SENTENCE_MARK = re.compile(r"[.!?…。！？]+[\"')\]]*(?=\s)")
 
 
-def without_trailing_loop(transcript: str) -> str:
-    """``transcript`` without the repeats it ends in (see TRANSCRIPT_LOOP_TIMES); other text unchanged.
+def without_trailing_loop(transcript: str, audio_s: float | None = None) -> str:
+    """``transcript`` without the repeats it ends in (see TRANSCRIPT_LOOP_TIMES; with the length of
+    the audio it was heard in, ``audio_s``, also RESTART_MIN_WORDS); other text unchanged.
 
     Only a loop that runs to the end counts, so a restart inside a sentence ("I think that I think
     that we should go") and speech people repeat ("no, no, no") stay as they were heard.
     """
+    transcript = _without_repeats(transcript)
+    if audio_s is not None and len(words(transcript)) > RUNAWAY_WORDS_PER_S * audio_s:
+        transcript = _without_cut_off_repeat(transcript)
+    return transcript
+
+
+def _without_cut_off_repeat(transcript: str) -> str:
+    """``transcript`` up to its last sentence when only the start of that sentence follows it."""
+    ends = [match.end() for match in _SENTENCE_MARK.finditer(transcript)]
+    if not ends:
+        return transcript
+    before = ends[-2] if len(ends) > 1 else 0
+    sentence, after = words(transcript[before : ends[-1]]), words(transcript[ends[-1] :])
+    if RESTART_MIN_WORDS <= len(after) < len(sentence) and sentence[: len(after)] == after:
+        return transcript[: ends[-1]].strip()
+    return transcript
+
+
+def _without_repeats(transcript: str) -> str:
     spans = _word_spans(transcript)
     said = [word for _, word in spans]
     for unit in range(1, LOOP_UNIT_MAX_WORDS + 1):

@@ -365,7 +365,7 @@ class UtteranceTracker:
         result = await self._run(lambda: self._asr.transcribe(audio, wait=wait, context=context, language=language))
         if result is None:
             return None
-        return replace(result, text=without_trailing_loop(result.text))
+        return replace(result, text=without_trailing_loop(result.text, len(audio) / ASR_SAMPLE_RATE))
 
     async def _detect_turn_end(self, audio: np.ndarray) -> tuple[float | None, float]:
         """The end-of-turn model's probability (None when there is no model, or it failed) and its cost."""

@@ -395,7 +395,9 @@ class RealtimeAdapter(Translator):
             if "language" in inspect.signature(asr.transcribe).parameters:
                 kwargs["language"] = self.config.language
             result = await run_in_thread(lambda: asr.transcribe(audio16, **kwargs))
-            text = without_trailing_loop(result.text.strip()) if result is not None else ""
+            text = (
+                without_trailing_loop(result.text.strip(), len(audio16) / ASR_SAMPLE_RATE) if result is not None else ""
+            )
         except Exception as exc:
             log.exception("manual turn: transcription failed")
             async with self._lock:

@@ -191,3 +191,16 @@ def test_a_transcript_keeps_what_people_repeat_and_what_follows_a_restart():
         "",
     ):
         assert without_trailing_loop(text) == text, text
+
+
+def test_a_runaway_the_token_cap_ended_in_its_second_time_ends_at_the_first():
+    # a one-user benchmark turn: a 1.5 s question, decoded over ~2 s of audio (pre-roll and pad)
+    heard = "What is the capital look, France? What is the capital look,"
+    assert without_trailing_loop(heard, audio_s=2.0) == "What is the capital look, France?"
+    assert without_trailing_loop("Why is the sky blue? Why is the", audio_s=1.6) == "Why is the sky blue?"
+    # no audio length, or as many words as a person says in that time: the words stay (a restart)
+    assert without_trailing_loop(heard) == heard
+    assert without_trailing_loop("I want to go. I want to", audio_s=2.5) == "I want to go. I want to"
+    # a cut-off start of the same sentence, nothing else
+    for text in ("Why is the sky blue? Why", "I want to go. I want to see Paris.", "No. No", "Hello? Hello?"):
+        assert without_trailing_loop(text, audio_s=0.5) == text, text
