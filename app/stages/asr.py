@@ -198,6 +198,8 @@ class Transcriber:
         extractor = self.whisper.feature_extractor
         self._silence_features = extractor(np.zeros(int(MAX_WINDOW_S * SAMPLE_RATE), np.float32))
         self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._waiting = 0  # calls with wait=True queued for ``_lock``
 
     def _tokenizer(self, language: str):
         """The tokenizer whose start-of-transcript sequence names ``language`` (cached per language)."""
@@ -218,7 +220,10 @@ class Transcriber:
         """Transcribe 16 kHz float32 mono audio; blocking, so call it off the event loop.
 
         With ``wait=False`` returns None instead of queueing behind another call (for
-        partial transcripts, which are worth less than a final one). ``context``: text said
+        partial transcripts, which are worth less than a final one), and also once its audio is
+        encoded if a waiting call has come meanwhile: a partial started just before the speech
+        ended held Whisper for its whole decode (~100 ms of ~200) while the tail's transcription,
+        the words a reply is made from, waited behind it. ``context``: text said
         just before this audio, given to Whisper as its previous-text prompt. ``language``:
         one of ``languages`` ("" = detect it from this audio); None = the transcriber's
         default. The result's ``language`` is the one decoded with (detected or given).
@@ -227,14 +232,25 @@ class Transcriber:
             language = self.language
         elif language not in self.languages and not (language == "" and not self.multilingual):
             raise ValueError(f"the speech model takes no language {language!r}; it takes {self.languages}")
-        if not self._lock.acquire(blocking=wait):
-            return None
+        if not wait:
+            if not self._lock.acquire(blocking=False):
+                return None
+        else:
+            with self._count_lock:
+                self._waiting += 1
+            try:
+                self._lock.acquire()
+            finally:
+                with self._count_lock:
+                    self._waiting -= 1
         try:
-            return self._transcribe(audio, context, language)
+            return self._transcribe(audio, context, language, give_way=not wait)
         finally:
             self._lock.release()
 
-    def _transcribe(self, audio: np.ndarray, context: str = "", language: str = "en") -> Transcription:
+    def _transcribe(
+        self, audio: np.ndarray, context: str = "", language: str = "en", give_way: bool = False
+    ) -> Transcription | None:
         import ctranslate2
 
         started = time.perf_counter()
@@ -246,6 +262,8 @@ class Transcriber:
         padded = self._silence_features[:, :window].copy()
         padded[:, :frames] = features[:, :frames]
         encoded = self.whisper.model.encode(ctranslate2.StorageView.from_array(padded[None]), to_cpu=False)
+        if give_way and self._waiting:
+            return None  # (not under _count_lock: a call that starts waiting just after is served next anyway)
         if not self.multilingual:
             language, prompt = "en", self._prompt
         else:

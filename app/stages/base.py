@@ -76,7 +76,8 @@ class SpeechRecognizer(Protocol):
         """Transcribe 16 kHz float32 mono audio (blocking: call it off the event loop).
 
         ``wait=False`` returns None instead of queueing behind another call (partials are
-        worth less than a final). ``context`` is the text said just before this audio.
+        worth less than a final), and may give up (None) for a call that comes to wait for it.
+        ``context`` is the text said just before this audio.
         ``language`` is one of ``languages`` ("" = detect); None = the recognizer's default.
         """
         ...

@@ -1,5 +1,8 @@
 """Each model stage alone, on the real bundled models."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -61,6 +64,34 @@ def test_asr_transcribes_known_speech_exactly(transcriber, speech):
     result = transcriber.transcribe(speech(QUESTION))
     assert words(result.text) == words(QUESTION)  # every word (its "?" comes and goes with the window)
     assert result.audio_seconds > 1.0
+
+
+def test_a_partial_gives_whisper_up_to_a_transcription_that_comes_to_wait(transcriber, speech, monkeypatch):
+    audio = speech(QUESTION)
+    assert words(transcriber.transcribe(audio, wait=False).text) == words(QUESTION)  # alone: transcribed
+    model, final = transcriber.whisper.model, {}
+    waiting = threading.Thread(target=lambda: final.setdefault("result", transcriber.transcribe(audio)))
+
+    class TailArrivesWhileEncoding:
+        """The model, except that the tail's transcription starts waiting while the partial encodes."""
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def encode(self, *args, **kwargs):
+            encoded = model.encode(*args, **kwargs)
+            if not waiting.is_alive() and "result" not in final:
+                waiting.start()
+                ends = time.monotonic() + 10
+                while transcriber._waiting == 0:
+                    assert time.monotonic() < ends
+                    time.sleep(0.001)
+            return encoded
+
+    monkeypatch.setattr(transcriber.whisper, "model", TailArrivesWhileEncoding())
+    assert transcriber.transcribe(audio, wait=False) is None  # gave way after encoding
+    waiting.join(30)
+    assert words(final["result"].text) == words(QUESTION)
 
 
 def test_asr_on_silence_gives_no_words(transcriber):
