@@ -155,7 +155,7 @@ class Settings(BaseSettings):
         "the LLM's prefill threads, and the tail transcribed after tail_start_ms of quiet (with several "
         "sessions all three slow everyone)",
     )
-    asr_window_s: float = Field(8.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
+    asr_window_s: float = Field(6.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
     min_speech_ms: int = Field(96, ge=0)
     max_utterance_s: float = Field(30.0, gt=0)
 

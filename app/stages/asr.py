@@ -11,10 +11,11 @@ for encoding 30 s however short the speech is. A voice turn is a few seconds, so
 CTranslate2 directly with a shorter window (``window_s``, padded with real silence features;
 whisper.cpp calls this ``audio_ctx``): measured on tiny.en here, a 10 s window encodes ~4x
 faster than 30 s with the same words on our test questions. The decoder's cross-attention
-shrinks with it: an 8 s window (the default) transcribes a 2-3 s question in ~200 ms against
-~240 ms at 10 s (2 cores). Shorter windows make Whisper run on into repeats of what it heard
-("Yes. Yes. Yes. Yes."), which the voice layer cuts (``app.voice.text.without_trailing_loop``).
-Measured on the benchmark's questions, paused questions and backchannels at 3 rates:
+shrinks with it: a 6 s window (the default) transcribes a 2-3 s question in ~170 ms against
+~200 ms at 8 s and ~240 ms at 10 s (2 cores). Shorter windows make Whisper run on into repeats
+of what it heard ("Yes. Yes. Yes. Yes."), which the voice layer cuts
+(``app.voice.text.without_trailing_loop``). Measured on the benchmark's questions, paused
+questions and backchannels at 3 rates:
 
 ====== ============================ ============================ ========
 window noisy (186): repeats, right* clean (150): repeats, right* p50 time
@@ -24,8 +25,13 @@ window noisy (186): repeats, right* clean (150): repeats, right* p50 time
 6 s    24, 133                      34 (6 left uncut), 115       ~180 ms
 ====== ============================ ============================ ========
 
-(* right after the cut.) At 6 s the token cap ended some repeats mid-sentence, where the cut
-sees no loop, so 8 s is the default. ``window_s=30`` restores the standard behaviour.
+(* right after the cut.) At 6 s the token cap ended some repeats mid-sentence ("What should I
+cook for dinner tonight? What should I cook for"), where that cut saw no loop, so 8 s was the
+default. The cut now also ends such a transcript at its first sentence when it has more words
+than its audio can hold. Measured again with it, on 108 noisy questions (15 and 20 dB, 3 rates,
+the tracker's pre-roll and pad): 89 right at both 8 and 6 s, 5 repeats at 6 s and every one cut,
+p50 205 -> 173 ms, p95 279 -> 241 ms; on 66 clean questions and paused questions 53 and 52 right,
+p50 250 -> 204 ms. So 6 s is the default. ``window_s=30`` restores the standard behaviour.
 """
 
 from __future__ import annotations
@@ -170,7 +176,7 @@ class Transcriber:
         cpu_threads: int = 2,
         language: str | None = "en",
         beam_size: int = 1,
-        window_s: float = 8.0,
+        window_s: float = 6.0,
     ) -> None:
         from faster_whisper.tokenizer import _LANGUAGE_CODES, Tokenizer
 
