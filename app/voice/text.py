@@ -178,7 +178,6 @@ TRANSCRIPT_LOOP_TIMES = 2
 # the trailing "to" keeps the endpoint waiting for the rest.)
 RESTART_MIN_WORDS = 2
 RUNAWAY_WORDS_PER_S = 4.5
-_SENTENCE_MARK = re.compile(r"[.!?…。！？]+[\"')\]]*(?=\s)")
 
 
 def without_trailing_loop(transcript: str, audio_s: float | None = None) -> str:
@@ -196,7 +195,7 @@ def without_trailing_loop(transcript: str, audio_s: float | None = None) -> str:
 
 def _without_cut_off_repeat(transcript: str) -> str:
     """``transcript`` up to its last sentence when only the start of that sentence follows it."""
-    ends = [match.end() for match in _SENTENCE_MARK.finditer(transcript)]
+    ends = [match.end() for match in _SENTENCE_END.finditer(transcript)]
     if not ends:
         return transcript
     before = ends[-2] if len(ends) > 1 else 0
