@@ -90,7 +90,6 @@ class Reply:
         self._task: asyncio.Task | None = None
         self._produce_started = 0.0
         self._produced_at: float | None = None
-        self._synthesized_s = 0.0  # reply audio synthesized so far (sent, or held back by a speculation)
 
     @property
     def text(self) -> str:
@@ -233,7 +232,7 @@ class Reply:
             if urgent:
                 self._llm.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
             # the listener runs out of audio when what was sent has played, and what is held back after it
-            held_s = self._synthesized_s - self.playback.sent_s
+            held_s = sum(len(item) // 2 for item in self._held if isinstance(item, bytes)) / sample_rate
             deadline = self.playback.runs_dry_at(tts_started) + held_s
             try:
                 audio = await self._run(
@@ -250,7 +249,6 @@ class Reply:
                 self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
                 await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
             for samples in audio:
-                self._synthesized_s += len(samples) / sample_rate
                 for offset in range(0, len(samples), chunk):
                     await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
             self.playback.add_piece(piece)
