@@ -409,8 +409,6 @@ class UtteranceTracker:
         finally:  # when this one is cancelled (the user went on), so are its jobs
             job.task.cancel()
             turn_end.cancel()
-        if utterance.pause is None:
-            return
         utterance.verdict_pending = False
         await self._maybe_commit(utterance)
 
