@@ -50,7 +50,7 @@ class Settings(BaseSettings):
         "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"
     )
     llm_quantization: Literal["auto", "none", "int8", "int4"] = Field(
-        "auto", description="auto: int8 where the LLM would run float32 on the CPU (no native bf16), else none"
+        "auto", description="auto: int8 on the CPU (faster decode, with bf16 or fp32 activations alike), none on CUDA"
     )
     llm_int8_method: Literal["auto", "int8pack", "ao", "bitsandbytes"] = Field(
         "auto", description="int8 kernel: auto = bitsandbytes LLM.int8 on CUDA, int8pack on the CPU"

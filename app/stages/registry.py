@@ -70,15 +70,19 @@ def llm_dtype(setting: str, device: str) -> str:
 
 
 def llm_quantization(setting: str, dtype: str, device: str) -> str | None:
-    """``auto``: int8 weights (int8pack) where the LLM would otherwise run float32 on the CPU, else none.
+    """``auto``: int8 weights on the CPU (whatever the activations' dtype), none on CUDA.
 
-    There the fused 16-bit kernels do not apply, and on the AMD EPYC without native bf16 int8
-    decoded the bundled model in 30-33 ms a token against 50-57 ms in float32 (first token
-    50-63 against 82-94 ms); `parley bench voice`, back to back: voice-to-voice p50 1556 ->
-    1264 ms. Its perplexity is within 0.3 % of float32's (`parley doctor`).
+    A voice reply waits for its first spoken piece (~8 tokens), so decode speed counts more than
+    prefill speed. On the AMD EPYC without native bf16, int8 decoded the bundled model in 30-33
+    ms a token against 50-57 ms in float32 (`parley bench voice`, back to back: voice-to-voice
+    p50 1556 -> 1264 ms). On a Xeon with native bf16 (AMX), int8 (with bf16 activations) decoded
+    one stream in 14 ms a token against 22 ms in bfloat16, though its first token came 16 ms
+    later (58 against 42 ms); `parley bench voice --clients 1 --turns 24 --snr-db 20`, back to
+    back: heard p50 704 -> 578 ms (README). Its perplexity is within 0.3 % of float32's
+    (`parley doctor`).
     """
     if setting == "auto":
-        return "int8" if dtype == "float32" and not device.startswith("cuda") else None
+        return None if device.startswith("cuda") else "int8"
     return None if setting == "none" else setting
 
 
