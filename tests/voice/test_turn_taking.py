@@ -66,7 +66,10 @@ async def test_short_mid_sentence_pause_does_not_commit(shared_models, speech):
     await harness.speak(np.concatenate([first, silence(0.25), second]), realtime=True)
     await harness.wait_for("turn_done")
     assert len(finals(harness)) == 1
-    assert {"what", "capital", "france"} <= set(words(finals(harness)[0]["text"]))  # both halves, one turn
+    # both halves, one turn: the words after "capital" are the second half's (tiny.en hears "of France" as
+    # "a France" on one CPU and "a friend" on another; no single word decides)
+    final = words(finals(harness)[0]["text"])
+    assert {"what", "capital"} <= set(final) and final.index("capital") < len(final) - 1, final
     assert len(harness.models.llm.calls) <= 2  # at most one speculation dropped at the pause
 
 
