@@ -18,9 +18,14 @@ _JOINING_WORDS = frozenset(
 # audio starts, at ~60 ms a word on the 2-core CPU (~25 ms of decode and ~35 ms of Piper).
 # `parley bench voice --clients 1 --turns 20`, back to back with the earlier 10-word cap (and
 # the engine's thread changes): the first piece took 335 ms to write and 301 ms to speak,
-# against 442 and 415; voice-to-voice p50 1412 -> 1200 ms. The cap is the setting
-# ``first_piece_words``; a joining word ends the piece from two words before it (at least 3).
-FIRST_PHRASE_MAX_WORDS = 6
+# against 442 and 415; voice-to-voice p50 1412 -> 1200 ms. Then 6 -> 4 words, on a 2-core Xeon
+# (`--snr-db 20 --rates 0.9,1,1.15`, alternated): one user's heard p50 730, 729 -> 615, 611 ms,
+# four users' 838, 736 -> 635, 679 ms. The price: a short first sentence is said in two pieces
+# ("The capital of France | is Paris."), and the second piece has the first one's shorter audio
+# to be ready in (four users: underruns 0.11 and 0.41 s in 48 turns, against one of 0.17 s).
+# The cap is the setting ``first_piece_words``; a joining word ends the piece from two words
+# before it (at least 3).
+FIRST_PHRASE_MAX_WORDS = 4
 # Later pieces end at sentences, but a run-on sentence (small LLMs write 100-word ones) is cut
 # too: speaking it whole would leave the listener in silence while it is written and
 # synthesized (an underrun). Cut at a clause break or before a joining word past

@@ -30,7 +30,7 @@ def test_newlines_end_a_piece():
 
 
 def test_first_clause_released_early_when_enabled():
-    splitter = SentenceSplitter(first_clause_chars=20)
+    splitter = SentenceSplitter(first_clause_chars=20, first_piece_words=6)
     text = "Well, the capital of France, as you may know, is Paris. It is big, old and lovely."
     assert stream(splitter, text) == [
         "Well, the capital of France,",
@@ -48,38 +48,47 @@ def test_words_ignore_case_and_punctuation():
 
 
 def test_long_first_sentence_without_commas_is_cut_before_a_joining_word():
-    splitter = SentenceSplitter(first_clause_chars=16)
+    splitter = SentenceSplitter(first_clause_chars=16, first_piece_words=6)
     text = "The fun fact about dogs is that they are very loyal companions. Dogs love walks and treats."
     assert stream(splitter, text) == [
         "The fun fact about dogs is",
         "that they are very loyal companions.",
         "Dogs love walks and treats.",  # only the first piece is cut early
     ]
-
-
-def test_first_piece_is_capped_at_six_words_when_nothing_joins():
-    words_only = "one two three four five six seven eight nine ten eleven twelve."
-    assert stream(SentenceSplitter(first_clause_chars=16), words_only) == [
-        "one two three four five six",
-        "seven eight nine ten eleven twelve.",
+    # with the default cap of 4 a joining word ends it from the third word on
+    assert stream(SentenceSplitter(first_clause_chars=16), text)[:2] == [
+        "The fun fact",
+        "about dogs is that they are very loyal companions.",
     ]
 
 
-def test_the_first_piece_s_word_cap_is_a_setting():
+def test_first_piece_is_capped_at_four_words_when_nothing_joins():
     words_only = "one two three four five six seven eight."
-    assert stream(SentenceSplitter(first_clause_chars=16, first_piece_words=4), words_only) == [
+    assert stream(SentenceSplitter(first_clause_chars=16), words_only) == [
         "one two three four",
         "five six seven eight.",
     ]
-    # with a cap of 4 a joining word ends the piece from the third word on
+    # a first sentence no longer than the cap is said whole
+    assert stream(SentenceSplitter(first_clause_chars=16), "Paris is in France. It is big.")[0] == "Paris is in France."
+
+
+def test_the_first_piece_s_word_cap_is_a_setting():
+    words_only = "one two three four five six seven eight nine ten eleven twelve."
+    assert stream(SentenceSplitter(first_clause_chars=16, first_piece_words=6), words_only) == [
+        "one two three four five six",
+        "seven eight nine ten eleven twelve.",
+    ]
+    # with a cap of 4 a joining word ends the piece from the third word on, with 6 from the fourth
     text = "The best way to cook dinner tonight is with friends."
-    assert stream(SentenceSplitter(first_clause_chars=16, first_piece_words=4), text)[0] == "The best way"
-    assert stream(SentenceSplitter(first_clause_chars=16), text)[0] == "The best way to cook dinner"
+    assert stream(SentenceSplitter(first_clause_chars=16), text)[0] == "The best way"
+    assert (
+        stream(SentenceSplitter(first_clause_chars=16, first_piece_words=6), text)[0] == "The best way to cook dinner"
+    )
 
 
 def test_first_piece_is_cut_before_a_preposition():
     text = "The most popular dog breed in the world is the Labrador."
-    assert stream(SentenceSplitter(first_clause_chars=16), text) == [
+    assert stream(SentenceSplitter(first_clause_chars=16, first_piece_words=6), text) == [
         "The most popular dog breed",
         "in the world is the Labrador.",
     ]
@@ -100,7 +109,7 @@ def test_cjk_sentences_end_without_a_space():
 
 def test_a_run_on_later_sentence_is_cut_so_the_listener_is_not_left_in_silence():
     run_on = "is that the answer is that the answer is that the answer is that the answer is that the answer"
-    pieces = stream(SentenceSplitter(first_clause_chars=16), "The most popular answer " + run_on)
+    pieces = stream(SentenceSplitter(first_clause_chars=16, first_piece_words=6), "The most popular answer " + run_on)
     assert pieces[0] == "The most popular answer is"
     assert all(len(piece.split()) <= 20 for piece in pieces)
     assert len(pieces) >= 3 and " ".join(pieces) == "The most popular answer " + run_on
@@ -117,12 +126,12 @@ def test_later_sentences_of_ordinary_length_are_spoken_whole():
 
 def test_the_word_cap_cuts_as_soon_as_the_next_word_begins():
     """The LLM streams words with their leading space: " seven" begins the seventh word, so the six before are whole."""
-    splitter = SentenceSplitter(first_clause_chars=16)
+    splitter = SentenceSplitter(first_clause_chars=16, first_piece_words=6)
     released = [splitter.push(token) for token in ["one", " two", " three", " four", " five", " six", " sev"]]
     assert released[:-1] == [[]] * 6
     assert released[-1] == ["one two three four five six"]
     # a joining word must be whole before it ends the piece: " for" may become " format"
-    splitter = SentenceSplitter(first_clause_chars=16)
+    splitter = SentenceSplitter(first_clause_chars=16, first_piece_words=6)
     assert [splitter.push(token) for token in ["The", " best", " way", " to", " cook", " for"]][-1] == []
     assert splitter.push(" dinner") == ["The best way to cook"]
 
