@@ -69,17 +69,17 @@ def llm_dtype(setting: str, device: str) -> str:
     return "bfloat16" if onednn_packing_available(torch.bfloat16, "cpu") else "float32"
 
 
-def llm_quantization(setting: str, dtype: str, device: str) -> str | None:
-    """``auto``: int8 weights on the CPU (whatever the activations' dtype), none on CUDA.
+def llm_quantization(setting: str, device: str) -> str | None:
+    """``auto``: int8 weights on the CPU (whatever ``llm_dtype`` is: int8 runs bf16 activations), none on CUDA.
 
     A voice reply waits for its first spoken piece (~8 tokens), so decode speed counts more than
     prefill speed. On the AMD EPYC without native bf16, int8 decoded the bundled model in 30-33
     ms a token against 50-57 ms in float32 (`parley bench voice`, back to back: voice-to-voice
     p50 1556 -> 1264 ms). On a Xeon with native bf16 (AMX), int8 (with bf16 activations) decoded
     one stream in 14 ms a token against 22 ms in bfloat16, though its first token came 16 ms
-    later (58 against 42 ms); `parley bench voice --clients 1 --turns 24 --snr-db 20`, back to
-    back: heard p50 704 -> 578 ms (README). Its perplexity is within 0.3 % of float32's
-    (`parley doctor`).
+    later (58 against 42 ms); `parley bench voice --clients 1 --turns 24 --snr-db 20 --rates
+    0.9,1,1.15`, alternated: heard p50 704, 642 -> 578, 560 ms (README). Its perplexity is
+    within 0.3 % of float32's (`parley doctor`).
     """
     if setting == "auto":
         return None if device.startswith("cuda") else "int8"
@@ -95,7 +95,7 @@ def make_llm(settings: Settings) -> ChatLLM:
         return EngineChatLLM(
             settings.llm_model,
             dtype,
-            llm_quantization(settings.llm_quantization, dtype, settings.llm_device),
+            llm_quantization(settings.llm_quantization, settings.llm_device),
             settings.llm_device,
             settings=generation,
             num_threads=settings.llm_threads,
