@@ -26,6 +26,16 @@ _JOINING_WORDS = frozenset(
 # The cap is the setting ``first_piece_words``; a joining word ends the piece from two words
 # before it (at least 3).
 FIRST_PHRASE_MAX_WORDS = 4
+# The second piece is written and spoken while the first one plays, and a 3-4 word first piece
+# is only about a second of audio: with four users on 2 cores a 13-word second piece ("Today is a
+# day | of celebration, a day of new beginnings, and a day of hope.") was not ready in it (an
+# underrun of 0.41 s). So pieces grow: the second ends at a clause break once SECOND_PHRASE_CLAUSE_WORDS
+# long, before a joining word after first_piece_words, and anywhere at twice first_piece_words.
+# Four users x 10 turns on a 2-core Xeon, 6 runs each, interleaved: underruns 7 (2.15 s in all) ->
+# 3 (0.43 s); heard p50 590 -> 637 ms, which the same runs do not explain (the first piece is
+# unchanged) and which the LLM's yielding (``Reply``, ``llm_yield_ahead_s``) took back: 585 ms,
+# 1 underrun (0.04 s) in 200 turns.
+SECOND_PHRASE_CLAUSE_WORDS = 3
 # Later pieces end at sentences, but a run-on sentence (small LLMs write 100-word ones) is cut
 # too: speaking it whole would leave the listener in silence while it is written and
 # synthesized (an underrun). Cut at a clause break or before a joining word past
@@ -47,7 +57,8 @@ class SentenceSplitter:
     ``first_clause_chars``: while nothing has been released yet, also release at a clause
     break (comma, semicolon, ...) once this many characters are buffered, so the first audio
     starts early on a long opening sentence; and cut a first sentence without one before a
-    joining word, or after ``first_piece_words`` words. 0 disables both.
+    joining word, or after ``first_piece_words`` words; and cut the second piece, which has only
+    the first one's audio to be ready in, after at most twice that. 0 disables all three.
     """
 
     def __init__(
@@ -90,6 +101,9 @@ class SentenceSplitter:
                 most = self.first_piece_words
                 return self._phrase(self.min_chars, 0, min(most, max(3, most - 2)), most)
             return None
+        if self._released == 1 and self.first_clause_chars:
+            most = self.first_piece_words
+            return self._phrase(0, SECOND_PHRASE_CLAUSE_WORDS, most + 1, 2 * most)
         return self._phrase(0, LATER_PHRASE_WORDS, LATER_PHRASE_WORDS, LATER_PHRASE_MAX_WORDS)
 
     def _phrase(self, clause_chars: int, clause_words: int, min_words: int, max_words: int) -> str | None:

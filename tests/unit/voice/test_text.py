@@ -34,8 +34,8 @@ def test_first_clause_released_early_when_enabled():
     text = "Well, the capital of France, as you may know, is Paris. It is big, old and lovely."
     assert stream(splitter, text) == [
         "Well, the capital of France,",
-        "as you may know, is Paris.",
-        "It is big, old and lovely.",
+        "as you may know,",  # the second piece ends at a clause break too (it has 3 words)
+        "is Paris. It is big, old and lovely.",  # (a piece shorter than min_chars goes on)
     ]
 
 
@@ -58,7 +58,7 @@ def test_long_first_sentence_without_commas_is_cut_before_a_joining_word():
     # with the default cap of 4 a joining word ends it from the third word on
     assert stream(SentenceSplitter(first_clause_chars=16), text)[:2] == [
         "The fun fact",
-        "about dogs is that they are very loyal companions.",
+        "about dogs is that they are very loyal",  # the second piece: at most twice the first's cap
     ]
 
 
@@ -116,12 +116,40 @@ def test_a_run_on_later_sentence_is_cut_so_the_listener_is_not_left_in_silence()
 
 
 def test_later_sentences_of_ordinary_length_are_spoken_whole():
-    text = "Paris is lovely. In spring, the parks are full of people walking their dogs. Go in May."
+    text = "Paris is lovely. It is very old. In spring, the parks are full of people walking their dogs. Go in May."
     assert stream(SentenceSplitter(first_clause_chars=16), text) == [
         "Paris is lovely.",
+        "It is very old.",
         "In spring, the parks are full of people walking their dogs.",
         "Go in May.",
     ]
+
+
+def test_the_second_piece_is_at_most_twice_the_first_piece_s_cap():
+    """It is written and spoken while the first piece plays, about a second of audio."""
+    text = "Today is a day of celebration, a day of new beginnings, and a day of hope. It is big."
+    assert stream(SentenceSplitter(first_clause_chars=16), text) == [
+        "Today is a day",
+        "of celebration, a day of new beginnings,",  # a clause break once it has 3 words
+        "and a day of hope.",
+        "It is big.",
+    ]
+    # without a clause break: before a joining word after the first piece's cap, else at twice it
+    text = "The best book to read is a classic novel called The Nightingale by Emily Bronte. Yes."
+    assert stream(SentenceSplitter(first_clause_chars=16), text)[:3] == [
+        "The best book",
+        "to read is a classic novel called The",
+        "Nightingale by Emily Bronte.",
+    ]
+    long = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen."
+    pieces = stream(SentenceSplitter(first_clause_chars=16, first_piece_words=6), long)
+    assert pieces == ["one two three four five six", " ".join(long.split()[6:])]  # 6 + up to 12 words
+    # a whole short sentence is not cut, and with first_clause_chars=0 nothing is
+    assert stream(SentenceSplitter(first_clause_chars=16), "Yes, it is true. Paris is the capital of France.") == [
+        "Yes, it is true.",
+        "Paris is the capital of France.",
+    ]
+    assert stream(SentenceSplitter(), text)[1] == "Yes."
 
 
 def test_the_word_cap_cuts_as_soon_as_the_next_word_begins():
