@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     llm_prefill_threads_first_tokens: int = Field(
         0, ge=0, description="a reply's first N tokens also decode on llm_prefill_threads (12: its first piece)"
     )
+    llm_yield_ahead_s: float = Field(
+        3.0,
+        ge=0.0,
+        le=60.0,
+        description="a reply with more audio than this still to play lets other replies' LLM steps go first (0: never)",
+    )
     llm_max_tokens: int = Field(120, ge=1, le=4096)
     llm_temperature: float = Field(0.0, ge=0.0, le=2.0)
     llm_context_tokens: int | None = Field(

@@ -63,7 +63,7 @@ class AsyncLLMEngine:
         self._cond = threading.Condition()
         self._adds: list[tuple[str, list[int] | str, SamplingParams]] = []
         self._aborts: list[str] = []
-        self._pauses: list[tuple[str, float]] = []  # (request id, max seconds); 0 resumes it
+        self._pauses: list[tuple[str, float, bool]] = []  # (request id, max seconds, yield only); 0 resumes it
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count(1)
         self._stop = False
@@ -129,12 +129,19 @@ class AsyncLLMEngine:
         """From any thread: step no further tokens of ``request_id`` until ``resume`` or ``max_s`` seconds
         pass (``LLMEngine.pause``). A request that is not running is not paused."""
         with self._cond:
-            self._pauses.append((request_id, max_s))
+            self._pauses.append((request_id, max_s, False))
             self._cond.notify()
 
     def resume(self, request_id: str) -> None:
         with self._cond:
-            self._pauses.append((request_id, 0.0))
+            self._pauses.append((request_id, 0.0, False))
+            self._cond.notify()
+
+    def yield_to_others(self, request_id: str, max_s: float) -> None:
+        """From any thread: for at most ``max_s`` seconds, step ``request_id`` only when no other request
+        needs a step (``LLMEngine.yield_to_others``)."""
+        with self._cond:
+            self._pauses.append((request_id, max_s, True))
             self._cond.notify()
 
     def set_prefill_threads_first_tokens(self, n: int) -> None:
@@ -269,8 +276,10 @@ class AsyncLLMEngine:
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
                 pauses, self._pauses = self._pauses, []
-            for rid, max_s in pauses:
-                if max_s > 0:
+            for rid, max_s, yield_only in pauses:
+                if yield_only:
+                    eng.yield_to_others(rid, max_s)
+                elif max_s > 0:
                     eng.pause(rid, max_s)
                 else:
                     eng.resume(rid)

@@ -202,6 +202,17 @@ class LLMEngine:
         if req is not None:
             req.paused_until = 0.0
 
+    def yield_to_others(self, request_id: str, max_s: float) -> bool:
+        """For at most ``max_s`` seconds, step a running request only when no other request needs a step.
+        Why: a voice reply whose listener has seconds of audio still to hear gains nothing from its next
+        tokens now, while each of its steps slows another reply whose listener hears nothing yet (the
+        batch is bigger, and the cores are shared with ASR and TTS). Returns whether it was running."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return False
+        req.yields_until = time.monotonic() + max(0.0, max_s)
+        return True
+
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
 

@@ -35,6 +35,9 @@ class Request:
     first_token_time: float | None = None
     # monotonic time until which a running request is not stepped (``LLMEngine.pause``); 0 = never paused
     paused_until: float = 0.0
+    # monotonic time until which it is stepped only when no other request needs a step
+    # (``LLMEngine.yield_to_others``); 0 = never
+    yields_until: float = 0.0
     # hashes of the full blocks of all_token_ids, grown lazily by the KV cache manager
     block_hashes: list[int] = field(default_factory=list)
 
@@ -57,6 +60,9 @@ class Request:
 
     def paused(self, now: float) -> bool:
         return self.paused_until > now
+
+    def yielding(self, now: float) -> bool:
+        return self.yields_until > now
 
     @property
     def is_finished(self) -> bool:

@@ -5,7 +5,8 @@ same loop serves every backend. Each step hands out a token budget: running requ
 (decodes, and the rest of chunked prefills), then waiting prefills, chunked to fit the
 budget. When the KV pool runs dry the newest running request is preempted (its blocks
 freed; it is recomputed later, mostly from the prefix cache) instead of failing. A paused
-running request (``Request.paused_until``) is skipped: it keeps its blocks and its place.
+running request (``Request.paused_until``) is skipped: it keeps its blocks and its place. A
+yielding one (``Request.yields_until``) is skipped only while another request needs a step.
 """
 
 from __future__ import annotations
@@ -117,15 +118,17 @@ class Scheduler:
 
     # --- the step ---------------------------------------------------------------------
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
-        """This step's chunks; running requests paused at ``now`` (monotonic seconds) are left out."""
+        """This step's chunks; running requests paused at ``now`` (monotonic seconds) are left out, and
+        so are yielding ones while a request that is neither waits or runs."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        contended = bool(self.waiting) or any(not (r.paused(now) or r.yielding(now)) for r in self.running)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.paused(now):
+            if req.paused(now) or (contended and req.yielding(now)):
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)

@@ -37,6 +37,7 @@ class ScriptedLLM:
         self.closed: list[str] = []
         self.warmed: list[list[dict]] = []
         self.pauses: list[tuple[str, str]] = []  # ("pause" | "resume", request id), in order
+        self.yields: list[tuple[str, float]] = []  # (request id, max seconds), in order
         self.gate_was_open_early = False
 
     def count_tokens(self, messages):
@@ -69,6 +70,9 @@ class ScriptedLLM:
 
     def resume(self, request_id):
         self.pauses.append(("resume", request_id))
+
+    def yield_to_others(self, request_id, max_s):
+        self.yields.append((request_id, max_s))
 
     def set_urgent_first_tokens(self, n):
         pass

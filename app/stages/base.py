@@ -121,6 +121,11 @@ class ChatLLM(Protocol):
 
     def resume(self, request_id: str) -> None: ...
 
+    def yield_to_others(self, request_id: str, max_s: float) -> None:
+        """For at most ``max_s`` seconds, generate ``request_id`` only when no other request needs the LLM
+        (its listener has seconds of audio still to hear); a no-op where the LLM runs elsewhere."""
+        ...
+
     def set_urgent_first_tokens(self, n: int) -> None:
         """Decode the first ``n`` tokens of a lone request on every core (the server's solo mode); a no-op
         where the LLM runs elsewhere."""

@@ -110,6 +110,9 @@ class TransformersChatLLM:
     def resume(self, request_id: str) -> None:
         pass
 
+    def yield_to_others(self, request_id: str, max_s: float) -> None:
+        pass
+
     def set_urgent_first_tokens(self, n: int) -> None:
         pass
 
@@ -194,6 +197,9 @@ class EngineChatLLM:
 
     def resume(self, request_id: str) -> None:
         self.engine.resume(request_id)
+
+    def yield_to_others(self, request_id: str, max_s: float) -> None:
+        self.engine.yield_to_others(request_id, max_s)
 
     def set_urgent_first_tokens(self, n: int) -> None:
         """How many first tokens of a lone reply decode on every core (the server's solo mode)."""
@@ -294,6 +300,9 @@ class OpenAIChatLLM:
         pass  # the server is elsewhere: its cores are not ours to free
 
     def resume(self, request_id: str) -> None:
+        pass
+
+    def yield_to_others(self, request_id: str, max_s: float) -> None:
         pass
 
     def set_urgent_first_tokens(self, n: int) -> None:

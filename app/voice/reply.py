@@ -37,6 +37,16 @@ LEAD_KEEP_MS = 20
 # with four users the paused request also waits for the shared Piper lock (v2v p50 1569 ->
 # 2079-2389 ms, underruns 0 -> 5-6), with one it took p50 from 1094 to 901 ms.
 FIRST_PIECE_PAUSE_MAX_S = 2.0
+# A reply's text runs far ahead of its speech (120 tokens written in a few seconds are 20 s of
+# audio), and with several users each of its decode steps slows a reply whose listener hears
+# nothing yet (a bigger batch, and cores shared with ASR and Piper). So once a reply has more than
+# ``yield_ahead_s`` (the setting ``llm_yield_ahead_s``) of audio still to play, its LLM request
+# yields to the others for the excess: it is stepped only when no other request needs a step. That
+# leaves this much audio for its next piece to be written and synthesized in, with four users on 2 cores.
+# Four users x 10 turns on a 2-core Xeon, interleaved runs (with the shorter second piece): heard
+# p50 / p95 585 / 952 ms and 1 underrun (0.04 s) in 200 turns, against 573 / 1043 ms and 8 (2.19 s)
+# in 320 before both changes, and 637 / 1155 ms and 3 (0.43 s) in 240 with the second piece alone.
+YIELD_AHEAD_S = 3.0
 # A piece of at least this many words said again word for word ends the reply: the bundled
 # SmolLM2-135M loops ("I'm not today. I'm not today.", or a 120-token run-on that repeats one
 # clause), which is 30 s of the same words for the listener. (Loops inside one piece:
@@ -63,6 +73,7 @@ class Reply:
         first_clause_chars: int = 0,
         first_piece_words: int = FIRST_PHRASE_MAX_WORDS,
         first_piece_priority: bool = False,
+        yield_ahead_s: float = YIELD_AHEAD_S,
         voice: str | None = None,
         on_complete: Callable[[Reply], None] | None = None,
         on_failed: Callable[[Reply], None] | None = None,
@@ -84,6 +95,7 @@ class Reply:
         self._first_clause_chars = first_clause_chars
         self._first_piece_words = first_piece_words
         self._first_piece_priority = first_piece_priority
+        self._yield_ahead_s = yield_ahead_s
         self._voice = voice
         self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
         self._held: list[protocol.ServerMessage | bytes] = []
@@ -231,9 +243,7 @@ class Reply:
             urgent = first and self._first_piece_priority
             if urgent:
                 self._llm.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
-            # the listener runs out of audio when what was sent has played, and what is held back after it
-            held_s = sum(len(item) // 2 for item in self._held if isinstance(item, bytes)) / sample_rate
-            deadline = self.playback.runs_dry_at(tts_started) + held_s
+            deadline = self._runs_dry_at(tts_started)
             try:
                 audio = await self._run(
                     lambda t=text, u=urgent, d=deadline: list(
@@ -252,6 +262,19 @@ class Reply:
                 for offset in range(0, len(samples), chunk):
                     await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
             self.playback.add_piece(piece)
+            self._yield_if_ahead()
+
+    def _runs_dry_at(self, now: float) -> float:
+        """When the listener runs out of audio: what was sent has played, and what is held back after it."""
+        held_s = sum(len(item) // 2 for item in self._held if isinstance(item, bytes)) / self._tts.sample_rate
+        return self.playback.runs_dry_at(now) + held_s
+
+    def _yield_if_ahead(self) -> None:
+        """Let other replies' LLM steps go first while this one's listener has audio enough (``yield_ahead_s``)."""
+        now = self._clock.now()
+        ahead_s = self._runs_dry_at(now) - now
+        if self._yield_ahead_s and ahead_s > self._yield_ahead_s:
+            self._llm.yield_to_others(self.request_id, ahead_s - self._yield_ahead_s)
 
 
 def _repeats(piece: str, said: list[str]) -> bool:

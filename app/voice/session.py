@@ -373,6 +373,7 @@ class VoiceSession:
             request_id=f"{self.session_id}-{turn_id}-{next(self._request_ids)}",
             first_clause_chars=self.settings.first_clause_chars,
             first_piece_words=self.settings.first_piece_words,
+            yield_ahead_s=self.settings.llm_yield_ahead_s,
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
             first_piece_priority=self.settings.first_piece_priority or self.models.solo,
             voice=self._prefs.voice_for(self._turn_language),

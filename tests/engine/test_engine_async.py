@@ -251,3 +251,24 @@ async def test_a_pause_ends_by_itself(aengine, prompts):
     aengine.pause("pause-ends", 0.2)  # never resumed
     rest = [o async for o in outputs]
     assert sum(len(o.token_ids_delta) for o in [first, *rest]) == 6 and rest[-1].finished
+
+
+async def test_a_yielding_request_waits_for_the_others_then_goes_on_alone(aengine, prompts):
+    outputs = aengine.generate(prompts[2], SamplingParams(max_tokens=8, ignore_eos=True), request_id="yields")
+    first = await outputs.__anext__()
+    aengine.yield_to_others("yields", 60.0)
+    request = aengine.engine.scheduler.requests["yields"]
+    await wait_for(lambda: request.yields_until > 0)  # set on the engine thread, between two steps
+    steps: list[set[str]] = []  # the requests of each step
+    execute = aengine.engine.runner.execute
+    aengine.engine.runner.execute = lambda sched: steps.append({c.request_id for c in sched.chunks}) or execute(sched)
+    try:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        other = [o async for o in aengine.generate(prompts[1], params, request_id="other")]
+    finally:
+        del aengine.engine.runner.execute
+    assert sum(len(o.token_ids_delta) for o in other) == 6
+    assert sum("other" in step for step in steps) >= 6  # (a prefill may take two)
+    assert not any(step == {"other", "yields"} for step in steps), "it stepped beside a request that needed the steps"
+    rest = [o async for o in outputs]  # alone now: it runs although its yield has not ended
+    assert sum(len(o.token_ids_delta) for o in [first, *rest]) == 8 and rest[-1].finished

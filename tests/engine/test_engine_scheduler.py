@@ -292,16 +292,35 @@ def test_update_error_finishes_request_without_token():
     assert s.kv.num_used_blocks == 0
 
 
-def test_a_paused_request_keeps_its_blocks_and_its_place_until_its_pause_ends():
+def two_running_with_a_held_back(hold: str) -> Scheduler:
+    """Requests a and b, both prefilled; then a step at time 5 with a's ``hold`` ("paused_until" or
+    "yields_until") set to 10, which runs only b, and a keeps its blocks and its place."""
     s = make()
     s.add_request(req("a", 5, max_tokens=10))
     s.add_request(req("b", 5, max_tokens=10, first=200))
     fake_step(s)  # both prefilled, one token each
-    s.requests["a"].paused_until = 10.0
+    setattr(s.requests["a"], hold, 10.0)
     out = s.schedule(now=5.0)
     assert scheduled(out) == {"b": 1}
     s.update_from_output(out, {"b": FAKE_TOKEN})
     assert s.kv.block_ids("a") and s.running[0].request_id == "a"
+    return s
+
+
+def test_a_yielding_request_steps_only_while_no_other_request_needs_a_step():
+    s = two_running_with_a_held_back("yields_until")  # b needs a step, so a waits
+    s.add_request(req("c", 5, max_tokens=10, first=300))
+    s.requests["b"].paused_until = 10.0
+    out = s.schedule(now=5.0)
+    assert scheduled(out) == {"c": 5}, "a waiting prefill needs a step too"
+    s.update_from_output(out, {"c": FAKE_TOKEN})
+    s.requests["c"].yields_until = 10.0
+    assert scheduled(s.schedule(now=5.0)) == {"a": 1, "c": 1}, "only yielding (and paused) ones: they run"
+    assert scheduled(s.schedule(now=10.0)) == {"a": 1, "b": 1, "c": 1}  # and all once it ends
+
+
+def test_a_paused_request_keeps_its_blocks_and_its_place_until_its_pause_ends():
+    s = two_running_with_a_held_back("paused_until")
     assert s.has_work(5.0) and s.next_resume() == 10.0
     s.requests["b"].paused_until = 10.0
     assert not s.has_work(5.0), "only paused requests: a step now would compute nothing"

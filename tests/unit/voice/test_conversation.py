@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from app import protocol
-from app.voice.reply import LEAD_KEEP_MS
+from app.voice.reply import LEAD_KEEP_MS, YIELD_AHEAD_S
 
 QUESTION = "What is the capital of France?"
 ENDPOINT_MS, UNFINISHED_MS, PAUSE_MS = 400, 1200, 96
@@ -481,6 +481,29 @@ async def test_each_piece_asks_tts_for_it_by_when_the_listener_runs_out_of_audio
     assert spoken.audio_s == 0 and len(spoken.session.models.tts.deadlines) == 3
     first = spoken.session.models.tts.deadlines[0]
     assert spoken.session.models.tts.deadlines == pytest.approx([first, first + 6 * 0.25, first + 11 * 0.25])
+
+
+async def test_a_reply_with_seconds_of_audio_ahead_yields_its_llm_steps_to_other_replies(conversation):
+    # WordTTS: a quarter second a word; the clock stands still, so all the audio sent is still ahead
+    pieces = ["Paris is the capital of France. ", "It lies on the Seine. ", "It is big and very old. "]
+    conv = conversation(llm_pieces=pieces)
+    await conv.type(QUESTION)
+    await conv.settle()
+    request = conv.llm.request_ids[-1]
+    # 1.5 s after the first piece and 2.75 s after the second are within YIELD_AHEAD_S (3 s); 4.25 s is not
+    assert conv.llm.yields == [(request, pytest.approx(4.25 - YIELD_AHEAD_S))]
+    longer = conversation(llm_pieces=pieces + ["Many people live there. "])
+    await longer.type(QUESTION)
+    await longer.settle()
+    assert [round(s, 2) for _, s in longer.llm.yields] == [1.25, 2.25]  # 4.25 and 5.25 s ahead
+    short = conversation(llm_pieces=pieces[:2])  # 2.75 s of audio in all: never ahead enough
+    await short.type(QUESTION)
+    await short.settle()
+    assert short.of(protocol.TurnDone) and short.llm.yields == []
+    never = conversation(llm_pieces=pieces, llm_yield_ahead_s=0)  # the setting turns it off
+    await never.type(QUESTION)
+    await never.settle()
+    assert never.of(protocol.TurnDone) and never.llm.yields == []
 
 
 async def test_the_tail_starts_before_the_pause_only_while_the_session_is_alone(conversation):
