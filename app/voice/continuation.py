@@ -23,17 +23,19 @@ class ContinuationRule:
     window_ms: int = 1500  # speech must start this soon after the commit (0: never continue)
     heard_ms: int = 500  # and before this much of the reply has played
 
-    def applies(self, reply: Reply | None, spoken_turn: int | None, now: float) -> bool:
-        """Whether speech starting ``now`` continues the turn ``reply`` answers.
+    def applies(self, reply: Reply | None, spoken_turn: int | None, onset: float) -> bool:
+        """Whether speech that began at ``onset`` continues the turn ``reply`` answers.
 
         Only a turn committed from speech (``spoken_turn``; a typed one is complete as sent),
-        whose reply is still being produced or played.
+        whose reply is still being produced or played. Both limits are judged at the speech's
+        onset, not when the VAD confirmed it: the ~0.1 s the VAD takes is more reply played,
+        which the user resuming did not hear before they began.
         """
         if not self.window_ms or reply is None or reply.turn_id != spoken_turn or not reply.commit:
             return False
-        if not reply.active() or (now - reply.commit) * 1000 > self.window_ms:
+        if not reply.active() or (onset - reply.commit) * 1000 > self.window_ms:
             return False
-        return reply.playback.played_s(now) * 1000 <= self.heard_ms
+        return reply.playback.played_s(onset) * 1000 <= self.heard_ms
 
 
 @dataclass

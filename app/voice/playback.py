@@ -41,11 +41,17 @@ class ReplyPlayback:
         self.pieces.append((text, self.sent_s))
 
     def played_s(self, now: float) -> float:
-        if self.reported_played_s is not None:
-            return min(self.reported_played_s, self.sent_s)
+        """How much had played at ``now`` (which may be a moment ago: when the user began to speak).
+
+        A client's report is the better figure, but it may be from after ``now``; the
+        client cannot play audio before it was sent, so the arrival model bounds it.
+        """
         if self.started_at is None:
             return 0.0
-        return max(0.0, min(self.sent_s, now - self._clock_origin))
+        modelled = max(0.0, min(self.sent_s, now - self._clock_origin))
+        if self.reported_played_s is not None:
+            return min(self.reported_played_s, modelled)
+        return modelled
 
     def runs_dry_at(self, now: float) -> float:
         """When the client has played everything sent so far (``now`` before anything was sent)."""

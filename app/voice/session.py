@@ -205,11 +205,11 @@ class VoiceSession:
     # ------------------------------------------------------------------ the user's side
     async def _on_utterance_event(self, event: heard.UtteranceEvent) -> None:
         match event:
-            case heard.SpeechStarted():
+            case heard.SpeechStarted(onset=onset):
                 self._barge_in_checked_ms = 0.0
                 self._reply_playing_at_speech_start = self.busy
                 await self._send_json(protocol.SpeechStarted())
-                await self._maybe_continue_turn()
+                await self._maybe_continue_turn(onset)
             case heard.Resumed():
                 await self._cancel_speculation()
                 await self._send_json(protocol.SpeechStarted())
@@ -278,7 +278,7 @@ class VoiceSession:
         """What the utterance adds to the turn it continues (all of ``text`` when it continues none)."""
         return self._continuation.new_words(text) if self._continuation is not None else text
 
-    async def _maybe_continue_turn(self) -> None:
+    async def _maybe_continue_turn(self, onset: float) -> None:
         """Speech right after a spoken turn was committed, before its reply was heard, goes on with that turn.
 
         People pause mid-sentence ("I want to visit Paris ... and London"); a short endpoint
@@ -287,8 +287,16 @@ class VoiceSession:
         """
         await self._end_continuation()  # one left by an utterance that ended without a verdict
         reply = self._reply
-        if reply is None or not self._continuation_rule.applies(reply, self._spoken_turn, self._clock.now()):
+        if reply is None or not self._continuation_rule.applies(reply, self._spoken_turn, onset):
             return
+        now = self._clock.now()
+        log.info(
+            "turn %s continued: speech began %.0f ms after the commit, with %.0f ms of the reply heard (%.0f by now)",
+            reply.turn_id,
+            (onset - reply.commit) * 1000,
+            reply.playback.played_s(onset) * 1000,
+            reply.playback.played_s(now) * 1000,
+        )
         reply.hold()
         self._history.withdraw(reply.user_text)
         self._tracker.continue_turn(reply.turn_id, reply.user_text)

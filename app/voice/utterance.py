@@ -56,6 +56,7 @@ TAIL_PAD_MS = 160  # audio kept after the VAD end (the last phoneme fades)
 @dataclass(frozen=True)
 class SpeechStarted:
     turn_id: int
+    onset: float = 0.0  # wall time the speech's first frame arrived (the VAD confirms it ~0.1 s later)
 
 
 @dataclass(frozen=True)
@@ -303,7 +304,7 @@ class UtteranceTracker:
         if utterance is None:
             turn_id = self._next_turn_id()
             self._utterance = _Utterance(start=sample, turn_id=turn_id, last_partial_at=sample)
-            await self._emit(SpeechStarted(turn_id))
+            await self._emit(SpeechStarted(turn_id, self._arrivals.time_of(sample)))
             return
         if utterance.pause is None:
             return
