@@ -19,12 +19,13 @@ blocks freed, cached prefixes forgotten) and starts a new loop thread after a ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -143,6 +144,15 @@ class AsyncLLMEngine:
         with self._cond:
             self._pauses.append((request_id, max_s, True))
             self._cond.notify()
+
+    @contextlib.contextmanager
+    def core_lent(self) -> Iterator[None]:
+        """While open, another model runs on one of the prefill threads' cores: steps keep off it."""
+        self.engine.runner.lend_core()
+        try:
+            yield
+        finally:
+            self.engine.runner.return_core()
 
     def set_prefill_threads_first_tokens(self, n: int) -> None:
         """Change ``EngineConfig.prefill_threads_first_tokens`` from now on (the next step reads it)."""

@@ -5,6 +5,7 @@ and starting `parley` servers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import numpy as np
@@ -38,6 +39,7 @@ class ScriptedLLM:
         self.warmed: list[list[dict]] = []
         self.pauses: list[tuple[str, str]] = []  # ("pause" | "resume", request id), in order
         self.yields: list[tuple[str, float]] = []  # (request id, max seconds), in order
+        self.cores_lent = 0  # how many core_lent() blocks are open now
         self.gate_was_open_early = False
 
     def count_tokens(self, messages):
@@ -76,6 +78,14 @@ class ScriptedLLM:
 
     def set_urgent_first_tokens(self, n):
         pass
+
+    @contextlib.contextmanager
+    def core_lent(self):
+        self.cores_lent += 1
+        try:
+            yield
+        finally:
+            self.cores_lent -= 1
 
     async def warm(self, messages):
         self.warmed.append([dict(m) for m in messages])

@@ -9,6 +9,7 @@ loaded once, for all sessions, by ``registry``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -129,6 +130,11 @@ class ChatLLM(Protocol):
     def set_urgent_first_tokens(self, n: int) -> None:
         """Decode the first ``n`` tokens of a lone request on every core (the server's solo mode); a no-op
         where the LLM runs elsewhere."""
+        ...
+
+    def core_lent(self) -> AbstractContextManager[None]:
+        """While open, another model (the end-of-turn model) runs on one core: the LLM steps on the
+        others; a no-op where the LLM runs elsewhere."""
         ...
 
     async def warm(self, messages: list[Message]) -> None:

@@ -8,10 +8,12 @@ generation and frees its resources.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 
 from app.stages.base import ChatLLM, GenerationSettings, Message
 
@@ -116,6 +118,9 @@ class TransformersChatLLM:
     def set_urgent_first_tokens(self, n: int) -> None:
         pass
 
+    def core_lent(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
     async def warm(self, messages: list[Message]) -> None:
         pass  # generate() keeps no cache between calls
 
@@ -204,6 +209,9 @@ class EngineChatLLM:
     def set_urgent_first_tokens(self, n: int) -> None:
         """How many first tokens of a lone reply decode on every core (the server's solo mode)."""
         self.engine.set_prefill_threads_first_tokens(n)
+
+    def core_lent(self) -> AbstractContextManager[None]:
+        return self.engine.core_lent()
 
     async def warm(self, messages: list[Message]) -> None:
         """Prefill ``messages`` (no generation prompt: the next prompt continues them) for one token, so
@@ -307,6 +315,9 @@ class OpenAIChatLLM:
 
     def set_urgent_first_tokens(self, n: int) -> None:
         pass
+
+    def core_lent(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
     async def warm(self, messages: list[Message]) -> None:
         pass  # the server's own prefix cache (vLLM, SGLang) fills on the next turn

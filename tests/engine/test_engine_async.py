@@ -181,12 +181,13 @@ def test_an_engine_that_cannot_be_built_fails_its_constructor(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("first_tokens", "requests", "expected"),
-    # the prompt, then one token a step; two requests decode side by side: never urgent
-    [(0, 1, [2, 1, 1, 1]), (3, 1, [2, 2, 2, 1]), (3, 2, [2, 1, 1, 1])],
+    ("first_tokens", "requests", "lent", "expected"),
+    # the prompt, then one token a step; two requests decode side by side: never urgent;
+    # with a core lent to another model, no step uses it
+    [(0, 1, 0, [2, 1, 1, 1]), (3, 1, 0, [2, 2, 2, 1]), (3, 2, 0, [2, 1, 1, 1]), (3, 1, 1, [1, 1, 1, 1])],
 )
 def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(
-    make_engine, prompts, first_tokens, requests, expected
+    make_engine, prompts, first_tokens, requests, lent, expected
 ):
     """Run on a thread of its own: torch's thread setting belongs to the calling thread. With
     ``prefill_threads_first_tokens`` the steps that write a lone request's first tokens count as prefill."""
@@ -198,6 +199,8 @@ def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(
 
     def run() -> None:
         eng = make_engine(num_threads=1, prefill_threads=2, prefill_threads_first_tokens=first_tokens)
+        for _ in range(lent):
+            eng.runner.lend_core()
         execute = eng.runner.execute
 
         def recording(sched):
@@ -215,6 +218,16 @@ def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(
     thread.start()
     thread.join()
     assert seen == expected
+
+
+async def test_a_lent_core_is_given_back_even_when_the_borrower_fails(aengine):
+    runner = aengine.engine.runner
+    with pytest.raises(RuntimeError), aengine.core_lent():
+        with aengine.core_lent():
+            assert runner.cores_lent == 2
+        assert runner.cores_lent == 1
+        raise RuntimeError("the end-of-turn model failed")
+    assert runner.cores_lent == 0
 
 
 async def test_a_paused_request_gets_no_tokens_until_resumed_and_the_loop_sleeps_meanwhile(aengine, prompts):

@@ -307,6 +307,23 @@ async def test_a_model_sure_the_user_is_mid_thought_waits_as_long_as_mid_clause(
     assert UNFINISHED_MS <= waited_ms <= UNFINISHED_MS + VAD_WINDOW_MS + FRAME_MS
 
 
+async def test_the_end_of_turn_model_runs_on_a_core_the_llm_lent_it(conversation):
+    # It runs as a speculative reply's first tokens are written on every core (BesideTheLLM)
+    conv = conversation(turn_probability=0.95)
+    lent_during_calls = []
+    judge = conv.session.models.turn.complete_probability
+
+    def recording(audio):
+        lent_during_calls.append(conv.llm.cores_lent)
+        return judge(audio)
+
+    conv.session.models.turn.complete_probability = recording
+    await conv.speak(1.0, QUESTION)
+    await conv.silence_until(committed(conv))
+    assert lent_during_calls and all(lent == 1 for lent in lent_during_calls)
+    assert conv.llm.cores_lent == 0, "the core is given back after each call"
+
+
 async def test_the_words_mid_clause_overrule_a_confident_model(conversation):
     conv = conversation(turn_probability=0.99)
     await conv.speak(1.0, "I would like to visit Paris and")

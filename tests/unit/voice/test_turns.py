@@ -1,5 +1,7 @@
 """Turn-taking policy alone: no models, no audio."""
 
+import pytest
+
 from app.voice.playback import ReplyPlayback
 from app.voice.turns import (
     Endpointer,
@@ -85,6 +87,16 @@ def test_client_playback_report_wins_over_the_estimate():
     playback.add_piece("A long sentence of eight words right here.")
     playback.reported_played_s = 0.5
     assert playback.heard_text(now=5.0) == "A long"
+
+
+def test_played_a_moment_ago_is_bounded_by_when_the_audio_was_sent():
+    # The user began speaking at 10.3; the client's report (0.5 s) came later: 0.3 s had played then
+    playback = ReplyPlayback(sample_rate=1000)
+    playback.on_send(2000, now=10.0)
+    playback.reported_played_s = 0.5
+    assert playback.played_s(10.3) == pytest.approx(0.3)
+    assert playback.played_s(11.0) == pytest.approx(0.5)
+    assert ReplyPlayback(sample_rate=1000).played_s(10.3) == 0.0
 
 
 def _chat(n: int) -> list[dict]:
