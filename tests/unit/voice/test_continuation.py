@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app import protocol
 
 FIRST, REST = "I want to visit Paris.", "and London next summer."
@@ -85,32 +87,25 @@ async def test_speech_after_the_reply_was_heard_is_a_new_turn(conversation):
     assert conv.of(protocol.Interrupt)[0].turn_id == 1
 
 
-async def test_what_was_heard_is_judged_when_the_user_began_not_when_the_vad_confirmed_it(conversation):
-    # The VAD confirms speech min_speech_ms after it began: here 0.4 s, in which the reply
-    # plays on. The user began with ~0.25 s of it heard (< continuation_heard_ms, 500), so the
-    # turn continues, although 0.65 s had played by the time the VAD said so.
+@pytest.mark.parametrize(
+    ("heard_s", "said", "finals"),
+    [(0.24, REST, [(1, FIRST), (1, WHOLE)]), (0.6, "What about Rome?", [(1, FIRST), (2, "What about Rome?")])],
+)
+async def test_what_was_heard_is_judged_when_the_user_began_not_when_the_vad_confirmed_it(
+    conversation, heard_s, said, finals
+):
+    # The VAD confirms speech min_speech_ms after it began: here 0.4 s, in which the reply plays
+    # on. Beginning with 0.24 s of it heard (< continuation_heard_ms, 500) continues the turn,
+    # although 0.64 s had played by the time the VAD said so; beginning at 0.6 s does not.
     conv = conversation(turn_probability=SURE, min_speech_ms=400, barge_in_confirm=False, barge_in_ms=2000)
     conv.llm.pieces = ["Paris is lovely in spring and the museums are wonderful. ", "London too."]
     await commit_first_half(conv)
     await conv.silence_until(lambda: conv.audio_s > 0)
-    await conv.silence(0.24)
-    await conv.speak(1.0, REST)
+    await conv.silence(heard_s)
+    await conv.speak(1.0, said)
     await conv.silence_until(lambda: len(conv.finals()) == 2)
-    assert [event.turn_id for event in conv.of(protocol.TurnContinued)] == [1]
-    assert [(final.turn_id, final.text) for final in conv.finals()] == [(1, FIRST), (1, WHOLE)]
-
-
-async def test_speech_that_began_after_the_reply_was_heard_is_a_new_turn(conversation):
-    # The same, with the user beginning once ~0.6 s of the reply had played.
-    conv = conversation(turn_probability=SURE, min_speech_ms=400, barge_in_confirm=False, barge_in_ms=2000)
-    conv.llm.pieces = ["Paris is lovely in spring and the museums are wonderful. ", "London too."]
-    await commit_first_half(conv)
-    await conv.silence_until(lambda: conv.audio_s > 0)
-    await conv.silence(0.6)
-    await conv.speak(1.0, "What about Rome?")
-    await conv.silence_until(lambda: len(conv.finals()) == 2)
-    assert not conv.of(protocol.TurnContinued)
-    assert [(f.turn_id, f.text) for f in conv.finals()] == [(1, FIRST), (2, "What about Rome?")]
+    assert [event.turn_id for event in conv.of(protocol.TurnContinued)] == ([1] if finals[1][0] == 1 else [])
+    assert [(final.turn_id, final.text) for final in conv.finals()] == finals
 
 
 async def test_without_the_setting_going_on_makes_a_second_turn(conversation):
