@@ -26,6 +26,7 @@ class ReplyPlayback:
     reported_played_s: float | None = None
     pieces: list[tuple[str, float]] = field(default_factory=list)  # (text, audio end in s)
     _clock_origin: float = 0.0  # started_at, shifted by each underrun's stall
+    _reported_at: float | None = None  # when reported_played_s came
 
     def on_send(self, samples: int, now: float) -> None:
         if self.started_at is None:
@@ -40,18 +41,22 @@ class ReplyPlayback:
         """Text whose audio ends at the current ``sent_s`` (call after sending it)."""
         self.pieces.append((text, self.sent_s))
 
+    def report(self, played_s: float, now: float) -> None:
+        """The client says it has played ``played_s`` of the reply (its ``playback`` message)."""
+        self.reported_played_s, self._reported_at = played_s, now
+
     def played_s(self, now: float) -> float:
         """How much had played at ``now`` (which may be a moment ago: when the user began to speak).
 
-        A client's report is the better figure, but it may be from after ``now``; the
-        client cannot play audio before it was sent, so the arrival model bounds it.
+        A client's report wins over the estimate (it may skip playback, or play late); asked about
+        a moment before the report, it is wound back by the time between (playback is real time).
         """
+        if self.reported_played_s is not None:
+            before_report = max(0.0, self._reported_at - now) if self._reported_at is not None else 0.0
+            return max(0.0, min(self.reported_played_s, self.sent_s) - before_report)
         if self.started_at is None:
             return 0.0
-        modelled = max(0.0, min(self.sent_s, now - self._clock_origin))
-        if self.reported_played_s is not None:
-            return min(self.reported_played_s, modelled)
-        return modelled
+        return max(0.0, min(self.sent_s, now - self._clock_origin))
 
     def runs_dry_at(self, now: float) -> float:
         """When the client has played everything sent so far (``now`` before anything was sent)."""

@@ -192,7 +192,7 @@ class VoiceSession:
         elif isinstance(message, protocol.Playback):
             reply = self._reply
             if reply is not None and reply.turn_id == message.turn_id:
-                reply.playback.reported_played_s = message.played_ms / 1000
+                reply.playback.report(message.played_ms / 1000, self._clock.now())
         elif isinstance(message, protocol.Cancel):
             self._abandon_continuation()
             await self._cancel_speculation()

@@ -89,13 +89,14 @@ def test_client_playback_report_wins_over_the_estimate():
     assert playback.heard_text(now=5.0) == "A long"
 
 
-def test_played_a_moment_ago_is_bounded_by_when_the_audio_was_sent():
-    # The user began speaking at 10.3; the client's report (0.5 s) came later: 0.3 s had played then
+def test_played_a_moment_before_the_client_s_report_is_wound_back():
+    # The user began speaking at 10.3; the client's report (0.5 s played) came at 10.6
     playback = ReplyPlayback(sample_rate=1000)
     playback.on_send(2000, now=10.0)
-    playback.reported_played_s = 0.5
-    assert playback.played_s(10.3) == pytest.approx(0.3)
-    assert playback.played_s(11.0) == pytest.approx(0.5)
+    playback.report(0.5, now=10.6)
+    assert playback.played_s(10.3) == pytest.approx(0.2)
+    assert playback.played_s(10.6) == playback.played_s(11.0) == pytest.approx(0.5)
+    assert playback.played_s(9.0) == 0.0
     assert ReplyPlayback(sample_rate=1000).played_s(10.3) == 0.0
 
 
