@@ -56,7 +56,7 @@ TAIL_PAD_MS = 160  # audio kept after the VAD end (the last phoneme fades)
 @dataclass(frozen=True)
 class SpeechStarted:
     turn_id: int
-    onset: float = 0.0  # wall time the speech's first frame arrived (the VAD confirms it ~0.1 s later)
+    onset: float  # wall time the speech's first frame arrived (the VAD confirms it ~0.1 s later)
 
 
 @dataclass(frozen=True)
