@@ -8,7 +8,6 @@ can be checked exactly and the same way on any machine.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import numpy as np
 from harness import ScriptedLLM
@@ -175,7 +174,7 @@ class Conversation:
         return fed
 
     async def type(self, text: str) -> None:
-        await self.session.handle_text(json.dumps({"type": "text", "text": text}))
+        await self.session.handle(protocol.UserText(text=text))
         await self.settle()
 
     def of(self, kind: type) -> list:

@@ -43,5 +43,13 @@ async def serve_voice(websocket: WebSocket, state: State, settings: Settings) ->
         elif warning is not None:
             await session.report(protocol.Error(code="rate_limited", message=warning))
 
+    async def on_text(raw: str) -> None:
+        try:
+            message = protocol.parse_client_text(raw)  # the wire is parsed here, once; the session gets typed values
+        except protocol.ProtocolError as error:
+            await session.report(error.event)
+            return
+        await session.handle(message)
+
     internal = protocol.encode(protocol.Error(code="internal", message="internal server error", fatal=True))
-    await connection.serve(session, session.handle_text, on_audio, internal_error=internal)
+    await connection.serve(session, on_text, on_audio, internal_error=internal)

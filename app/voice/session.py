@@ -168,12 +168,8 @@ class VoiceSession:
         """Send an event that does not come from the conversation itself (a transport limit, say)."""
         await self._send_json(message)
 
-    async def handle_text(self, raw: str) -> None:
-        try:
-            message = protocol.parse_client_text(raw)
-        except protocol.ProtocolError as error:
-            await self._send_json(error.event)
-            return
+    async def handle(self, message: protocol.ClientMessageType) -> None:
+        """One client message, already parsed and validated by the door it came through (``/ws`` or Realtime)."""
         if isinstance(message, protocol.Start):
             await self._drop_utterance()
             self._configure_input(message.sample_rate)
@@ -208,12 +204,20 @@ class VoiceSession:
             self._warm_next_prompt()  # the prompt's start changed: prefill it while the user is silent
 
     async def handle_audio(self, data: bytes) -> None:
-        try:
-            protocol.check_audio_frame(data)
-        except protocol.ProtocolError as error:
-            await self._send_json(error.event)
-            return
+        """One PCM16 frame at ``input_sample_rate``, already checked by the server (``protocol.check_audio_frame``)."""
         await self.feed_audio(self._resampler(pcm16_to_float(data)))
+
+    async def tune(self, **changes: float) -> None:
+        """Change this conversation's turn-taking settings live (the Realtime door's ``turn_detection``).
+
+        Only fields of ``Settings`` may change; the utterance in progress is dropped and the VAD rebuilt
+        with the new values (a ``start`` at the current input rate).
+        """
+        unknown = [name for name in changes if name not in Settings.model_fields]
+        if unknown:
+            raise ValueError(f"not a setting: {', '.join(unknown)}")
+        self.settings = self.settings.model_copy(update=changes)
+        await self.handle(protocol.Start(sample_rate=self.input_sample_rate))
 
     async def feed_audio(self, samples: np.ndarray) -> None:
         """16 kHz float32 input, already decoded (``handle_audio`` decodes and resamples the wire format)."""

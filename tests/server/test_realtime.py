@@ -570,8 +570,8 @@ class StubSession:
         self.history: list[dict] = []
         self.sent: list[dict] = []
 
-    async def handle_text(self, raw: str) -> None:
-        self.sent.append(json.loads(raw))
+    async def handle(self, message) -> None:
+        self.sent.append(message.model_dump())
 
 
 async def translator(**settings) -> tuple[RealtimeAdapter, StubSession, list[dict]]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app import protocol
 from app.audio import read_wav, resample
 from app.stages.asr import BUNDLED_MULTILINGUAL_ASR, Transcriber, bundled_multilingual_asr_path
 
@@ -148,7 +149,7 @@ async def test_a_spoken_german_question_is_a_german_turn_in_a_session(base, tmp_
     from app.stages.vad import SileroVad
 
     harness = Harness((SileroVad(), base, PiperSynthesizer()), ScriptedLLM(["Gut."]), asr_language="")
-    await harness.session.handle_text('{"type": "config", "language": ""}')
+    await harness.session.handle(protocol.parse_client_text('{"type": "config", "language": ""}'))
     sentence, content = SPOKEN["de"]
     await harness.speak(espeak(sentence, "de", tmp_path), trailing_s=2.0)
     final = await harness.wait_for("transcript", final=True)

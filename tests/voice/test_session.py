@@ -50,7 +50,7 @@ async def test_first_sentence_is_spoken_while_llm_still_generates(shared_models)
     harness = Harness(shared_models, None)
     llm = ScriptedLLM(["Paris is the capital of France. ", "It is a lovely city."], gate=harness.audio_arrived)
     harness.models.llm = llm
-    await harness.session.handle_text(json.dumps({"type": "text", "text": "Capital of France?"}))
+    await harness.session.handle(protocol.UserText(text="Capital of France?"))
     await harness.wait_for("turn_done")
     # The LLM could only produce its second sentence after audio of the first had been sent.
     assert llm.gate_was_open_early
@@ -59,7 +59,7 @@ async def test_first_sentence_is_spoken_while_llm_still_generates(shared_models)
 
 async def test_input_at_48k_is_resampled(shared_models, speech):
     harness = Harness(shared_models, ScriptedLLM(["Paris."]))
-    await harness.session.handle_text(json.dumps({"type": "start", "sample_rate": 48000}))
+    await harness.session.handle(protocol.parse_client_text(json.dumps({"type": "start", "sample_rate": 48000})))
     assert harness.events[-1]["type"] == "ready" and harness.events[-1]["input_sample_rate"] == 48000
     await harness.speak(resample(speech(QUESTION), 16000, 48000), sample_rate=48000)
     transcript = await harness.wait_for("transcript", final=True)
@@ -71,12 +71,14 @@ async def test_history_is_sent_back_each_turn_with_the_system_prompt(shared_mode
     harness = Harness(shared_models, llm)
     for text in ["Hi!", "How are you?"]:
         harness.events.clear()
-        await harness.session.handle_text(json.dumps({"type": "text", "text": text}))
+        await harness.session.handle(protocol.UserText(text=text))
         done = await harness.wait_for("turn_done")
         # the client reports it has played the whole reply, so the next question does not interrupt it
         played_ms = done["metrics"]["reply_audio_s"] * 1000
-        await harness.session.handle_text(
-            json.dumps({"type": "playback", "turn_id": done["turn_id"], "played_ms": played_ms})
+        await harness.session.handle(
+            protocol.parse_client_text(
+                json.dumps({"type": "playback", "turn_id": done["turn_id"], "played_ms": played_ms})
+            )
         )
     second = llm.calls[1]
     assert second[0]["role"] == "system"
@@ -90,11 +92,13 @@ async def test_history_window_keeps_the_prompt_prefix_for_several_turns(shared_m
     harness = Harness(shared_models, llm, max_history_messages=8)
     for i in range(8):
         harness.events.clear()
-        await harness.session.handle_text(json.dumps({"type": "text", "text": f"Question {i}?"}))
+        await harness.session.handle(protocol.parse_client_text(json.dumps({"type": "text", "text": f"Question {i}?"})))
         done = await harness.wait_for("turn_done")
         played_ms = done["metrics"]["reply_audio_s"] * 1000
-        await harness.session.handle_text(
-            json.dumps({"type": "playback", "turn_id": done["turn_id"], "played_ms": played_ms})
+        await harness.session.handle(
+            protocol.parse_client_text(
+                json.dumps({"type": "playback", "turn_id": done["turn_id"], "played_ms": played_ms})
+            )
         )
     firsts = [call[1]["content"] for call in llm.calls]
     # the window (at most 8 messages, 2 per turn) jumps by 4 messages every 2 turns instead of sliding each turn
@@ -117,17 +121,17 @@ async def test_bad_input_gets_an_error_event_and_the_session_goes_on(shared_mode
     if isinstance(frame, bytes):
         await harness.session.handle_audio(frame)
     else:
-        await harness.session.handle_text(frame)
+        await harness.session.handle(protocol.parse_client_text(frame))
     assert harness.events[-1]["type"] == "error" and harness.events[-1]["code"] == code
     assert harness.events[-1]["fatal"] is False
-    await harness.session.handle_text(json.dumps({"type": "text", "text": "Still there?"}))
+    await harness.session.handle(protocol.UserText(text="Still there?"))
     assert (await harness.wait_for("turn_done"))["text"] == "Fine, thanks."
 
 
 async def test_close_mid_reply_stops_the_llm_and_the_speaker(shared_models):
     llm = ScriptedLLM(["Let me tell you a long story. ", "Once upon a time"], forever=True)
     harness = Harness(shared_models, llm)
-    await harness.session.handle_text(json.dumps({"type": "text", "text": "Tell me a story"}))
+    await harness.session.handle(protocol.UserText(text="Tell me a story"))
     await asyncio.wait_for(harness.audio_arrived.wait(), 30)
     await harness.session.close()
     assert llm.closed == [f"{harness.session.session_id}-1-1"]  # the LLM stream was closed (request aborted)

@@ -8,12 +8,12 @@ themselves, to the frame, are in tests/unit/voice/test_conversation.py.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import numpy as np
 import pytest
 from harness import Harness, ScriptedLLM
 
+from app import protocol
 from app.stages.asr import Transcriber
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad
@@ -76,7 +76,7 @@ async def test_short_mid_sentence_pause_does_not_commit(shared_models, speech):
 async def test_barge_in_stops_audio_aborts_the_llm_and_cuts_the_history(shared_models, speech):
     llm = ScriptedLLM(["Once upon a time there was a dragon. ", "It lived in a cave. "], forever=True)
     harness = Harness(shared_models, llm)
-    await harness.session.handle_text(json.dumps({"type": "text", "text": "Tell me a long story."}))
+    await harness.session.handle(protocol.UserText(text="Tell me a long story."))
     await asyncio.wait_for(harness.audio_arrived.wait(), 30)
     await asyncio.sleep(1.0)  # the user hears about a second of the story, then talks over it
     await harness.speak(speech("Wait what is the capital of France?"), realtime=True, trailing_s=0.2)
@@ -99,7 +99,7 @@ async def test_barge_in_stops_audio_aborts_the_llm_and_cuts_the_history(shared_m
 async def test_a_short_noise_burst_does_not_interrupt(shared_models):
     llm = ScriptedLLM(["Once upon a time there was a dragon. ", "It lived in a cave."])
     harness = Harness(shared_models, llm)
-    await harness.session.handle_text(json.dumps({"type": "text", "text": "Tell me a story."}))
+    await harness.session.handle(protocol.UserText(text="Tell me a story."))
     await asyncio.wait_for(harness.audio_arrived.wait(), 30)
     rng = np.random.default_rng(1)
     t = np.arange(int(0.15 * 16000)) / 16000

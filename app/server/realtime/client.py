@@ -206,7 +206,7 @@ class RealtimeAdapter(Translator):
         previous = self.config
         self.config = config
         if parley:
-            await self._parley({"type": "config", **parley})
+            await self._parley(protocol.SessionConfig(**parley))
         if turn_change:
             await self._apply_turn_detection(previous.turn_detection, config.turn_detection)
         async with self._lock:
@@ -304,19 +304,18 @@ class RealtimeAdapter(Translator):
             }
         changed = {k: v for k, v in updates.items() if getattr(session.settings, k) != v}
         mode_changed = (before is None) != (after is None)
-        if changed:
-            session.settings = session.settings.model_copy(update=changed)
         if changed or mode_changed:
-            await self._drop_input()
+            await self._drop_input(changed)
 
-    async def _drop_input(self) -> None:
-        """Forget the utterance in progress and the manual buffer; a ``start`` rebuilds the session's VAD."""
+    async def _drop_input(self, tuned: dict[str, float] | None = None) -> None:
+        """Forget the utterance in progress and the manual buffer; the session rebuilds its VAD (with ``tuned``)."""
         self._manual, self._manual_samples = [], 0
         self._input = StreamResampler(REALTIME_SAMPLE_RATE, ASR_SAMPLE_RATE)
         async with self._lock:
             self._speech = None
             self._cancel_drop_timer()
-        await self._parley({"type": "start", "sample_rate": protocol.INPUT_SAMPLE_RATE})
+        if self.session is not None:
+            await self.session.tune(**(tuned or {}))
 
     # ------------------------------------------------------------------ audio
     async def _append(self, event: InputAudioBufferAppendEvent) -> None:
@@ -481,7 +480,7 @@ class RealtimeAdapter(Translator):
                     "item.content",
                 )
             self.config.instructions = instructions
-            await self._parley({"type": "config", "system_prompt": instructions})
+            await self._parley(protocol.SessionConfig(system_prompt=instructions))
         elif len(self._pending()) >= MAX_PENDING_ITEMS:
             raise RealtimeError("too_many_items", f"at most {MAX_PENDING_ITEMS} items may wait for a response.create")
         content_out = (
@@ -506,7 +505,7 @@ class RealtimeAdapter(Translator):
         played_ms = min(end_ms, int(item.audio_ms))
         if item.turn_id is not None:
             # where the client's playback stands; a later barge-in or cancel keeps only what was heard
-            await self._parley({"type": "playback", "turn_id": item.turn_id, "played_ms": played_ms})
+            await self._parley(protocol.Playback(turn_id=item.turn_id, played_ms=played_ms))
         async with self._lock:
             await self._emit(
                 {
@@ -602,25 +601,25 @@ class RealtimeAdapter(Translator):
                 await self._finish(response, "failed", "", error)
             return
         if params.instructions:
-            await self._parley({"type": "config", "system_prompt": params.instructions})
+            await self._parley(protocol.SessionConfig(system_prompt=params.instructions))
         self._typed = params
         try:
-            await self._parley({"type": "text", "text": text})
+            await self._parley(protocol.UserText(text=text))
         finally:
             self._typed = None
             if params.instructions:
-                await self._parley({"type": "config", "system_prompt": self.config.instructions})
+                await self._parley(protocol.SessionConfig(system_prompt=self.config.instructions))
 
     async def _response_cancel(self, event: ResponseCancelEvent) -> None:
         response_id = bounded(event.response_id, "response_id", MAX_ID_CHARS) or None
         response = self._response
         if response is None or (response_id is not None and response_id != response.id):
             if response_id is None and self.session is not None and self.session.busy:
-                await self._parley({"type": "cancel"})  # the last reply still plays (by Parley's estimate): stop it
+                await self._parley(protocol.Cancel())  # the last reply still plays (by Parley's estimate): stop it
                 return
             raise RealtimeError("response_cancel_not_active", "there is no active response to cancel", "response_id")
         response.cancel_reason = "client_cancelled"
-        await self._parley({"type": "cancel"})
+        await self._parley(protocol.Cancel())
         async with self._lock:
             if self._response is response:  # the session had nothing left to stop: close it here
                 await self._finish(response, "cancelled", "".join(response.text_parts).strip())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from app import protocol
 from app.audio import ASR_SAMPLE_RATE, StreamResampler
 from app.config import Settings
 from app.server.connection import AudioRateLimit
@@ -331,7 +331,7 @@ class AdapterCore:
             if item.text and self.session is not None:
                 self.session.history.append({"role": item.role, "content": item.text})
 
-    async def _parley(self, message: dict[str, Any]) -> None:
-        """A Parley client message to the session (never while holding the lock: it answers through on_parley)."""
+    async def _parley(self, message: protocol.ClientMessageType) -> None:
+        """A typed client message to the session (never while holding the lock: it answers through on_parley)."""
         if self.session is not None:
-            await self.session.handle_text(json.dumps(message))
+            await self.session.handle(message)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 from typing import Any
 
 import numpy as np
@@ -237,9 +236,7 @@ class Translator(AdapterCore):
             response.resampler = soxr.ResampleStream(message.sample_rate, REALTIME_SAMPLE_RATE, 1, dtype="float32")
         if response.modality == "text" and self.session is not None:
             # no audio is played: tell the session so, or it would count the reply as playing (barge-in, idle)
-            await self.session.handle_text(
-                json.dumps({"type": "playback", "turn_id": message.turn_id, "played_ms": 1e9})
-            )
+            await self.session.handle(protocol.Playback(turn_id=message.turn_id, played_ms=1e9))
 
     async def on_parley_audio(self, data: bytes) -> None:
         async with self._lock:

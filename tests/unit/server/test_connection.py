@@ -55,8 +55,12 @@ async def serve(socket: FakeSocket, **settings) -> tuple[State, Settings]:
         connection.send,
         run_blocking=run_inline,
     )
+
+    async def handle_json(raw: str) -> None:
+        await session.handle(protocol.parse_client_text(raw))
+
     await asyncio.wait_for(
-        connection.serve(session, session.handle_text, session.handle_audio, internal_error="{}"), timeout=10
+        connection.serve(session, handle_json, session.handle_audio, internal_error="{}"), timeout=10
     )
     return state, config
 

@@ -162,7 +162,7 @@ async def test_an_interrupted_reply_leaves_only_what_was_heard_in_the_history(co
 async def test_playback_reports_from_the_client_decide_what_was_heard(conversation):
     conv = conversation(barge_in_ms=400)
     await reply_playing(conv)
-    await conv.session.handle_text('{"type": "playback", "turn_id": 1, "played_ms": 600}')
+    await conv.session.handle(protocol.parse_client_text('{"type": "playback", "turn_id": 1, "played_ms": 600}'))
     await conv.silence(1.0)
     await conv.speak(0.5, "Stop.")
     assert conv.session.history[1]["content"] == "Once upon"  # 0.6 s of 0.25 s words, whatever the clock says
@@ -207,7 +207,7 @@ async def test_reset_forgets_the_history_and_close_aborts_the_reply(conversation
     conv = conversation()
     await conv.type("Hi.")
     assert conv.session.history
-    await conv.session.handle_text('{"type": "reset"}')
+    await conv.session.handle(protocol.parse_client_text('{"type": "reset"}'))
     assert conv.session.history == []
     conv.llm.hold = asyncio.Event()  # a reply that is still streaming
     await conv.type("Tell me more.")
@@ -238,7 +238,7 @@ async def test_cancel_stops_the_reply_and_keeps_what_was_heard(conversation):
     conv = conversation()
     await reply_playing(conv)
     await conv.silence(1.0)
-    await conv.session.handle_text('{"type": "cancel"}')
+    await conv.session.handle(protocol.parse_client_text('{"type": "cancel"}'))
     assert conv.of(protocol.Interrupt)[-1].turn_id == 1
     done = conv.of(protocol.TurnDone)[-1]
     assert done.interrupted and not done.metrics.barge_in  # stopped by the client, not by speech
@@ -250,15 +250,17 @@ async def test_cancel_stops_the_reply_and_keeps_what_was_heard(conversation):
 
 async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(conversation):
     conv = conversation()
-    await conv.session.handle_text(
-        '{"type": "config", "system_prompt": "Answer like a pirate.", "voice": "other-tone"}'
+    await conv.session.handle(
+        protocol.parse_client_text(
+            '{"type": "config", "system_prompt": "Answer like a pirate.", "voice": "other-tone"}'
+        )
     )
     applied = conv.of(protocol.ConfigApplied)[-1]
     assert applied.system_prompt == "Answer like a pirate." and applied.voice == "other-tone" and applied.barge_in
     await conv.type("Hello?")
     assert conv.llm.calls[-1][0] == {"role": "system", "content": "Answer like a pirate."}
-    await conv.session.handle_text('{"type": "config", "voice": "nobody"}')
-    await conv.session.handle_text('{"type": "config", "language": "fr"}')
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "voice": "nobody"}'))
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "language": "fr"}'))
     errors = [e for e in conv.of(protocol.Error) if e.code == "bad_config"]
     assert len(errors) == 2 and "nobody" in errors[0].message and "'fr'" in errors[1].message
     assert conv.session.prefs.voice == "other-tone"  # a rejected config changes nothing
@@ -266,7 +268,7 @@ async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(co
 
 async def test_without_barge_in_speech_does_not_interrupt(conversation):
     conv = conversation()
-    await conv.session.handle_text('{"type": "config", "barge_in": false}')
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "barge_in": false}'))
     await reply_playing(conv)
     await conv.speak(1.0, "Hello there, listen.")
     assert not conv.of(protocol.Interrupt)
@@ -274,7 +276,7 @@ async def test_without_barge_in_speech_does_not_interrupt(conversation):
 
 async def test_half_duplex_ignores_the_microphone_while_the_reply_plays(conversation):
     conv = conversation()
-    await conv.session.handle_text('{"type": "config", "half_duplex": true}')
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "half_duplex": true}'))
     await reply_playing(conv)
     await conv.speak(1.0, "This is the speaker's echo.")
     await conv.silence(1.0)
@@ -364,7 +366,7 @@ async def test_the_session_language_reaches_every_transcription(conversation):
     await conv.speak(0.6, "Hello.")
     await conv.silence_until(committed(conv))
     assert set(conv.asr.languages_asked) == {"en"}
-    await conv.session.handle_text('{"type": "config", "language": ""}')  # detect it
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "language": ""}'))  # detect it
     conv.asr.languages_asked.clear()
     await conv.speak(0.6, "Hallo.")
     await conv.silence_until(lambda: len(conv.finals()) == 2)
@@ -412,7 +414,9 @@ async def test_without_confirmation_sustained_speech_interrupts_whatever_it_says
 
 async def test_a_turn_in_another_language_gets_that_language_s_voice_and_reply(conversation):
     conv = conversation()
-    await conv.session.handle_text('{"type": "config", "language": ""}')  # detect it (the fake hears German)
+    await conv.session.handle(
+        protocol.parse_client_text('{"type": "config", "language": ""}')
+    )  # detect it (the fake hears German)
     await conv.speak(0.8, "Wie spät ist es?")
     await conv.silence_until(committed(conv))
     await conv.settle()
@@ -425,7 +429,7 @@ async def test_a_turn_in_another_language_gets_that_language_s_voice_and_reply(c
 async def test_a_language_without_a_voice_is_answered_in_the_default_one_with_a_notice(conversation):
     conv = conversation()
     conv.session.models.tts.voice_for = lambda language: "tone" if language == "en" else None
-    await conv.session.handle_text('{"type": "config", "language": ""}')
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "language": ""}'))
     for _ in range(2):
         await conv.speak(0.8, "Wie spät ist es?")
         await conv.silence(1.5)
@@ -436,7 +440,7 @@ async def test_a_language_without_a_voice_is_answered_in_the_default_one_with_a_
 
 async def test_a_voice_the_client_chose_answers_in_every_language(conversation):
     conv = conversation()
-    await conv.session.handle_text('{"type": "config", "language": "", "voice": "tone"}')
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "language": "", "voice": "tone"}'))
     await conv.speak(0.8, "Wie spät ist es?")
     await conv.silence_until(committed(conv))
     await conv.settle()
