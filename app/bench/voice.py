@@ -40,6 +40,7 @@ from app.bench.launcher import ServerProcess
 from app.bench.samples import synthesize_speech, trim_to_speech, with_pause
 from app.clients.core import CLIENT_MEASURED, VoiceClient
 from app.voice.text import words
+from engine.metrics import percentile
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -108,10 +109,6 @@ class TurnRecord:
             "spoken_over": self.spoken_over,
             "reply_stopped": self.reply_stopped,
         }
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 @dataclass(frozen=True)

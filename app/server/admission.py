@@ -25,13 +25,9 @@ from pathlib import Path
 
 from app import protocol
 from app.config import Settings
+from engine.metrics import percentile
 
 log = logging.getLogger(__name__)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class LatencyBreaker:
@@ -56,11 +52,11 @@ class LatencyBreaker:
 
     def p95(self) -> float | None:
         recent = self._recent()
-        return percentile([value for _, value in recent], 0.95) if recent else None
+        return percentile([value for _, value in recent], 95)
 
     def open(self) -> bool:
         recent = self._recent()
-        return len(recent) >= self.min_samples and percentile([v for _, v in recent], 0.95) > self.threshold_ms
+        return len(recent) >= self.min_samples and percentile([v for _, v in recent], 95) > self.threshold_ms
 
     def retry_after_s(self) -> float:
         """When enough of the slow samples will have aged out for the breaker to be able to close."""

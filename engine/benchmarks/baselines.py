@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.metrics import percentile
+
 log = logging.getLogger(__name__)
+
+
+def _ms(seconds: float | None) -> float:
+    return float("nan") if seconds is None else 1000 * seconds
 
 
 @dataclass(frozen=True)
@@ -42,22 +48,11 @@ class RunResult:
 
     @property
     def ttft_p50_ms(self) -> float:
-        return 1000 * percentile(self.ttfts_s, 50)
+        return _ms(percentile(self.ttfts_s, 50))
 
     @property
     def ttft_p95_ms(self) -> float:
-        return 1000 * percentile(self.ttfts_s, 95)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method) without numpy."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+        return _ms(percentile(self.ttfts_s, 95))
 
 
 def load_hf_model(path, dtype: torch.dtype):
