@@ -29,8 +29,9 @@ import numpy as np
 from app import protocol
 from app.bench.launcher import ServerProcess
 from app.bench.samples import synthesize_speech
+from app.bench.user import VoiceClient
 from app.bench.voice import QUESTIONS
-from app.clients.core import ServerRefused, VoiceClient
+from app.clients.core import ServerRefused
 from engine.metrics import percentile
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from app import protocol
 from app.bench.launcher import ServerProcess
 from app.bench.samples import synthesize_speech, trim_to_speech, with_pause
-from app.clients.core import CLIENT_MEASURED, VoiceClient
+from app.bench.user import CLIENT_MEASURED, VoiceClient
 from app.voice.text import words
 from engine.metrics import percentile
 

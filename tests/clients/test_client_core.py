@@ -21,18 +21,16 @@ from websockets.frames import Close
 
 from app import protocol
 from app.audio import float_to_pcm16
+from app.bench.user import CLIENT_MEASURED, TurnResult, speak_turn
 from app.clients import core
 from app.clients.core import (
-    CLIENT_MEASURED,
     STAGE_LABELS,
     Connection,
     ConnectionRefused,
-    TurnResult,
     backoff_delays,
     decode,
     describe_failure,
     open_connection,
-    speak_turn,
     stay_connected,
 )
 
@@ -403,6 +401,6 @@ def test_the_core_is_the_only_websocket_client():
     from pathlib import Path
 
     root = Path(core.__file__).resolve().parents[1]
-    for path in [root / "clients" / "mic.py", root / "bench" / "voice.py"]:
+    for path in [root / "clients" / "mic.py", root / "bench" / "voice.py", root / "bench" / "user.py"]:
         source = path.read_text()
         assert "json.loads" not in source and "websockets.connect" not in source, path

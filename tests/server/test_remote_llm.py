@@ -9,7 +9,7 @@ import pytest
 from harness import NO_BREAKER, TEST_MAX_SESSIONS, assert_barged_in, talk_over_a_long_reply
 
 from app.bench.launcher import ServerProcess
-from app.clients.core import speak_turn
+from app.bench.user import speak_turn
 from app.voice.text import words
 
 

@@ -13,7 +13,8 @@ from harness import assert_barged_in, talk_over_a_long_reply
 
 from app import protocol
 from app.audio import resample
-from app.clients.core import decode, speak_turn
+from app.bench.user import speak_turn
+from app.clients.core import decode
 from app.stages.asr import Transcriber
 from app.voice.text import words
 
