@@ -1,5 +1,5 @@
 #!/bin/sh
-# Parley's install steps, in one place: the Dockerfile runs this, tests/test_docker.py runs it in a
+# Parley's install steps, in one place: the Dockerfile runs this, tests/docker/test_docker.py runs it in a
 # fresh venv (with the CPU torch) so the image's steps cannot silently rot, and `make setup` could too
 # (EXTRAS=test docker/install.sh .venv).
 #

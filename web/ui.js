@@ -19,7 +19,7 @@ export const STATUS_TEXT = {
 };
 
 // The per-turn figures of `turn_done.metrics`, named exactly as TurnMetrics in app/protocol.py
-// (tests/clients/test_web_metric_names.py checks them), in the order the tooltip lists them.
+// (tests/web/test_web_metric_names.py checks them), in the order the tooltip lists them.
 export const METRIC_LABELS = {
   voice_to_voice_ms: "voice to voice (ms)",
   endpoint_ms: "endpoint (ms)",
