@@ -8,7 +8,6 @@ generation and frees its resources.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 import uuid
@@ -106,24 +105,6 @@ class TransformersChatLLM:
         if event:
             event.set()
 
-    def pause(self, request_id: str, max_s: float) -> None:
-        pass  # generate() runs to the end once started
-
-    def resume(self, request_id: str) -> None:
-        pass
-
-    def yield_to_others(self, request_id: str, max_s: float) -> None:
-        pass
-
-    def set_urgent_first_tokens(self, n: int) -> None:
-        pass
-
-    def core_lent(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    async def warm(self, messages: list[Message]) -> None:
-        pass  # generate() keeps no cache between calls
-
     async def health(self) -> tuple[bool, str]:
         return True, "loaded"
 
@@ -133,7 +114,10 @@ class TransformersChatLLM:
 
 
 class EngineChatLLM:
-    """The in-process Parley engine (continuous batching, paged KV cache with prefix reuse)."""
+    """The in-process Parley engine (continuous batching, paged KV cache with prefix reuse).
+
+    The one backend with ``LocalScheduling``: it shares this machine's cores with the voice models.
+    """
 
     name = "engine"
 
@@ -303,24 +287,6 @@ class OpenAIChatLLM:
 
     def abort(self, request_id: str) -> None:
         pass  # closing the stream (the session does) is the abort
-
-    def pause(self, request_id: str, max_s: float) -> None:
-        pass  # the server is elsewhere: its cores are not ours to free
-
-    def resume(self, request_id: str) -> None:
-        pass
-
-    def yield_to_others(self, request_id: str, max_s: float) -> None:
-        pass
-
-    def set_urgent_first_tokens(self, n: int) -> None:
-        pass
-
-    def core_lent(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    async def warm(self, messages: list[Message]) -> None:
-        pass  # the server's own prefix cache (vLLM, SGLang) fills on the next turn
 
     async def health(self) -> tuple[bool, str]:
         """Asks the server's ``/models`` at most every ``HEALTH_TTL_S`` (health checks must not load it)."""

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 
 from app.config import Settings
 from app.stages.asr import Transcriber
-from app.stages.base import ChatLLM, GenerationSettings, Synthesizer, TurnDetector, VadConfig, VoiceStages
+from app.stages.base import (
+    ChatLLM,
+    GenerationSettings,
+    Synthesizer,
+    TurnDetector,
+    VadConfig,
+    VoiceStages,
+    scheduling_of,
+)
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad, VadStream
 
@@ -48,7 +56,8 @@ def set_open_sessions(models: VoiceStages, settings: Settings, count: int) -> No
     solo = settings.solo_speedups and count == 1
     models.solo = solo
     base = settings.llm_prefill_threads_first_tokens
-    models.llm.set_urgent_first_tokens(max(base, SOLO_FIRST_TOKENS) if solo else base)
+    if (scheduling := scheduling_of(models.llm)) is not None:
+        scheduling.set_urgent_first_tokens(max(base, SOLO_FIRST_TOKENS) if solo else base)
 
 
 def llm_dtype(setting: str, device: str) -> str:
