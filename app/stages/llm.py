@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 
 from app.stages.base import ChatLLM, GenerationSettings, Message
+from engine.config import EngineConfig
 
 HEALTH_TTL_S = 5.0
 
@@ -121,34 +122,9 @@ class EngineChatLLM:
 
     name = "engine"
 
-    def __init__(
-        self,
-        model: str = "bundled",
-        dtype: str = "bfloat16",
-        quantization: str | None = None,
-        device: str = "cpu",
-        settings: GenerationSettings | None = None,
-        num_threads: int | None = None,
-        prefill_threads: int | None = None,
-        prefill_threads_first_tokens: int = 0,
-        int8_method: str = "auto",
-        gpu_memory_fraction: float = 0.9,
-        cuda_graphs: bool = True,
-    ) -> None:
-        from engine import AsyncLLMEngine, EngineConfig
+    def __init__(self, config: EngineConfig, settings: GenerationSettings | None = None) -> None:
+        from engine import AsyncLLMEngine
 
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            quantization=quantization,
-            int8_method=int8_method,
-            device=device,
-            num_threads=num_threads,
-            prefill_threads=prefill_threads,
-            prefill_threads_first_tokens=prefill_threads_first_tokens,
-            gpu_memory_fraction=gpu_memory_fraction,
-            cuda_graphs=cuda_graphs,
-        )
         self.engine = AsyncLLMEngine(config)
         self.description = self.engine.engine.describe()  # the kernels in use, for the start-up line
         self.settings = settings or GenerationSettings()
