@@ -107,8 +107,17 @@ class ScriptedTurnModel:
         return self.probability
 
 
+class CoreOnlyLLM:
+    """A ``ChatLLM`` without ``LocalScheduling`` (as a remote server is): the scripted one's core, and nothing more."""
+
+    def __init__(self, scripted: ScriptedLLM) -> None:
+        self.name, self.context_tokens = scripted.name, scripted.context_tokens
+        self.count_tokens, self.stream, self.abort = scripted.count_tokens, scripted.stream, scripted.abort
+        self.health, self.close = scripted.health, scripted.close
+
+
 class FakeStages:
-    def __init__(self, asr: ScriptedASR, llm: ScriptedLLM, turn: ScriptedTurnModel | None = None) -> None:
+    def __init__(self, asr: ScriptedASR, llm: ScriptedLLM | CoreOnlyLLM, turn: ScriptedTurnModel | None = None) -> None:
         self.asr, self.llm, self.tts, self.turn = asr, llm, WordTTS(), turn
         self.solo = False
 
@@ -117,10 +126,18 @@ class FakeStages:
 
 
 class Conversation:
-    """One ``VoiceSession`` on fake stages; records every event and the reply audio it sends."""
+    """One ``VoiceSession`` on fake stages; records every event and the reply audio it sends.
+
+    ``llm_scheduling=False`` gives the session the LLM's core alone (``CoreOnlyLLM``); ``llm`` still records it.
+    """
 
     def __init__(
-        self, asr_text: str = "", llm_pieces: list[str] | None = None, turn_probability=None, **settings
+        self,
+        asr_text: str = "",
+        llm_pieces: list[str] | None = None,
+        turn_probability=None,
+        llm_scheduling: bool = True,
+        **settings,
     ) -> None:
         self.clock = ManualClock()
         self.asr = ScriptedASR(asr_text)
@@ -129,7 +146,11 @@ class Conversation:
         self.audio_s = 0.0
         self.metrics: list[protocol.TurnMetrics] = []
         self.session = VoiceSession(
-            FakeStages(self.asr, self.llm, None if turn_probability is None else ScriptedTurnModel(turn_probability)),
+            FakeStages(
+                self.asr,
+                self.llm if llm_scheduling else CoreOnlyLLM(self.llm),
+                None if turn_probability is None else ScriptedTurnModel(turn_probability),
+            ),
             Settings(**settings),
             self._send_json,
             self._send_bytes,

@@ -20,7 +20,8 @@ from app.voice.session import VoiceSession
 
 
 class ScriptedLLM:
-    """A ``ChatLLM`` that streams fixed pieces, and records what it was asked.
+    """A ``ChatLLM`` with ``LocalScheduling`` (as the engine has) that streams fixed pieces, and records what it
+    was asked.
 
     ``gate`` (if set) must open before the pieces after the first; ``forever`` keeps adding
     " more1", " more2", ...; ``hold`` (an event) keeps the stream open after the pieces until it is set.

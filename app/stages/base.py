@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -100,7 +100,11 @@ class GenerationSettings:
 
 
 class ChatLLM(Protocol):
-    """The one interface the voice app uses to reach an LLM: an async text stream with abort."""
+    """The one interface the voice app uses to reach an LLM: an async text stream with abort.
+
+    The in-process engine also schedules its requests beside the voice models: that is a capability
+    apart (``LocalScheduling``, found with ``scheduling_of``), so remote backends implement only this.
+    """
 
     name: str
     context_tokens: int | None  # prompt + reply tokens the model takes; None when unknown (a remote server)
@@ -115,37 +119,47 @@ class ChatLLM(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    async def health(self) -> tuple[bool, str]:
+        """Can it answer now? (``/healthz`` reports this; False makes the server say 503.)"""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class LocalScheduling(Protocol):
+    """An LLM that runs on this machine's cores, beside speech recognition and synthesis: the voice app
+    tells it which request may wait, and when to leave cores to the others. Only the in-process engine
+    has it; elsewhere (a remote server, plain transformers) the voice app skips these calls."""
+
     def pause(self, request_id: str, max_s: float) -> None:
         """Generate no more of ``request_id`` for at most ``max_s`` seconds, until ``resume`` (while its first
-        spoken piece is synthesized on every core); a no-op where the LLM runs elsewhere."""
+        spoken piece is synthesized on every core)."""
         ...
 
     def resume(self, request_id: str) -> None: ...
 
     def yield_to_others(self, request_id: str, max_s: float) -> None:
         """For at most ``max_s`` seconds, generate ``request_id`` only when no other request needs the LLM
-        (its listener has seconds of audio still to hear); a no-op where the LLM runs elsewhere."""
+        (its listener has seconds of audio still to hear)."""
         ...
 
     def set_urgent_first_tokens(self, n: int) -> None:
-        """Decode the first ``n`` tokens of a lone request on every core (the server's solo mode); a no-op
-        where the LLM runs elsewhere."""
+        """Decode the first ``n`` tokens of a lone request on every core (the server's solo mode)."""
         ...
 
     def core_lent(self) -> AbstractContextManager[None]:
-        """While open, another model (the end-of-turn model) runs on one core: the LLM steps on the
-        others; a no-op where the LLM runs elsewhere."""
+        """While open, another model (the end-of-turn model) runs on one core: the LLM steps on the others."""
         ...
 
     async def warm(self, messages: list[Message]) -> None:
-        """Compute (and cache) the KV of ``messages`` as the start of a later prompt; a no-op without a prefix cache."""
+        """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache)."""
         ...
 
-    async def health(self) -> tuple[bool, str]:
-        """Can it answer now? (``/healthz`` reports this; False makes the server say 503.)"""
-        ...
 
-    def close(self) -> None: ...
+def scheduling_of(llm: ChatLLM) -> LocalScheduling | None:
+    """The LLM's ``LocalScheduling``, or None where it has none (the caller then skips the work)."""
+    return llm if isinstance(llm, LocalScheduling) else None
 
 
 # ---------------------------------------------------------------- TTS

@@ -8,7 +8,6 @@ generation and frees its resources.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 import uuid
@@ -16,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 
 from app.stages.base import ChatLLM, GenerationSettings, Message
+from engine.config import EngineConfig
 
 HEALTH_TTL_S = 5.0
 
@@ -106,24 +106,6 @@ class TransformersChatLLM:
         if event:
             event.set()
 
-    def pause(self, request_id: str, max_s: float) -> None:
-        pass  # generate() runs to the end once started
-
-    def resume(self, request_id: str) -> None:
-        pass
-
-    def yield_to_others(self, request_id: str, max_s: float) -> None:
-        pass
-
-    def set_urgent_first_tokens(self, n: int) -> None:
-        pass
-
-    def core_lent(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    async def warm(self, messages: list[Message]) -> None:
-        pass  # generate() keeps no cache between calls
-
     async def health(self) -> tuple[bool, str]:
         return True, "loaded"
 
@@ -133,38 +115,16 @@ class TransformersChatLLM:
 
 
 class EngineChatLLM:
-    """The in-process Parley engine (continuous batching, paged KV cache with prefix reuse)."""
+    """The in-process Parley engine (continuous batching, paged KV cache with prefix reuse).
+
+    The one backend with ``LocalScheduling``: it shares this machine's cores with the voice models.
+    """
 
     name = "engine"
 
-    def __init__(
-        self,
-        model: str = "bundled",
-        dtype: str = "bfloat16",
-        quantization: str | None = None,
-        device: str = "cpu",
-        settings: GenerationSettings | None = None,
-        num_threads: int | None = None,
-        prefill_threads: int | None = None,
-        prefill_threads_first_tokens: int = 0,
-        int8_method: str = "auto",
-        gpu_memory_fraction: float = 0.9,
-        cuda_graphs: bool = True,
-    ) -> None:
-        from engine import AsyncLLMEngine, EngineConfig
+    def __init__(self, config: EngineConfig, settings: GenerationSettings | None = None) -> None:
+        from engine import AsyncLLMEngine
 
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            quantization=quantization,
-            int8_method=int8_method,
-            device=device,
-            num_threads=num_threads,
-            prefill_threads=prefill_threads,
-            prefill_threads_first_tokens=prefill_threads_first_tokens,
-            gpu_memory_fraction=gpu_memory_fraction,
-            cuda_graphs=cuda_graphs,
-        )
         self.engine = AsyncLLMEngine(config)
         self.description = self.engine.engine.describe()  # the kernels in use, for the start-up line
         self.settings = settings or GenerationSettings()
@@ -303,24 +263,6 @@ class OpenAIChatLLM:
 
     def abort(self, request_id: str) -> None:
         pass  # closing the stream (the session does) is the abort
-
-    def pause(self, request_id: str, max_s: float) -> None:
-        pass  # the server is elsewhere: its cores are not ours to free
-
-    def resume(self, request_id: str) -> None:
-        pass
-
-    def yield_to_others(self, request_id: str, max_s: float) -> None:
-        pass
-
-    def set_urgent_first_tokens(self, n: int) -> None:
-        pass
-
-    def core_lent(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    async def warm(self, messages: list[Message]) -> None:
-        pass  # the server's own prefix cache (vLLM, SGLang) fills on the next turn
 
     async def health(self) -> tuple[bool, str]:
         """Asks the server's ``/models`` at most every ``HEALTH_TTL_S`` (health checks must not load it)."""

@@ -9,9 +9,18 @@ from dataclasses import dataclass
 
 from app.config import Settings
 from app.stages.asr import Transcriber
-from app.stages.base import ChatLLM, GenerationSettings, Synthesizer, TurnDetector, VadConfig, VoiceStages
+from app.stages.base import (
+    ChatLLM,
+    GenerationSettings,
+    Synthesizer,
+    TurnDetector,
+    VadConfig,
+    VoiceStages,
+    scheduling_of,
+)
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad, VadStream
+from engine.config import EngineConfig
 
 
 @dataclass
@@ -48,7 +57,8 @@ def set_open_sessions(models: VoiceStages, settings: Settings, count: int) -> No
     solo = settings.solo_speedups and count == 1
     models.solo = solo
     base = settings.llm_prefill_threads_first_tokens
-    models.llm.set_urgent_first_tokens(max(base, SOLO_FIRST_TOKENS) if solo else base)
+    if (scheduling := scheduling_of(models.llm)) is not None:
+        scheduling.set_urgent_first_tokens(max(base, SOLO_FIRST_TOKENS) if solo else base)
 
 
 def llm_dtype(setting: str, device: str) -> str:
@@ -86,25 +96,28 @@ def llm_quantization(setting: str, device: str) -> str | None:
     return None if setting == "none" else setting
 
 
+def llm_engine_config(settings: Settings) -> EngineConfig:
+    """The in-process engine's settings, from the app's."""
+    return EngineConfig(
+        model=settings.llm_model,
+        dtype=llm_dtype(settings.llm_dtype, settings.llm_device),
+        quantization=llm_quantization(settings.llm_quantization, settings.llm_device),
+        int8_method=settings.llm_int8_method,
+        device=settings.llm_device,
+        num_threads=settings.llm_threads,
+        prefill_threads=settings.llm_prefill_threads or os.cpu_count(),
+        prefill_threads_first_tokens=settings.llm_prefill_threads_first_tokens,
+        gpu_memory_fraction=settings.llm_gpu_memory_fraction,
+        cuda_graphs=settings.llm_cuda_graphs,
+    )
+
+
 def make_llm(settings: Settings) -> ChatLLM:
     generation = GenerationSettings(max_tokens=settings.llm_max_tokens, temperature=settings.llm_temperature)
     if settings.llm_backend == "engine":
         from app.stages.llm import EngineChatLLM
 
-        dtype = llm_dtype(settings.llm_dtype, settings.llm_device)
-        return EngineChatLLM(
-            settings.llm_model,
-            dtype,
-            llm_quantization(settings.llm_quantization, settings.llm_device),
-            settings.llm_device,
-            settings=generation,
-            num_threads=settings.llm_threads,
-            prefill_threads=settings.llm_prefill_threads or os.cpu_count(),
-            prefill_threads_first_tokens=settings.llm_prefill_threads_first_tokens,
-            int8_method=settings.llm_int8_method,
-            gpu_memory_fraction=settings.llm_gpu_memory_fraction,
-            cuda_graphs=settings.llm_cuda_graphs,
-        )
+        return EngineChatLLM(llm_engine_config(settings), settings=generation)
     if settings.llm_backend == "transformers":
         from app.stages.llm import TransformersChatLLM
 

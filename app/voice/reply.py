@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from app import protocol
 from app.audio import float_to_pcm16, trim_leading_quiet
-from app.stages.base import ChatLLM, Message, Synthesizer
+from app.stages.base import ChatLLM, Message, Synthesizer, scheduling_of
 from app.voice.clock import Clock, RunBlocking
 from app.voice.playback import ReplyPlayback
 from app.voice.text import FIRST_PHRASE_MAX_WORDS, SentenceSplitter, loop_end, speakable, words
@@ -90,6 +90,7 @@ class Reply:
         self.speech_end = 0.0  # wall time the user's speech ended (start of voice-to-voice)
         self.commit = 0.0  # wall time the turn was committed (0 while speculative)
         self._llm, self._tts = llm, tts
+        self._scheduling = scheduling_of(llm)  # None: the LLM is not on our cores, nothing to pause or yield
         self._send_json, self._send_bytes = send_json, send_bytes
         self._clock, self._run = clock, run_blocking
         self._first_clause_chars = first_clause_chars
@@ -241,8 +242,9 @@ class Reply:
             tts_started = self._clock.now()
             first = self.metrics.tts_first_audio_ms is None
             urgent = first and self._first_piece_priority
-            if urgent:
-                self._llm.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
+            paused = self._scheduling if urgent else None  # the LLM waits while this piece is synthesized
+            if paused is not None:
+                paused.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
             deadline = self._runs_dry_at(tts_started)
             try:
                 audio = await self._run(
@@ -251,8 +253,8 @@ class Reply:
                     )
                 )
             finally:
-                if urgent:
-                    self._llm.resume(self.request_id)
+                if paused is not None:
+                    paused.resume(self.request_id)
             if first:
                 if audio:
                     audio[0] = trim_leading_quiet(audio[0], sample_rate, LEAD_KEEP_MS)
@@ -273,8 +275,8 @@ class Reply:
         """Let other replies' LLM steps go first while this one's listener has audio enough (``yield_ahead_s``)."""
         now = self._clock.now()
         ahead_s = self._runs_dry_at(now) - now
-        if self._yield_ahead_s and ahead_s > self._yield_ahead_s:
-            self._llm.yield_to_others(self.request_id, ahead_s - self._yield_ahead_s)
+        if self._scheduling is not None and self._yield_ahead_s and ahead_s > self._yield_ahead_s:
+            self._scheduling.yield_to_others(self.request_id, ahead_s - self._yield_ahead_s)
 
 
 def _repeats(piece: str, said: list[str]) -> bool:

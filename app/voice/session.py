@@ -30,7 +30,7 @@ import numpy as np
 from app import protocol
 from app.audio import ASR_SAMPLE_RATE, StreamResampler, pcm16_to_float
 from app.config import Settings
-from app.stages.base import ChatLLM, Message, TurnDetector, VadConfig, VoiceStages
+from app.stages.base import ChatLLM, Message, TurnDetector, VadConfig, VoiceStages, scheduling_of
 from app.voice import utterance as heard
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
 from app.voice.context import Fitted
@@ -49,7 +49,7 @@ BARGE_IN_RECHECK_MS = 300  # after a backchannel verdict, listen this much more 
 
 @dataclass(frozen=True)
 class BesideTheLLM:
-    """The end-of-turn model, run with one core lent to it by the LLM (``ChatLLM.core_lent``).
+    """The end-of-turn model, run with one core lent to it by the LLM (``LocalScheduling.core_lent``).
 
     It runs at each pause, just as a speculative reply's first tokens are written on every core;
     a step split over the core it takes waits for its slowest thread. On the 2-core Xeon, six
@@ -61,7 +61,9 @@ class BesideTheLLM:
     llm: ChatLLM
 
     def complete_probability(self, audio: np.ndarray) -> float:
-        with self.llm.core_lent():
+        if (scheduling := scheduling_of(self.llm)) is None:
+            return self.detector.complete_probability(audio)
+        with scheduling.core_lent():
             return self.detector.complete_probability(audio)
 
 
@@ -513,7 +515,8 @@ class VoiceSession:
 
     async def _warm(self, messages: list[Message]) -> None:
         try:
-            await self.models.llm.warm(messages)
+            if (scheduling := scheduling_of(self.models.llm)) is not None:
+                await scheduling.warm(messages)
         except asyncio.CancelledError:
             raise
         except Exception:  # only an optimisation: the next turn computes it anyway

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from app.stages.llm import EngineChatLLM, GenerationSettings
+from engine.config import EngineConfig
 
 
 @pytest.fixture(scope="module")
 def llm():
-    backend = EngineChatLLM(num_threads=1, settings=GenerationSettings(max_tokens=3, temperature=0.0))
+    config = EngineConfig(dtype="bfloat16", device="cpu", num_threads=1)
+    backend = EngineChatLLM(config, settings=GenerationSettings(max_tokens=3, temperature=0.0))
     yield backend
     backend.close()
 

@@ -541,17 +541,19 @@ async def test_the_tail_starts_before_the_pause_only_while_the_session_is_alone(
 
 
 def test_the_solo_speedups_apply_while_exactly_one_session_is_open():
+    from harness import ScriptedLLM
+
     from app.config import Settings
     from app.stages.registry import SOLO_FIRST_TOKENS, set_open_sessions
 
-    class EngineLLM:
+    class EngineLLM(ScriptedLLM):
         first_tokens: list[int] = []
 
         def set_urgent_first_tokens(self, n: int) -> None:
             self.first_tokens.append(n)
 
     class Models:
-        llm, solo = EngineLLM(), False
+        llm, solo = EngineLLM([]), False
 
     models = Models()
     settings = Settings(llm_prefill_threads_first_tokens=3)
