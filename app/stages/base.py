@@ -1,7 +1,7 @@
 """The narrow interfaces of the model stages, and the typed values they pass along.
 
 The conversation (``app.voice``) depends on these alone: it never imports a model library,
-so it can be driven in tests by scripted stand-ins (``tests/unit/fakes.py``). The real
+so it can be driven in tests by scripted stand-ins (``tests/fakes.py``). The real
 backends live beside this module (``vad``, ``asr``, ``llm``, ``tts``, ``tts_coqui``) and are
 loaded once, for all sessions, by ``registry``.
 """

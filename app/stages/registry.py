@@ -20,7 +20,7 @@ from app.stages.base import (
 )
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad, VadStream
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_dtype, resolve_quantization
 
 
 @dataclass
@@ -61,47 +61,12 @@ def set_open_sessions(models: VoiceStages, settings: Settings, count: int) -> No
         scheduling.set_urgent_first_tokens(max(base, SOLO_FIRST_TOKENS) if solo else base)
 
 
-def llm_dtype(setting: str, device: str) -> str:
-    """``auto``: bfloat16 where the hardware computes it (CUDA, CPUs with AVX512-BF16/AMX), else float32.
-
-    Measured with `parley bench voice` on an AMD EPYC without native bf16 (oneDNN emulates it):
-    LLM time to first token p50 676 ms in bfloat16 against 212 ms in float32 (voice-to-voice
-    1733 -> 1357 ms); on a CPU with native bf16, bfloat16 was the faster (TTFT 66 ms).
-    """
-    if setting != "auto":
-        return setting
-    if device.startswith("cuda"):
-        return "bfloat16"
-    import torch
-
-    from engine.layers.linear import onednn_packing_available
-
-    return "bfloat16" if onednn_packing_available(torch.bfloat16, "cpu") else "float32"
-
-
-def llm_quantization(setting: str, device: str) -> str | None:
-    """``auto``: int8 weights on the CPU (whatever ``llm_dtype`` is: int8 runs bf16 activations), none on CUDA.
-
-    A voice reply waits for its first spoken piece (~8 tokens), so decode speed counts more than
-    prefill speed. On the AMD EPYC without native bf16, int8 decoded the bundled model in 30-33
-    ms a token against 50-57 ms in float32 (`parley bench voice`, back to back: voice-to-voice
-    p50 1556 -> 1264 ms). On a Xeon with native bf16 (AMX), int8 (with bf16 activations) decoded
-    one stream in 14 ms a token against 22 ms in bfloat16, though its first token came 16 ms
-    later (58 against 42 ms); `parley bench voice --clients 1 --turns 24 --snr-db 20 --rates
-    0.9,1,1.15`, alternated: heard p50 704, 642 -> 578, 560 ms (README). Its perplexity is
-    within 0.3 % of float32's (`parley doctor`).
-    """
-    if setting == "auto":
-        return None if device.startswith("cuda") else "int8"
-    return None if setting == "none" else setting
-
-
 def llm_engine_config(settings: Settings) -> EngineConfig:
     """The in-process engine's settings, from the app's."""
     return EngineConfig(
         model=settings.llm_model,
-        dtype=llm_dtype(settings.llm_dtype, settings.llm_device),
-        quantization=llm_quantization(settings.llm_quantization, settings.llm_device),
+        dtype=resolve_dtype(settings.llm_dtype, settings.llm_device),
+        quantization=resolve_quantization(settings.llm_quantization, settings.llm_device),
         int8_method=settings.llm_int8_method,
         device=settings.llm_device,
         num_threads=settings.llm_threads,
@@ -122,7 +87,7 @@ def make_llm(settings: Settings) -> ChatLLM:
         from app.stages.llm import TransformersChatLLM
 
         return TransformersChatLLM(
-            settings.llm_model, dtype=llm_dtype(settings.llm_dtype, settings.llm_device), settings=generation
+            settings.llm_model, dtype=resolve_dtype(settings.llm_dtype, settings.llm_device), settings=generation
         )
     if not settings.llm_url:
         raise ValueError("llm_backend 'openai' needs llm_url (e.g. --llm-url http://127.0.0.1:8001/v1)")
@@ -153,7 +118,7 @@ def make_turn_detector(settings: Settings, progress: Callable[[str], None] = pri
     """Smart Turn v3, or None (the words alone decide) when it is off or not installed."""
     if settings.turn_model == "none":
         return None
-    from app.stages.turn import SmartTurn
+    from app.stages.end_of_turn import SmartTurn
 
     try:
         return SmartTurn(threads=1)

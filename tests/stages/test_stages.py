@@ -159,28 +159,6 @@ def test_asr_falls_back_to_the_cpu_loudly_when_cuda_cannot_run_it(monkeypatch, c
     assert asr.transcribe(np.zeros(16_000, np.float32)).text == ""
 
 
-def test_llm_dtype_auto_follows_the_hardware(monkeypatch):
-    import torch
-
-    from app.stages.registry import llm_dtype
-
-    assert llm_dtype("float16", "cpu") == "float16"  # an explicit choice is kept
-    assert llm_dtype("auto", "cuda") == "bfloat16"
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
-    assert llm_dtype("auto", "cpu") == "bfloat16"
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
-    assert llm_dtype("auto", "cpu") == "float32"
-
-
-def test_llm_quantization_auto_is_int8_on_the_cpu():
-    from app.stages.registry import llm_quantization
-
-    assert llm_quantization("auto", "cpu") == "int8"  # whatever llm_dtype is: it decodes faster than bf16 there
-    assert llm_quantization("auto", "cuda") is None
-    assert llm_quantization("none", "cpu") is None  # an explicit choice is kept
-    assert llm_quantization("int4", "cpu") == "int4"
-
-
 def test_numpy_blas_runs_on_one_thread_once_the_models_load():
     """numpy's OpenBLAS workers spin after each call and took a core from Whisper (registry.one_blas_thread)."""
     from threadpoolctl import threadpool_info, threadpool_limits

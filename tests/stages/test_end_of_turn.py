@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from app.bench.samples import synthesize_speech, trim_to_speech
-from app.stages.turn import SmartTurn, bundled_model_path
+from app.stages.end_of_turn import SmartTurn, bundled_model_path
 from app.voice.turns import Endpointer
 
 pytestmark = pytest.mark.skipif(bundled_model_path() is None, reason="pipecat-ai (Smart Turn v3) is not installed")
