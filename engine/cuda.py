@@ -38,8 +38,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
 from engine.scheduler import ScheduledChunk
+from engine.step_inputs import decode_blocks, decode_metadata, decode_rows, prepare_inputs
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,6 @@ def kv_cache_bytes_for_gpu(
 def profile_activation_bytes(model, num_tokens: int, block_size: int) -> int:
     """CUDA only: peak memory above the current allocation during one prefill of ``num_tokens`` tokens
     (a private KV buffer just big enough; freed again)."""
-    from engine.model_runner import prepare_inputs
-
     dev = model.device
     a = model.args
     nb = -(-num_tokens // block_size)
@@ -218,52 +216,26 @@ class DecodeGraphRunner:
         b = pick_bucket(len(chunks), self.buckets)
         if b is None:
             return None
-        need = max(-(-(c.start + 1) // self.block_size) for c in chunks)
-        key = (b, context_bucket(need, self.max_blocks))
+        key = (b, context_bucket(decode_blocks(chunks, self.block_size), self.max_blocks))
         if key in self.failed or (key not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
             return None
         return key
 
     def _fill(self, chunks: Sequence[ScheduledChunk], B: int, nb: int) -> None:
         """Copy one step's decodes into the static buffers, padded to ``B`` rows and ``nb`` blocks each."""
-        bs = self.block_size
-        scratch = self.scratch_block
-        ids, pos, slots, lens, table = [], [], [], [], []
-        for c in chunks:
-            p = c.start
-            ids.append(c.token_ids[0])
-            pos.append(p)
-            slots.append(c.block_ids[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            row = c.block_ids[:nb]
-            table += row + [scratch] * (nb - len(row))
-        pad = B - len(chunks)
-        ids += [0] * pad
-        pos += [0] * pad
-        slots += [scratch * bs] * pad  # padded rows write into the scratch block only
-        lens += [1] * pad  # and attend to its first slot only
-        table += [scratch] * (nb * pad)
-        host = torch.tensor([ids, pos, slots, lens], dtype=torch.long)
+        rows = decode_rows(chunks, self.block_size, nb, pad_block=self.scratch_block, rows=B)
+        host = torch.tensor([rows.token_ids, rows.positions, rows.slots, rows.ctx_lens], dtype=torch.long)
         self.input_ids[:B].copy_(host[0], non_blocking=True)
         self.positions[:B].copy_(host[1], non_blocking=True)
         self.slot_mapping[:B].copy_(host[2], non_blocking=True)
         self.ctx_lens[:B].copy_(host[3], non_blocking=True)
-        self.block_table[: B * nb].copy_(torch.tensor(table, dtype=torch.long), non_blocking=True)
+        self.block_table[: B * nb].copy_(torch.tensor(rows.block_table, dtype=torch.long), non_blocking=True)
 
     def _forward(self, B: int, nb: int) -> torch.Tensor:
         """The decode forward on the static buffers (what a graph captures); logits [B, vocab]."""
-        L = nb * self.block_size
-        lens = self.ctx_lens[:B]
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:B],
-            num_decodes=B,
-            decode_block_tables=self.block_table[: B * nb].view(B, nb),
-            decode_mask=(torch.arange(L, device=lens.device)[None, :] < lens[:, None]).view(B, 1, 1, L),
-            prefills=[],
-            sample_indices=self.sample_indices[:B],
-            decode_flat_blocks=self.block_table[: B * nb],
-            decode_ctx_len=None,
-            decode_ctx_lens=lens,
+        tables = self.block_table[: B * nb].view(B, nb)
+        meta = decode_metadata(
+            self.slot_mapping[:B], tables, self.ctx_lens[:B], self.sample_indices[:B], self.block_size
         )
         return self.model.forward(self.input_ids[:B], self.positions[:B], meta, self.kv_cache)
 

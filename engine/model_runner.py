@@ -2,8 +2,8 @@
 
 Why separate: the scheduler never touches tensors and the runner never decides policy,
 so each side is testable alone and a GPU runner (CUDA graphs, flash-attn) can replace
-this one without changing the loop. ``prepare_inputs`` is the one place a step's input
-tensors and attention metadata are built (the engine's steps and ``perplexity`` both use it).
+this one without changing the loop. A step's input tensors and attention metadata are built
+in ``engine.step_inputs`` (the engine's steps and ``perplexity`` both use it).
 """
 
 from __future__ import annotations
@@ -11,123 +11,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.layers.attention import AttentionMetadata
+from engine.cuda import DecodeGraphRunner, gpu_kv_cache_bytes
 from engine.model import LlamaModel
 from engine.quant import get_quant_method
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.step_inputs import prepare_inputs
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
-
-
-@dataclass
-class ModelInputs:
-    """One step's packed tokens: decodes first, then prefill chunks."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata
-    sample_request_ids: list[str]  # the request of each logits row (not used with all_logits)
-
-
-def prepare_inputs(
-    chunks: Sequence[ScheduledChunk], block_size: int, device: str | torch.device, all_logits: bool = False
-) -> ModelInputs:
-    """Token ids, positions and attention metadata of one step's chunks.
-
-    Decodes (one-token chunks) come first: one batched attention call serves them. Logits
-    rows are the last token of each sampling chunk, or every token with ``all_logits``
-    (scoring a text, as ``perplexity`` does).
-    """
-    bs = block_size
-    dev = device
-    decodes = [c for c in chunks if c.num_tokens == 1]
-    prefills = [c for c in chunks if c.num_tokens > 1]
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    sample_rows: list[int] = []
-    sample_ids: list[str] = []
-    ctx_lens: list[int] = []
-    for c in decodes:
-        p = c.start
-        ids.append(c.token_ids[0])
-        pos.append(p)
-        slots.append(c.block_ids[p // bs] * bs + p % bs)
-        ctx_lens.append(p + 1)
-        if c.sample or all_logits:
-            sample_rows.append(len(ids) - 1)
-            sample_ids.append(c.request_id)
-    B = len(decodes)
-    decode_tables = decode_mask = decode_flat = None
-    decode_ctx_len = None
-    lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev) if B else None
-    if B == 1:  # one request: its own blocks, cut to its length; no mask
-        nb = -(-ctx_lens[0] // bs)
-        decode_flat = torch.tensor(decodes[0].block_ids[:nb], dtype=torch.long, device=dev)
-        decode_tables = decode_flat.view(1, nb)
-        decode_ctx_len = ctx_lens[0]
-    elif B:
-        max_blocks = max(-(-n // bs) for n in ctx_lens)
-        table: list[int] = []
-        for c in decodes:
-            row = c.block_ids[:max_blocks]
-            table += row
-            table += [0] * (max_blocks - len(row))
-        decode_flat = torch.tensor(table, dtype=torch.long, device=dev)
-        decode_tables = decode_flat.view(B, max_blocks)
-        L = max_blocks * bs
-        decode_mask = (torch.arange(L, device=dev)[None, :] < lens[:, None]).view(B, 1, 1, L)
-    pre_meta = []
-    pos_parts: list[torch.Tensor] = []
-    slot_parts: list[torch.Tensor] = []
-    for c in prefills:
-        n = c.num_tokens
-        start_row = len(ids)
-        ids.extend(c.token_ids)
-        p = torch.arange(c.start, c.start + n, dtype=torch.long)
-        blocks = torch.tensor(c.block_ids, dtype=torch.long)
-        pos_parts.append(p)
-        slot_parts.append(blocks[p // bs] * bs + p % bs)
-        if c.start == 0:
-            pre_meta.append((start_row, start_row + n, None, None))
-        else:
-            ctx = c.start + n
-            nb = -(-ctx // bs)
-            k_pos = torch.arange(nb * bs)
-            mask = k_pos[None, :] <= p[:, None]  # causal, offset by the cached context
-            pre_meta.append((start_row, start_row + n, blocks[:nb].to(dev), mask.to(dev)))
-        if all_logits:
-            sample_rows.extend(range(start_row, start_row + n))
-        elif c.sample:
-            sample_rows.append(start_row + n - 1)
-            sample_ids.append(c.request_id)
-    positions = torch.tensor(pos, dtype=torch.long)
-    slot_mapping = torch.tensor(slots, dtype=torch.long)
-    if pos_parts:
-        positions = torch.cat([positions, *pos_parts])
-        slot_mapping = torch.cat([slot_mapping, *slot_parts])
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping.to(dev),
-        num_decodes=B,
-        decode_block_tables=decode_tables,
-        decode_mask=decode_mask,
-        prefills=pre_meta,
-        sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-        decode_flat_blocks=decode_flat,
-        decode_ctx_len=decode_ctx_len,
-        decode_ctx_lens=lens,
-    )
-    input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-    return ModelInputs(input_ids, positions.to(dev), meta, sample_ids)
 
 
 @torch.inference_mode()
@@ -182,8 +80,6 @@ class ModelRunner:
         elif config.kv_cache_bytes:
             self.num_blocks = max(1, config.kv_cache_bytes // bytes_per_block)
         elif torch.device(self.device).type == "cuda":  # vLLM's gpu_memory_utilization (engine/cuda.py)
-            from engine.cuda import gpu_kv_cache_bytes
-
             self.num_blocks = max(
                 1, gpu_kv_cache_bytes(self.model, config, bytes_per_block, self.max_model_len) // bytes_per_block
             )
@@ -209,7 +105,7 @@ class ModelRunner:
         self._first_tokens = config.prefill_threads_first_tokens  # decode steps that count as urgent
         self._cores_lent = 0  # cores another model is running on meanwhile (lend_core)
         self._lending = threading.Lock()
-        self.graphs = None  # engine.cuda.DecodeGraphRunner on CUDA (decode steps as CUDA graphs)
+        self.graphs: DecodeGraphRunner | None = None  # on CUDA: decode steps as CUDA graphs
         self.cuda_graphs_note = "off (CPU)"
         if torch.device(self.device).type == "cuda":
             if not config.cuda_graphs:
@@ -223,8 +119,6 @@ class ModelRunner:
     def enable_graphs(self, capture=None) -> None:
         """Run decode-only steps through ``engine.cuda.DecodeGraphRunner`` (``capture``: how graphs are
         captured, ``torch.cuda.graph`` by default; the CPU tests pass ``engine.cuda.eager_capture``)."""
-        from engine.cuda import DecodeGraphRunner
-
         self.graphs = DecodeGraphRunner(
             self.model,
             self.kv_cache,

@@ -1,6 +1,6 @@
 """Paged attention: the per-step metadata every layer shares, and the attention backend over the KV cache.
 
-The model runner builds one ``AttentionMetadata`` per step (``engine.model_runner.prepare_inputs``,
+The model runner builds one ``AttentionMetadata`` per step (``engine.step_inputs``,
 the only place it is built); each layer writes its K/V into the paged cache through the
 slot mapping, then attends: decodes in one batched SDPA call (query heads of a KV group
 folded into the query length, so no K/V repeat), prefill chunks one call each with a

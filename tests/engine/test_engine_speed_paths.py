@@ -15,9 +15,9 @@ from engine.layers.attention import AttentionMetadata, decode_attention
 from engine.layers.linear import DenseLinear, PackedLinear, onednn_packing_available
 from engine.llm_engine import LLMEngine
 from engine.model import LlamaModel
-from engine.model_runner import prepare_inputs
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledChunk
+from engine.step_inputs import prepare_inputs
 
 needs_packing = pytest.mark.skipif(
     not onednn_packing_available(torch.bfloat16, "cpu"), reason="no oneDNN bf16 on this CPU"

@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from engine.cli import main as engine_main
 from engine.lora import LoraError, merge_lora
 from engine.model import LlamaModel
-from engine.model_runner import prepare_inputs
 from engine.scheduler import ScheduledChunk
+from engine.step_inputs import prepare_inputs
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
 R, ALPHA = 4, 8.0

@@ -8,6 +8,8 @@ app.server        anything but clients and benchmarks
 app.clients       the base only
 benchmarks        (app.bench, engine.benchmarks) are imported by no product module; the one
                   exception is the ``parley`` command, which dispatches to them lazily
+no cycles         no two modules import each other, however indirectly, lazy imports included:
+                  a function-level import must not hide a cycle
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,18 +39,47 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported module, at module level?) for every import statement in the file."""
-    tree = ast.parse(path.read_text(), str(path))
+@dataclass(frozen=True)
+class Import:
+    module: str  # the project module the statement runs
+    line: int
+    module_level: bool
+
+
+def imports(importer: str, source: str, known: Iterable[str], is_package: bool = False) -> list[Import]:
+    """Every project module ``source`` (the text of module ``importer``, a package's ``__init__`` when
+    ``is_package``) imports, at module level or lazily.
+
+    Relative imports are resolved; ``from pkg import name`` imports ``pkg.name`` when that is a
+    module, else ``pkg``; a dotted name stands for its longest prefix that is a project module.
+    """
+    known = set(known)
+    package = importer if is_package else importer.rpartition(".")[0]
+    tree = ast.parse(source)
     top_level = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(alias.name, id(node) in top_level) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # "from app import protocol" imports app.protocol
-            found += [(f"{node.module}.{alias.name}", id(node) in top_level) for alias in node.names]
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0]  # level 1: this package, 2: its parent...
+                base = f"{anchor}.{node.module}" if node.module else anchor
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != importer:
+                found.append(Import(name, node.lineno, id(node) in top_level))
     return found
+
+
+def project_imports() -> dict[str, list[Import]]:
+    found = modules()
+    return {name: imports(name, path.read_text(), found, path.name == "__init__.py") for name, path in found.items()}
 
 
 def within(name: str, *packages: str) -> bool:
@@ -75,12 +108,71 @@ def allowed(importer: str, imported: str, module_level: bool) -> bool:
 
 def test_every_import_follows_the_package_map():
     broken = [
-        f"{importer} imports {imported}"
-        for importer, path in modules().items()
-        for imported, module_level in imports(path)
-        if not allowed(importer, imported, module_level)
+        f"{importer}:{imp.line} imports {imp.module}"
+        for importer, found in project_imports().items()
+        for imp in found
+        if not allowed(importer, imp.module, imp.module_level)
     ]
     assert not broken, "\n".join(broken)
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_import_cycles():
+    graph = project_imports()
+    found = cycles({name: [imp.module for imp in found] for name, found in graph.items()})
+    report = [
+        " <-> ".join(component)
+        + "".join(
+            f"\n    {name}:{imp.line} imports {imp.module}"
+            for name in component
+            for imp in graph[name]
+            if imp.module in component
+        )
+        for component in found
+    ]
+    assert not found, "import cycles:\n" + "\n".join(report)
+
+
+def test_cycles_are_found():
+    assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert cycles({"a": ["b"], "b": [], "c": ["a", "b"]}) == []
+
+
+def test_lazy_relative_and_from_package_imports_count():
+    known = ["pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.c"]
+    source = "import os\nfrom pkg import b, helper\ndef later():\n    from .sub import c\n    import pkg.sub.c.thing\n"
+    got = [(imp.module, imp.line, imp.module_level) for imp in imports("pkg.a", source, known)]
+    assert got == [("pkg.b", 2, True), ("pkg", 2, True), ("pkg.sub.c", 4, False), ("pkg.sub.c", 5, False)]
+    in_package = imports("pkg.sub", "from . import c\nfrom .. import a\n", known, is_package=True)
+    assert [imp.module for imp in in_package] == ["pkg.sub.c", "pkg.a"]
 
 
 @pytest.mark.parametrize(
