@@ -13,8 +13,8 @@ INT8_METHODS = ("auto", "int8pack", "ao", "bitsandbytes")
 def resolve_dtype(setting: str, device: str) -> str:
     """``auto``: bfloat16 where the hardware computes it (CUDA, CPUs with AVX512-BF16/AMX), else float32.
 
-    Where the CPU only emulates bfloat16 (oneDNN without native support) it is about 3x slower than
-    float32 at the first token; the figures are in the README.
+    Where the CPU only emulates bfloat16 (oneDNN without native support) it is several times slower
+    than float32 at the first token (README, "The engine").
     """
     if setting != "auto":
         return setting
@@ -31,8 +31,8 @@ def resolve_quantization(setting: str, device: str) -> str | None:
     """``auto``: int8 weights on the CPU (with bf16 activations where the CPU has them), none on CUDA; ``none``: None.
 
     A voice reply waits for its first spoken piece, so decode speed counts more than prefill speed,
-    and int8 decodes faster than 16-bit on every CPU measured, within 0.3 % of float32's perplexity
-    (README, ``parley doctor``).
+    and int8 decodes faster than 16-bit on every CPU measured, at about float32's perplexity
+    (README, "The engine"; ``parley doctor`` checks it).
     """
     if setting == "auto":
         return None if device.startswith("cuda") else "int8"

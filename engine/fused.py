@@ -2,9 +2,9 @@
 
 Why JIT and not a wheel: the package stays pure Python (``pip install -e .`` never needs a
 torch build environment), and the kernels are built for this CPU (``-march=native``). The
-build takes ~1 minute once per CPU kind and is cached under ``~/.cache/torch_extensions``;
+build runs once per CPU kind and is cached under ``~/.cache/torch_extensions``;
 ``make setup`` runs it. If no compiler is available, or ``PARLEY_FUSED_KERNELS=0``, the engine keeps its
-ATen ops (same results within bf16 rounding, ~1.4x slower decode on a small model).
+ATen ops (same results within bf16 rounding, slower to decode: README, "The engine").
 """
 
 from __future__ import annotations

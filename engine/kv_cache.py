@@ -9,8 +9,8 @@ until the LRU free list hands them out again.
 
 A request's last block is usually partial, and a full-block cache never shares it: the
 voice loop's history warm-up left up to 15 of the history's tokens (plus the new user
-message) to prefill at every turn, and at ~4 ms a token on 2 CPU cores that was most of
-the first token's latency. So a freed partial block keeps its K/V as a *tail* (its parent
+message) to prefill at every turn, and on a small CPU that prefill was most of the first
+token's latency. So a freed partial block keeps its K/V as a *tail* (its parent
 block's hash and the tokens it holds); a later request continuing the same prefix takes
 the block over and computes only from where the two token sequences part. Taken over,
 not shared: the new owner writes its own tokens into the rest of the block.

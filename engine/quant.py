@@ -2,7 +2,7 @@
 
 int8: per-channel int8 for the transformer-layer linears and for the tied embedding /
 lm_head (looked up and multiplied straight from its int8 rows), so no 16-bit copy of
-the 49k-row vocabulary matrix remains: weight memory ~0.26x fp32.
+the 49k-row vocabulary matrix remains: weight memory about a quarter of fp32.
 
 int4: asymmetric 4-bit per group of 32 input channels for the layer linears, the layout
 of GGUF Q4_1 (what llama.cpp runs the bundled SmolLM2 in; re-quantizing its dequantized
@@ -10,47 +10,29 @@ weights recovers the same grid), with ``torch._weight_int4pack_mm_for_cpu``; lm_
 16-bit (packed for oneDNN), as llama.cpp keeps it at 8 bits.
 
 Why: decode on a small CPU is bound by reading weights, so int8 weights (1/4 of fp32,
-1/2 of bf16) read faster. The kernel micro-benchmark that chose them (the 2-core
-development VM when the kernels were written; SmolLM2-135M layer shapes, one layer's
-four linears, 1 thread, microseconds; end-to-end decode rates are what
-``parley bench engine`` reports):
-
-    M (tokens)        1     4     8     64
-    bf16 linear     276   347   388   1349
-    int8pack (W8)   115   218   465   3179   torch._weight_int8pack_mm, per-channel scales
-    ao dynamic      161   200   203    898   torch.ao quantized linear (activations quantized too)
-    dequant->bf16   ~1000 ...        2384   int8 -> bf16 on the fly, then a bf16 matmul
+1/2 of bf16) read faster; ``parley bench engine`` reports the decode rates (README, "The engine").
 
 ``torch._weight_int8pack_mm`` is weight-only (activations stay bf16, so answers stay
-close to bf16) and the fastest at batch 1, where a voice turn decodes; it scales
+close to bf16) and the fastest kernel at batch 1, where a voice turn decodes; its cost grows
 linearly with M, so above a number of rows (prefill) the same int8 weights are dequantized
 per call and multiplied densely. Where the CPU computes bf16 (oneDNN on AVX512 and up) or on
-CUDA, that product is bf16 and starts above ``INT8PACK_MAX_M`` rows. Elsewhere a bf16
-matmul is emulated element by element and was the slowest of all: on a 2-core AMD EPYC
-without AVX2 (2 threads, one SmolLM2 layer's four linears, ms; ``prefill_path``):
-
-    M (tokens)        16     32     64    128    192    256    512
-    int8pack         2.0    4.2    6.2   14.9   22.2   31.1   62.8
-    dequant->bf16    8.7   15.4   25.7   53.9
-    dequant->fp32    4.8    6.8   10.1   19.8   16.2   24.7   32.9
-
-so there the product is fp32 (cast back to bf16) and int8pack keeps up to
-``INT8PACK_MAX_M_EMULATED`` rows. Four prompts arriving together (a 96-row step, the first
-turn of ``parley bench voice --clients 4``) took 1.4 s to prefill with bf16, 0.42 s now.
+CUDA, that product is bf16 and starts above ``INT8PACK_MAX_M`` rows. Elsewhere a bf16 matmul
+is emulated element by element, the slowest path of all, so there the product is fp32 (cast
+back to bf16) and int8pack keeps up to ``INT8PACK_MAX_M_EMULATED`` rows (``prefill_path``).
 
 Where the fused CPU kernels are built on a CPU with AVX2 and FMA, ``Int8Dot`` (int8 x int8 dot
-products, activations quantized per block of 32) takes the steps int8pack would: 1.3-2x faster.
+products, activations quantized per block of 32) takes the steps int8pack would: it is faster.
 
 ``torch.ao`` dynamic quantization is faster at batch >= 8 but quantizes activations per
-tensor, which changed answers in our measurements; it remains selectable
-(``EngineConfig(int8_method="ao")``) for comparison.
+tensor, which changed answers; it remains selectable (``EngineConfig(int8_method="ao")``)
+for comparison.
 
 On CUDA, int8 is bitsandbytes LLM.int8 (``bnb.nn.Linear8bitLt``, ``has_fp16_weights=False``,
 outlier threshold 6.0, as ``load_in_8bit`` sets it up; embedding and ``lm_head`` stay 16-bit):
 ``int8_method="auto"`` (the default) picks it on CUDA and int8pack on the CPU;
 ``"bitsandbytes"`` forces it on either device. bitsandbytes >= 0.46 runs the very same
-module on the CPU (its CPU backend: ~0.4-0.7 % relative error per layer, ~10x slower than
-fp32 there), so the CPU tests run the GPU's int8 path through the whole engine. The
+module on the CPU (its CPU backend: under 1 % relative error per layer, and much slower
+than fp32 there), so the CPU tests run the GPU's int8 path through the whole engine. The
 ``gpu`` extra installs it; on CUDA without it, ``auto`` falls back to int8pack with a
 warning (int8pack's CUDA kernel is a simple loop, far from cuBLAS).
 
@@ -76,8 +58,7 @@ INT8PACK_MAX_M = 32  # rows through int8pack where the dense product is bf16 at 
 INT8PACK_MAX_M_EMULATED = 192  # ... and where bf16 is emulated, so the dense product is fp32
 INT4_GROUP = 32
 INT4PACK_MAX_M = 64  # int4 matmul cost grows with M; above this, dequantize once per call (prefill)
-INT4PACK_MAX_M_EMULATED = 192  # where bf16 is emulated: a layer's four linears at 96 rows took 15 ms
-# in int4pack, 325 ms dequantized to bf16 and 21 ms to fp32; int4pack and fp32 meet near 192 rows
+INT4PACK_MAX_M_EMULATED = 192  # where bf16 is emulated the dense product is fp32: int4pack is as fast up to here
 INT4_TILE_N = 64  # output rows per tile of the CPU int4 pack layout
 
 
@@ -186,8 +167,8 @@ class Int4PackLinear:
         The CPU pack layout: per B-row tile, byte (t, k, j) holds row Bt+j in its low nibble
         and row Bt+j+B/2 in its high one; B is 64 where torch's kernel was built for AVX512
         and 32 elsewhere (``int4_pack_tile_rows`` finds out once). Unpacking tile-wise needs
-        no transpose, so dequantization is three cheap passes (0.9 ms for SmolLM2's gate_up;
-        the row-major unpack was 9.6 ms).
+        no transpose, so dequantization is three cheap passes (a row-major unpack was an order of
+        magnitude slower).
         """
         n, k = self.shape
         B = int4_pack_tile_rows()
@@ -222,10 +203,10 @@ class Int4PackLinear:
 class Int8Embedding:
     """The tied embedding / lm_head as per-row int8 weights; activations stay 16-bit.
 
-    As lm_head: ``_weight_int8pack_mm``, the layers' kernel (1.4 ms per decode row for
-    SmolLM2's 49k vocabulary; the packed bf16 head takes ~1.5 at one row, but it is a
-    second 16-bit copy of the matrix). Quantizing the activations too (``torch._int_mm``
-    per token, fbgemm per tensor) was faster at 8+ rows but cost 1.7% and 5% perplexity.
+    As lm_head: ``_weight_int8pack_mm``, the layers' kernel (as fast as the packed bf16 head
+    at one row, without a second 16-bit copy of the matrix). Quantizing the activations too
+    (``torch._int_mm`` per token, fbgemm per tensor) was faster at 8+ rows but lost perplexity
+    (README, "The engine").
     Lookups gather and dequantize only the rows asked for.
     """
 
@@ -258,13 +239,11 @@ class Int8Dot:
     The activations are quantized to int8 per block of 32 inputs (a scale per block, as
     llama.cpp's Q8_0), so a row costs 32-wide integer multiply-adds instead of widening every
     weight to 16 or 32 bits: decode reads each weight once and does little else with it.
-    Where it is built it takes every step int8pack would (``max_rows``). Measured on the 2-core
-    EPYC (AVX2, bf16 emulated) per SmolLM2 linear against int8pack: 1.5-2.1x at 1 row, 1.3-1.6x
-    at 2-64 rows, 1.3-1.4x at 96-192. Perplexity of 1022 tokens with every row through it: 19.16,
-    int8pack 19.13, fp32 19.28. Greedy continuations differ from int8pack's a little more often
-    than int8pack's from bf16's (5 of 13 test prompts in their first 4 tokens, against 3).
-    Not measured on an AVX512 CPU, where int8pack has its own AVX512 path. Per-token
-    quantization of the activations (one scale per row) cost 1.7-5% perplexity (see
+    Where it is built it takes every step int8pack would (``max_rows``): it was faster than
+    int8pack at every row count on an AVX2 CPU, at the same perplexity (README, "The engine").
+    Greedy continuations differ from int8pack's a little more often than int8pack's from bf16's.
+    Not compared on an AVX512 CPU, where int8pack has its own AVX512 path. Per-token
+    quantization of the activations (one scale per row) loses perplexity (see
     ``Int8Embedding``); per block of 32 it does not, and the tests bound the change at 1%.
     """
 

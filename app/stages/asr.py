@@ -9,29 +9,11 @@ to detect it per utterance (one decoder step on the encoding already made).
 Whisper is trained on 30 s windows and faster-whisper always pads to one, so every call pays
 for encoding 30 s however short the speech is. A voice turn is a few seconds, so we call
 CTranslate2 directly with a shorter window (``window_s``, padded with real silence features;
-whisper.cpp calls this ``audio_ctx``): measured on tiny.en here, a 10 s window encodes ~4x
-faster than 30 s with the same words on our test questions. The decoder's cross-attention
-shrinks with it: a 6 s window (the default) transcribes a 2-3 s question in ~170 ms against
-~200 ms at 8 s and ~240 ms at 10 s (2 cores). Shorter windows make Whisper run on into repeats
-of what it heard ("Yes. Yes. Yes. Yes."), which the voice layer cuts
-(``app.voice.text.without_trailing_loop``). Measured on the benchmark's questions, paused
-questions and backchannels at 3 rates:
-
-====== ============================ ============================ ========
-window noisy (186): repeats, right* clean (150): repeats, right* p50 time
-====== ============================ ============================ ========
-10 s   7, 127                       5, 118                       ~240 ms
-8 s    12, 129                      10, 114                      ~200 ms
-6 s    24, 133                      34 (6 left uncut), 115       ~180 ms
-====== ============================ ============================ ========
-
-(* right after the cut.) At 6 s the token cap ended some repeats mid-sentence ("What should I
-cook for dinner tonight? What should I cook for"), where that cut saw no loop, so 8 s was the
-default. The cut now also ends such a transcript at its first sentence when it has more words
-than its audio can hold. Measured again with it, on 108 noisy questions (15 and 20 dB, 3 rates,
-the tracker's pre-roll and pad): 89 right at both 8 and 6 s, 5 repeats at 6 s and every one cut,
-p50 205 -> 173 ms, p95 279 -> 241 ms; on 66 clean questions and paused questions 53 and 52 right,
-p50 250 -> 204 ms. So 6 s is the default. ``window_s=30`` restores the standard behaviour.
+whisper.cpp calls this ``audio_ctx``): the encoder and the decoder's cross-attention shrink with
+it. Shorter windows make Whisper run on into repeats of what it heard ("Yes. Yes. Yes. Yes."),
+which the voice layer cuts (``app.voice.text.without_trailing_loop``); with that cut, 6 s (the
+default) hears as well as 8 s and is faster (figures: README, "Settings"). ``window_s=30``
+restores the standard behaviour.
 """
 
 from __future__ import annotations
@@ -57,7 +39,7 @@ BUNDLED_MULTILINGUAL_ASR = "bundled-multilingual"
 SAMPLE_RATE = 16_000
 FRAMES_PER_SECOND = 100  # Whisper mel frames
 MAX_WINDOW_S = 30.0
-NO_SPEECH_THRESHOLD = 0.6  # as faster-whisper; measured: speech <= 0.26, silence/hiss >= 0.89
+NO_SPEECH_THRESHOLD = 0.6  # as faster-whisper; well between our speech (<= 0.26) and silence or hiss (>= 0.89)
 
 
 # Whisper base (CTranslate2, from Systran/faster-whisper-base): model.bin is split across the two
@@ -228,7 +210,7 @@ class Transcriber:
         With ``wait=False`` returns None instead of queueing behind another call (for
         partial transcripts, which are worth less than a final one), and also once its audio is
         encoded if a waiting call has come meanwhile: a partial started just before the speech
-        ended held Whisper for its whole decode (~100 ms of ~200) while the tail's transcription,
+        ended held Whisper for its whole decode (about half the call) while the tail's transcription,
         the words a reply is made from, waited behind it. ``context``: text said
         just before this audio, given to Whisper as its previous-text prompt. ``language``:
         one of ``languages`` ("" = detect it from this audio); None = the transcriber's

@@ -41,9 +41,9 @@ def bundled_model_path() -> Path | None:
 class SmartTurn:
     """One shared ONNX session; ``complete_probability`` is thread-safe.
 
-    A call takes ~10-20 ms on one core of one 2-core EPYC VM, and 80-90 ms on another (its
-    8 s window is 400 encoder positions, whatever the speech's length); it runs beside the
-    tail transcription, and `parley bench voice` reports it as ``turn_detect``.
+    A call costs the same whatever the speech's length (its 8 s window is 400 encoder
+    positions); it runs on one core beside the tail transcription, and `parley bench voice`
+    reports it as ``turn_detect``.
     """
 
     def __init__(self, path: str | Path | None = None, threads: int = 1) -> None:

@@ -49,10 +49,9 @@ SOLO_FIRST_TOKENS = 12  # about a reply's first spoken piece
 def set_open_sessions(models: VoiceStages, settings: Settings, count: int) -> None:
     """The server opened or closed a session: the solo speed-ups apply while exactly one is open.
 
-    Measured on the 2-core VM (`parley bench voice`, 12 turns twice, back to back): with one user
-    they took voice-to-voice p50 from 1094 to 901 ms (the first piece written at 47 instead of
-    71 ms a word, and synthesized at 43 instead of 50); with four users the same speed-ups
-    took p50 from 1569 to 2389 ms with 6 underruns, so they stop when a second session opens.
+    They give one user's first piece every core, which makes several users slower (their extra
+    threads compete with the other sessions' work), so they stop when a second session opens
+    (figures: README, "How a turn flows").
     """
     solo = settings.solo_speedups and count == 1
     models.solo = solo
@@ -133,10 +132,9 @@ def one_blas_thread() -> None:
     After each call OpenBLAS keeps its worker threads spinning for a while, and the only BLAS
     calls in the voice loop are tiny: the mel filter bank of Whisper's and Smart Turn's features
     (80x201 times a few hundred frames). On 2 cores the spinning worker took a core from
-    CTranslate2 right after the features were made: measured on the 2-core EPYC VM, the
-    transcription of a 1.7 s question took 218 ms with OpenBLAS on 2 threads and 162 ms on one.
-    Only OpenBLAS is limited: the LLM's torch threads and the ONNX and CTranslate2 pools are set
-    per model.
+    CTranslate2 right after the features were made, slowing the transcription (figures: README,
+    "The engine"). Only OpenBLAS is limited: the LLM's torch threads and the ONNX and CTranslate2
+    pools are set per model.
     """
     from threadpoolctl import threadpool_limits
 

@@ -28,10 +28,9 @@ class PiperSynthesizer:
     Every voice is resampled to the default voice's rate, so a conversation's audio format
     never changes when the language does.
 
-    ``threads`` bounds an ordinary piece: it is synthesized beside the LLM writing the next one.
-    An urgent piece (a reply's first, the LLM paused for it) runs on ``urgent_threads`` (None:
-    every core). Measured on the 2-core VM, "The most popular dog breed": 200 ms on 1 thread,
-    135 ms on 2; but 220 ms on 2 beside a busy decode thread, against 183 on 1.
+    ``threads`` bounds an ordinary piece: it is synthesized beside the LLM writing the next one,
+    where more threads than the free cores make it slower, not faster. An urgent piece (a reply's
+    first, the LLM paused for it) runs on ``urgent_threads`` (None: every core).
     """
 
     def __init__(

@@ -241,7 +241,7 @@ class LlamaCppPeer:
     """llama-cpp-python in a child process, driven over a pipe.
 
     Why a child: two thread pools in one process (torch's OpenMP team and ggml's) share
-    the runtime and its spin-waits; measured here, that slowed both sides by 10x and more.
+    the runtime and its spin-waits, which slowed both sides many times over.
     The child sleeps on the pipe while we measure, and we sleep while it does.
     """
 

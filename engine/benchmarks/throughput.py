@@ -608,8 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
 
     if args.dtype == "auto":
-        # as the app picks it: where bf16 is emulated a bf16 matmul is 50x slower than fp32 (2-core AMD EPYC
-        # without AVX2), and a comparison in it would measure the emulation, not the engine
+        # as the app picks it: where bf16 is emulated it is far slower than fp32, and a comparison
+        # in it would measure the emulation, not the engine
         args.dtype = "bfloat16" if onednn_packing_available(torch.bfloat16, "cpu") else "float32"
     quick = args.quick
     n_req = args.requests or (4 if quick else 32)

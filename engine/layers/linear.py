@@ -43,10 +43,8 @@ class PackedLinear:
     """bf16 linear whose weight is reordered for oneDNN once, at load.
 
     Why: ``F.linear`` on a bf16 CPU tensor reorders (re-lays out) the whole weight on every
-    call; for decode-sized inputs that costs as much as the product itself. Measured on an
-    AVX512 development CPU when this was added, 1 thread: a SmolLM2 layer's gate_up at 1
-    token 145 -> 70 us, lm_head at 8 tokens 17 -> 5 ms. Same math (oneDNN bf16 with fp32
-    accumulation), different blocking.
+    call; for decode-sized inputs that costs as much as the product itself. Same math (oneDNN
+    bf16 with fp32 accumulation), different blocking.
     """
 
     __slots__ = ("packed", "bias", "_nbytes")
