@@ -619,7 +619,7 @@ async def test_the_words_so_far_are_prefilled_while_the_user_speaks_and_not_once
     warmed = list(conv.llm.warmed)
     assert warmed and warmed[-1][-1] == {"role": "user", "content": shown[-1]}
     await conv.silence(0.06)  # the VAD's hangover: a partial finishing now must not hold the tail's cores
-    conv.session._warm_words_so_far(shown[-1])
+    conv.session._warmup.words_so_far(shown[-1])
     await conv.settle()
     assert conv.llm.warmed == warmed
     await conv.silence_until(committed(conv))
