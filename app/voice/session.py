@@ -101,7 +101,7 @@ class VoiceSession:
             start_turn=self._start_turn,
         )
         self._warmup = PrefixWarmup(
-            models.llm.warm,
+            lambda messages: self.models.llm.warm(messages),  # read at each warm-up: the LLM may be replaced
             settings=lambda: self.settings,
             upcoming_prefix=lambda: self._history.upcoming_prefix(self.prefs.system_prompt),
             prompt=lambda text: self._replies.prompt(text, self._turn_language),
