@@ -8,6 +8,7 @@ can be checked exactly and the same way on any machine.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 from harness import ScriptedLLM
@@ -114,6 +115,32 @@ class CoreOnlyLLM:
         self.name, self.context_tokens = scripted.name, scripted.context_tokens
         self.count_tokens, self.stream, self.abort = scripted.count_tokens, scripted.stream, scripted.abort
         self.health, self.close = scripted.health, scripted.close
+
+
+class StandInReply:
+    """What the turn-taking units (barge-in, continued turns) see of a ``Reply``; records what they do to it.
+
+    ``heard_s``: how much of it the client has played, whenever asked; ``log``: "hold", "release", "cancel" in order.
+    """
+
+    def __init__(self, turn_id: int = 1, user_text: str = "", *, commit: float = 0.0, heard_s: float = 0.0) -> None:
+        self.turn_id, self.user_text, self.commit = turn_id, user_text, commit
+        self.playback = SimpleNamespace(played_s=lambda now: heard_s)
+        self.playing = True
+        self.log: list[str] = []
+
+    def active(self) -> bool:
+        return self.playing
+
+    def hold(self) -> None:
+        self.log.append("hold")
+
+    async def release(self) -> None:
+        self.log.append("release")
+
+    async def cancel(self) -> None:
+        self.log.append("cancel")
+        self.playing = False
 
 
 class FakeStages:

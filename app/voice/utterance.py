@@ -114,6 +114,16 @@ class Committed:
     turn_detect_ms: float | None = None  # what that verdict cost
     language: str | None = None  # the language the words were heard in
 
+    def figures(self) -> dict[str, float | None]:
+        """How the turn was found, as ``protocol.TurnMetrics`` fields."""
+        return {
+            "endpoint_ms": self.endpoint_ms,
+            "asr_final_ms": self.asr_final_ms,
+            "asr_compute_ms": self.asr_compute_ms,
+            "turn_detect_ms": self.turn_detect_ms,
+            "turn_probability": self.turn_probability,
+        }
+
 
 @dataclass(frozen=True)
 class Dropped:

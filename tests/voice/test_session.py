@@ -106,28 +106,6 @@ async def test_history_window_keeps_the_prompt_prefix_for_several_turns(shared_m
     assert all(len(call) - 1 <= 8 for call in llm.calls)
 
 
-@pytest.mark.parametrize(
-    ("frame", "code"),
-    [
-        ("{nope", "bad_json"),
-        ('{"type": "sing"}', "unknown_type"),
-        ('{"type": "start", "sample_rate": 3}', "bad_message"),
-        (b"\x01\x02\x03", "bad_audio"),
-        (b"\x00" * (protocol.MAX_AUDIO_FRAME_BYTES + 2), "frame_too_large"),
-    ],
-)
-async def test_bad_input_gets_an_error_event_and_the_session_goes_on(shared_models, frame, code):
-    harness = Harness(shared_models, ScriptedLLM(["Fine, thanks."]))
-    if isinstance(frame, bytes):
-        await harness.session.handle_audio(frame)
-    else:
-        await harness.session.handle(protocol.parse_client_text(frame))
-    assert harness.events[-1]["type"] == "error" and harness.events[-1]["code"] == code
-    assert harness.events[-1]["fatal"] is False
-    await harness.session.handle(protocol.UserText(text="Still there?"))
-    assert (await harness.wait_for("turn_done"))["text"] == "Fine, thanks."
-
-
 async def test_close_mid_reply_stops_the_llm_and_the_speaker(shared_models):
     llm = ScriptedLLM(["Let me tell you a long story. ", "Once upon a time"], forever=True)
     harness = Harness(shared_models, llm)

@@ -621,7 +621,7 @@ async def test_the_words_so_far_are_prefilled_while_the_user_speaks_and_not_once
     warmed = list(conv.llm.warmed)
     assert warmed and warmed[-1][-1] == {"role": "user", "content": shown[-1]}
     await conv.silence(0.06)  # the VAD's hangover: a partial finishing now must not hold the tail's cores
-    conv.session._warm_words_so_far(shown[-1])
+    conv.session._warmup.words_so_far(shown[-1])
     await conv.settle()
     assert conv.llm.warmed == warmed
     await conv.silence_until(committed(conv))
@@ -643,3 +643,13 @@ async def test_no_words_are_prefilled_while_a_reply_is_written_or_when_turned_of
     conv.asr.partial = "Mm-hmm yeah"
     await conv.speak(1.2, "Mm-hmm yeah.")
     assert conv.of(protocol.Transcript) and not any(p[-1]["role"] == "user" for p in conv.llm.warmed)
+
+
+async def test_the_llm_is_looked_up_at_each_use_so_a_replaced_one_answers_and_is_warmed(conversation):
+    conv = conversation()
+    replacement = type(conv.llm)(["Rome."])
+    conv.session.models.llm = replacement  # (the session test harness sets its LLM after the session is made)
+    await conv.type(QUESTION)
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].text == "Rome." and not conv.llm.calls
+    assert replacement.warmed and not conv.llm.warmed  # the next prompt's start, warmed on the LLM in use

@@ -1,0 +1,84 @@
+"""What a turn is answered with: its prompt, fitted to the model, and the ``Reply`` that speaks the answer.
+
+The session (``app.voice.session``) decides when a reply starts, is held, released or
+stopped; this is how one is made: from the settings (read at each turn, so a live ``tune``
+applies to the next), the client's preferences (system prompt, voice) and the turn's language.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from app import protocol
+from app.config import Settings
+from app.stages.base import VoiceStages
+from app.voice.clock import Clock, RunBlocking
+from app.voice.context import Fitted
+from app.voice.history import History
+from app.voice.language import reply_in
+from app.voice.prefs import Preferences
+from app.voice.reply import Reply, SendBytes, SendJson
+
+OnMetrics = Callable[[protocol.TurnMetrics], None]
+
+
+class ReplyFactory:
+    def __init__(
+        self,
+        models: VoiceStages,
+        settings: Callable[[], Settings],
+        history: History,
+        prefs: Preferences,
+        *,
+        send_json: SendJson,
+        send_bytes: SendBytes,
+        clock: Clock,
+        run_blocking: RunBlocking,
+        session_id: str,
+        on_complete: Callable[[Reply], None],
+        on_failed: Callable[[Reply], None],
+        on_metrics: Callable[[], OnMetrics | None],
+    ) -> None:
+        """``on_complete``/``on_failed``: a reply was produced to its end / failed; ``on_metrics``: who is told each
+        turn's figures (read at each reply: the server sets it after the session is made).
+        """
+        self._models, self._settings, self._history, self._prefs = models, settings, history, prefs
+        self._send_json, self._send_bytes = send_json, send_bytes
+        self._clock, self._run, self._session_id = clock, run_blocking, session_id
+        self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
+        self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
+
+    def prompt(self, user_text: str, language: str | None) -> Fitted:
+        """The messages that answer ``user_text``: the system prompt (asking for ``language``) and the history."""
+        settings = self._settings()
+        return self._history.prompt(
+            reply_in(self._prefs.current.system_prompt, language),
+            user_text,
+            self._models.llm,
+            context_tokens=settings.llm_context_tokens,
+            reply_tokens=settings.llm_max_tokens,
+        )
+
+    def new(self, turn_id: int, user_text: str, language: str | None) -> Reply:
+        settings = self._settings()
+        return Reply(
+            turn_id,
+            user_text,
+            llm=self._models.llm,
+            tts=self._models.tts,
+            send_json=self._send_json,
+            send_bytes=self._send_bytes,
+            clock=self._clock,
+            run_blocking=self._run,
+            request_id=f"{self._session_id}-{turn_id}-{next(self._request_ids)}",
+            first_clause_chars=settings.first_clause_chars,
+            first_piece_words=settings.first_piece_words,
+            yield_ahead_s=settings.llm_yield_ahead_s,
+            # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
+            first_piece_priority=settings.first_piece_priority or self._models.solo,
+            voice=self._prefs.voice_for(language),
+            on_complete=self._on_complete,
+            on_failed=self._on_failed,
+            on_metrics=self._on_metrics(),
+        )

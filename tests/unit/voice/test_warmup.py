@@ -1,0 +1,136 @@
+"""The prefix warm-up on its own: a recording ``warm``, scripted session state, no LLM.
+
+What the conversation warms and when (a partial, a reply recorded) is checked in test_conversation;
+here, when the unit starts, skips, replaces and stops a warm-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from app.config import Settings
+from app.voice.context import Fitted
+from app.voice.warmup import PrefixWarmup
+
+HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+
+
+class Scene:
+    """A ``PrefixWarmup`` whose ``warm`` records each prompt (and waits for ``gate`` when it is set)."""
+
+    def __init__(self, warms: bool = True, **settings) -> None:
+        self.settings = Settings(**settings)
+        self.warmed: list[list[dict]] = []
+        self.finished: list[list[dict]] = []
+        self.gate: asyncio.Event | None = None
+        self.failure: Exception | None = None
+        self.llm_needed = False
+        self.truncated_chars = 0
+        self.warmup = PrefixWarmup(
+            lambda: self._warm if warms else None,
+            settings=lambda: self.settings,
+            upcoming_prefix=lambda: HISTORY,
+            prompt=self._prompt,
+            llm_needed=lambda: self.llm_needed,
+        )
+
+    async def _warm(self, messages) -> None:
+        self.warmed.append(messages)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.failure is not None:
+            raise self.failure
+        self.finished.append(messages)
+
+    def _prompt(self, text: str) -> Fitted:
+        return Fitted([*HISTORY, {"role": "user", "content": text}], truncated_chars=self.truncated_chars)
+
+    async def settle(self) -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+
+def said(text: str) -> list[dict]:
+    return [*HISTORY, {"role": "user", "content": text}]
+
+
+async def test_the_next_prompt_s_start_is_warmed_and_a_newer_one_replaces_a_running_warm_up():
+    scene = Scene()
+    scene.gate = asyncio.Event()
+    scene.warmup.next_prompt()
+    await scene.settle()
+    scene.warmup.next_prompt()  # the history changed again: the first warm-up is cancelled
+    await scene.settle()
+    scene.gate.set()
+    await scene.settle()
+    assert scene.warmed == [HISTORY, HISTORY] and scene.finished == [HISTORY]
+
+
+async def test_no_history_warm_up_when_no_history_is_sent():
+    scene = Scene(max_history_messages=0)
+    scene.warmup.next_prompt()
+    await scene.settle()
+    assert scene.warmed == []
+
+
+async def test_the_words_so_far_are_warmed_unless_a_warm_up_runs():
+    scene = Scene()
+    scene.gate = asyncio.Event()
+    scene.warmup.words_so_far("What is")
+    await scene.settle()
+    scene.warmup.words_so_far("What is the capital")  # the first one still runs: skipped, not replaced
+    scene.gate.set()
+    await scene.settle()
+    scene.warmup.words_so_far("What is the capital of")
+    await scene.settle()
+    assert scene.warmed == [said("What is"), said("What is the capital of")] == scene.finished
+
+
+async def test_no_words_are_warmed_when_the_llm_is_needed_the_prompt_is_cut_or_the_setting_is_off():
+    needed = Scene()
+    needed.llm_needed = True  # a tail transcription, a speculation or a reply's writing
+    cut = Scene()
+    cut.truncated_chars = 12
+    off = Scene(llm_warm_while_speaking=False)
+    for scene in (needed, cut, off):
+        scene.warmup.words_so_far("What is")
+        await scene.settle()
+        assert scene.warmed == []
+    off.warmup.next_prompt()  # (the history's warm-up is not that setting's)
+    await off.settle()
+    assert off.warmed == [HISTORY]
+
+
+async def test_without_a_prefix_cache_nothing_is_warmed():
+    scene = Scene(warms=False)
+    scene.warmup.next_prompt()
+    scene.warmup.words_so_far("What is")
+    await scene.settle()
+    assert scene.warmed == []
+
+
+async def test_a_failed_warm_up_is_only_a_lost_optimisation(caplog):
+    scene = Scene()
+    scene.failure = RuntimeError("engine busy")
+    with caplog.at_level(logging.DEBUG, logger="app.voice.warmup"):
+        scene.warmup.next_prompt()
+        await scene.settle()
+    assert "prefix warm-up failed" in caplog.text  # logged, not left in the task
+    scene.failure = None
+    scene.warmup.words_so_far("What is")  # the failed one is done: this one runs
+    await scene.settle()
+    assert scene.warmed == [HISTORY, said("What is")] and scene.finished == [said("What is")]
+
+
+async def test_close_cancels_the_running_warm_up_and_starts_no_more():
+    scene = Scene()
+    scene.gate = asyncio.Event()
+    scene.warmup.next_prompt()
+    await scene.settle()
+    await scene.warmup.close()
+    scene.gate.set()
+    scene.warmup.next_prompt()
+    scene.warmup.words_so_far("What is")
+    await scene.settle()
+    assert scene.warmed == [HISTORY] and scene.finished == []
