@@ -213,20 +213,6 @@ class Outbound:
         await self.emit({"type": "response.created", "response": response.payload("in_progress")})
         await self.finish(response, "failed", "", error)
 
-    @staticmethod
-    def _assistant_content(response: Response, text: str) -> list[dict[str, Any]]:
-        if response.modality == "text":
-            return [{"type": "output_text", "text": text}]
-        return [{"type": "output_audio", "transcript": text}]
-
-    @staticmethod
-    def _part(response: Response, text: str) -> dict[str, Any]:
-        return {"type": "text", "text": text} if response.modality == "text" else {"type": "audio", "transcript": text}
-
-    @staticmethod
-    def _where(response: Response) -> dict[str, Any]:
-        return {"response_id": response.id, "item_id": response.item_id, "output_index": 0, "content_index": 0}
-
     async def _open_output(self, response: Response) -> None:
         """The assistant item and its content part, opened on the reply's first text or audio."""
         if response.item_id is not None:
@@ -244,7 +230,7 @@ class Outbound:
                 **where,
                 "item_id": response.item_id,
                 "content_index": 0,
-                "part": self._part(response, ""),
+                "part": response.part(""),
             }
         )
 
@@ -255,7 +241,7 @@ class Outbound:
         await self._open_output(response)
         response.text_parts.append(message.delta)
         kind = "response.output_text.delta" if response.modality == "text" else "response.output_audio_transcript.delta"
-        await self.emit({"type": kind, **self._where(response), "delta": message.delta})
+        await self.emit({"type": kind, **response.where(), "delta": message.delta})
 
     async def _on_audio_start(self, message: protocol.AudioStart) -> None:
         response = self.state.current(message.turn_id)
@@ -287,7 +273,7 @@ class Outbound:
         if item is not None:
             item.audio_ms = response.audio_bytes / 2 / REALTIME_SAMPLE_RATE * 1000
         await self.emit(
-            {"type": "response.output_audio.delta", **self._where(response), "delta": base64.b64encode(pcm).decode()}
+            {"type": "response.output_audio.delta", **response.where(), "delta": base64.b64encode(pcm).decode()}
         )
 
     async def _on_interrupt(self, message: protocol.Interrupt) -> None:
@@ -322,7 +308,7 @@ class Outbound:
             self.state.response = None
         output = []
         if response.item_id is not None:
-            where = self._where(response)
+            where = response.where()
             if response.modality == "text":
                 await self.emit({"type": "response.output_text.done", **where, "text": text})
             else:
@@ -331,8 +317,8 @@ class Outbound:
                     await self._audio_delta(response, tail)
                 await self.emit({"type": "response.output_audio.done", **where})
                 await self.emit({"type": "response.output_audio_transcript.done", **where, "transcript": text})
-            await self.emit({"type": "response.content_part.done", **where, "part": self._part(response, text)})
-            content = self._assistant_content(response, text)
+            await self.emit({"type": "response.content_part.done", **where, "part": response.part(text)})
+            content = response.content(text)
             item = message_item(
                 response.item_id, "assistant", content, "completed" if status == "completed" else "incomplete"
             )

@@ -141,6 +141,19 @@ class Response:
     resampler: Any = None
     audio_bytes: int = 0
 
+    def where(self) -> dict[str, Any]:
+        """Where a delta or a done event of this response belongs (its one item, its one part)."""
+        return {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    def part(self, text: str) -> dict[str, Any]:
+        return {"type": "text", "text": text} if self.modality == "text" else {"type": "audio", "transcript": text}
+
+    def content(self, text: str) -> list[dict[str, Any]]:
+        """The assistant item's content once the reply is done."""
+        if self.modality == "text":
+            return [{"type": "output_text", "text": text}]
+        return [{"type": "output_audio", "transcript": text}]
+
     def payload(self, status: str, output: list | None = None, status_details=None, usage=None) -> dict[str, Any]:
         return {
             "id": self.id,
