@@ -1,9 +1,10 @@
 """``/v1/realtime``: the OpenAI Realtime API (GA) over Parley's conversation.
 
-Most tests are model-free: the adapter is fed Parley's own events (or drives a ``VoiceSession``
-on scripted stages), and every event it sends must validate against the OpenAI SDK's GA
-server-event models. The conformance test at the end drives a real ``parley serve`` with the
-official ``openai`` client, spoken audio and all.
+Most tests are model-free: the adapter drives a ``VoiceSession`` on scripted stages, and every
+event it sends must validate against the OpenAI SDK's GA server-event models. Its parts alone
+(inbound, outbound, on stubs) are tested in ``tests/unit/server/test_realtime_*.py``. The
+conformance test at the end drives a real ``parley serve`` with the official ``openai`` client,
+spoken audio and all.
 """
 
 from __future__ import annotations
@@ -11,16 +12,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import typing
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from harness import ScriptedLLM
-from openai.types.realtime import RealtimeServerEvent
 from starlette.websockets import WebSocketDisconnect
+from unit.server.realtime_stubs import check_ga
 
-from app import protocol
 from app.audio import float_to_pcm16, pcm16_to_float, resample
 from app.config import Settings
 from app.server.app import create_app
@@ -33,18 +32,6 @@ from app.voice.text import words
 QUESTION = "What is the capital of France?"
 TTS_RATE = 22_050
 KEY = "k" * 24
-
-# ---------------------------------------------------------------- the GA server events, from the SDK
-_GA_EVENTS = {
-    typing.get_args(cls.model_fields["type"].annotation)[0]: cls
-    for cls in typing.get_args(typing.get_args(RealtimeServerEvent)[0])
-}
-
-
-def check_ga(event: dict) -> None:
-    """The event is one the GA API defines, and its fields validate against the SDK's model."""
-    assert event["type"] in _GA_EVENTS, f"not a GA server event: {event['type']}"
-    _GA_EVENTS[event["type"]].model_validate(event)
 
 
 # ---------------------------------------------------------------- scripted stages (no model is loaded)
@@ -561,100 +548,6 @@ async def test_client_events_are_validated_by_the_sdk_models():
     assert (detection["type"], detection["silence_duration_ms"]) == ("server_vad", 900)
     assert len(rig.errors()) == len(sends)
     await close(rig)
-
-
-# ---------------------------------------------------------------- the translator alone
-class StubSession:
-    def __init__(self) -> None:
-        self.busy = False
-        self.history: list[dict] = []
-        self.sent: list[dict] = []
-
-    async def handle(self, message) -> None:
-        self.sent.append(message.model_dump())
-
-
-async def translator(**settings) -> tuple[RealtimeAdapter, StubSession, list[dict]]:
-    events: list[dict] = []
-
-    async def send(event):
-        events.append(event)
-
-    adapter = RealtimeAdapter(send, Settings(**settings), FakeStages(ScriptedLLM([])), drop_after_s=0.2)
-    stub = StubSession()
-    adapter.attach(stub)
-    return adapter, stub, events
-
-
-def reply_audio(seconds: float) -> list[bytes]:
-    samples = np.full(int(seconds * TTS_RATE), 0.1, np.float32)
-    chunk = TTS_RATE // 10
-    return [float_to_pcm16(samples[i : i + chunk]) for i in range(0, len(samples), chunk)]
-
-
-async def test_speech_over_an_audible_reply_is_announced_only_when_parley_barges_in():
-    adapter, stub, events = await translator()
-    feed = adapter.on_parley
-    await feed(protocol.SpeechStarted())
-    await feed(protocol.Transcript(turn_id=1, text="Hi", final=False))
-    await feed(protocol.SpeechStopped())
-    await feed(protocol.Transcript(turn_id=1, text="Hi there", final=True))
-    await feed(protocol.AssistantText(turn_id=1, delta="Hello! "))
-    await feed(protocol.AudioStart(turn_id=1, sample_rate=TTS_RATE))
-    for chunk in reply_audio(1.0):
-        await adapter.on_parley_audio(chunk)
-    stub.busy = True
-    assert [e["type"] for e in events].count("input_audio_buffer.speech_started") == 1
-    # a cough while the reply plays: held back, then dropped by Parley (nothing follows), never announced
-    mark = len(events)
-    await feed(protocol.SpeechStarted())
-    await feed(protocol.SpeechStopped())
-    await asyncio.sleep(0.4)
-    assert not [e for e in events[mark:] if e["type"].startswith("input_audio_buffer.")]
-    # real speech: announced once Parley interrupts the reply, before the response is cancelled
-    await feed(protocol.SpeechStarted())
-    await feed(protocol.Transcript(turn_id=3, text="Wait", final=False))
-    assert not [e for e in events[mark:] if e["type"].startswith("input_audio_buffer.")]
-    await feed(protocol.Interrupt(turn_id=1))
-    await feed(protocol.TurnDone(turn_id=1, text="Hello!", interrupted=True))
-    kinds = [e["type"] for e in events[mark:]]
-    assert kinds[0] == "input_audio_buffer.speech_started" and kinds[-1] == "response.done"
-    done = events[-1]["response"]
-    assert (done["status"], done["status_details"]["reason"]) == ("cancelled", "turn_detected")
-    assert done["output"][0]["content"][0]["transcript"] == "Hello!"
-    for event in events:
-        check_ga(event)
-    audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
-    assert len(audio) / 2 / REALTIME_SAMPLE_RATE == pytest.approx(1.0, abs=0.05)  # cut: no resampler flush
-    await adapter.close()
-
-
-async def test_turn_metrics_travel_only_when_included():
-    adapter, stub, events = await translator()
-    await adapter.on_parley(protocol.Transcript(turn_id=1, text="Hi", final=True))
-    await adapter.on_parley(protocol.TurnDone(turn_id=1, text="", metrics=protocol.TurnMetrics(llm_ttft_ms=12.0)))
-    assert not [e for e in events if e["type"].startswith("parley.")]
-    await adapter.handle_client(
-        json.dumps({"type": "session.update", "session": {"type": "realtime", "include": ["parley.turn_metrics"]}})
-    )
-    await adapter.on_parley(protocol.Transcript(turn_id=2, text="Hi", final=True))
-    await adapter.on_parley(protocol.TurnDone(turn_id=2, text="Hello.", metrics=protocol.TurnMetrics(llm_ttft_ms=12.0)))
-    [metrics] = [e for e in events if e["type"] == "parley.turn_metrics"]
-    assert metrics["turn_id"] == 2 and metrics["metrics"]["llm_ttft_ms"] == 12.0
-    assert events[-2]["type"] == "response.done" and metrics["response_id"] == events[-2]["response"]["id"]
-    await adapter.close()
-
-
-async def test_a_failed_turn_fails_its_response():
-    adapter, stub, events = await translator()
-    await adapter.on_parley(protocol.Transcript(turn_id=1, text="Hi", final=True))
-    await adapter.on_parley(protocol.AssistantText(turn_id=1, delta="Hel"))
-    await adapter.on_parley(protocol.Error(code="turn_failed", message="could not answer: boom"))
-    done = events[-1]
-    check_ga(done)
-    assert done["response"]["status"] == "failed"
-    assert done["response"]["status_details"]["error"]["code"] == "turn_failed"
-    await adapter.close()
 
 
 # ---------------------------------------------------------------- the route: admission and keys (in-process)

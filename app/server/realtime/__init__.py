@@ -8,10 +8,14 @@ send deadlines, idle timeout, audio rate); ``RealtimeAdapter`` translates betwee
 vocabularies. Every client event is validated by the ``openai`` package's own models first
 (``schema``); a field they refuse is an ``error`` naming its path.
 
+  adapter.py    ``RealtimeAdapter``: one connection, composed of its state, inbound and outbound
+  state.py      the connection's state (``RealtimeState``): configuration, items, open response,
+                speech held back, input clock and manual buffer, event ids
+  inbound.py    client events -> typed session calls, state changes, acknowledgements (``Inbound``)
+  configure.py  what session.update and response.create ask for, checked (pure functions)
+  outbound.py   the session's events and reply audio -> Realtime server events; all sending (``Outbound``)
   schema.py     client events: parsed (``protocol.load_json``) and validated (``openai.types.realtime``)
-  client.py     client events -> the session (``RealtimeAdapter``)
-  translate.py  Parley's events -> Realtime server events
-  core.py       what both share: bounds, errors, the session's configuration, the items, sending
+  core.py       what all share: bounds, errors, ids, payload shapes
 
 Client events -> the conversation
   session.update                 instructions -> system prompt; audio.output.voice -> voice (a Parley
@@ -85,7 +89,7 @@ from starlette.datastructures import State
 from app.config import Settings
 from app.server.access import CLOSE_POLICY, KEY_SUBPROTOCOL_PREFIX
 from app.server.connection import Connection
-from app.server.realtime.client import RealtimeAdapter
+from app.server.realtime.adapter import RealtimeAdapter
 from app.server.realtime.core import MAX_ID_CHARS, REALTIME_SAMPLE_RATE, RealtimeError, new_id
 from app.voice.session import VoiceSession
 

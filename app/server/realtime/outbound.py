@@ -1,4 +1,9 @@
-"""Parley's events -> Realtime server events: the half of the adapter that speaks to the client."""
+"""Session events -> Realtime server events: every event the client gets goes out through ``Outbound``.
+
+``on_parley`` / ``on_parley_audio`` are the session's ``send_json`` / ``send_bytes``: Parley's
+``protocol.ServerMessage`` values and its reply audio become Realtime events in the GA order.
+``emit`` / ``error`` are also how the inbound half answers the client's own events.
+"""
 
 from __future__ import annotations
 
@@ -11,27 +16,51 @@ import soxr
 
 from app import protocol
 from app.audio import float_to_pcm16, pcm16_to_float
-from app.server.realtime.core import (
-    INCLUDE_NOTICES,
-    INCLUDE_TURN_METRICS,
-    REALTIME_SAMPLE_RATE,
-    AdapterCore,
-    Item,
-    RealtimeError,
-    Response,
-    ResponseParams,
-    Speech,
-    message_item,
-    new_id,
-    zero_usage,
-)
+from app.server.realtime.core import REALTIME_SAMPLE_RATE, RealtimeError, SendEvent, message_item, new_id, zero_usage
+from app.server.realtime.state import Item, RealtimeState, Response, ResponseParams, Speech
+from app.voice.session import VoiceSession
+
+INCLUDE_TURN_METRICS = "parley.turn_metrics"
+INCLUDE_NOTICES = "parley.notice"
 
 
-class Translator(AdapterCore):
-    """Parley's events (the session's ``send_json`` / ``send_bytes``) as Realtime server events."""
+class Outbound:
+    """Parley's events as Realtime server events, sent with ``send`` (one JSON-able event at a time).
 
+    ``drop_after_s``: how long after a pause an utterance that commits no turn is forgotten.
+    The session is attached after both exist (it sends through this object).
+    """
+
+    def __init__(self, state: RealtimeState, send: SendEvent, *, drop_after_s: float) -> None:
+        self.state = state
+        self.session: VoiceSession | None = None
+        self._send = send
+        self._drop_after_s = drop_after_s
+
+    # ------------------------------------------------------------------ sending
+    async def emit(self, event: dict[str, Any]) -> None:
+        await self._send({"event_id": self.state.next_event_id(), **event})
+
+    async def error(self, error: RealtimeError) -> None:
+        await self.emit(
+            {
+                "type": "error",
+                "error": {
+                    "type": error.kind,
+                    "code": error.code,
+                    "message": error.message,
+                    "param": error.param,
+                    "event_id": self.state.client_event_id,
+                },
+            }
+        )
+
+    async def start(self) -> None:
+        await self.emit({"type": "session.created", "session": self.state.session_json()})
+
+    # ------------------------------------------------------------------ the session's events
     async def on_parley(self, message: protocol.ServerMessage) -> None:
-        async with self._lock:
+        async with self.state.lock:
             await self._translate(message)
 
     async def _translate(self, message: protocol.ServerMessage) -> None:
@@ -57,70 +86,64 @@ class Translator(AdapterCore):
             case protocol.TurnContinued():
                 return  # never sent here: Realtime sessions run with continuation_ms 0
             case protocol.Notice():
-                if INCLUDE_NOTICES in self.config.include:
-                    await self._emit({"type": "parley.notice", **message.model_dump(exclude={"type"})})
+                if INCLUDE_NOTICES in self.state.config.include:
+                    await self.emit({"type": "parley.notice", **message.model_dump(exclude={"type"})})
             case protocol.Error():
                 await self._on_parley_error(message)
 
     def _reply_audible(self) -> bool:
-        return self._response is not None or (self.session is not None and self.session.busy)
+        return self.state.response is not None or (self.session is not None and self.session.busy)
 
+    # ------------------------------------------------------------------ the user's speech
     async def _on_speech_started(self) -> None:
-        self._cancel_drop_timer()
-        if self._speech is not None:
+        state = self.state
+        state.cancel_drop_timer()
+        if state.speech is not None:
             return  # the user went on after a pause: the same item
-        self._speech = Speech(item_id=new_id("item"), start_ms=int(self._input_ms))
+        state.speech = Speech(item_id=new_id("item"), start_ms=int(state.input_ms))
         if not self._reply_audible():
-            await self._announce(self._speech)
+            await self._announce(state.speech)
         # else: held back until Parley confirms the barge-in (interrupt) or the turn commits
 
     async def _announce(self, speech: Speech) -> None:
         speech.announced = True
-        await self._emit(
+        await self.emit(
             {"type": "input_audio_buffer.speech_started", "audio_start_ms": speech.start_ms, "item_id": speech.item_id}
         )
 
     def _on_speech_paused(self) -> None:
         """A pause: if no turn commits in time, the utterance was dropped (noise, filler)."""
-        speech = self._speech
+        speech = self.state.speech
         if speech is None:
             return
-        self._cancel_drop_timer()
-        wait_s = self._drop_after_s
-        if wait_s is None:
-            wait_s = self.settings.endpoint_unfinished_silence_ms / 1000 + 3.0  # the endpoint, and ASR time
-        self._drop_task = asyncio.create_task(self._drop_later(speech, wait_s), name="realtime-drop")
+        self.state.cancel_drop_timer()
+        self.state.drop_task = asyncio.create_task(self._drop_later(speech), name="realtime-drop")
 
-    async def _drop_later(self, speech: Speech, wait_s: float) -> None:
-        await asyncio.sleep(wait_s)
-        async with self._lock:
-            if self._speech is not speech:
+    async def _drop_later(self, speech: Speech) -> None:
+        await asyncio.sleep(self._drop_after_s)
+        async with self.state.lock:
+            if self.state.speech is not speech:
                 return
-            self._speech = None
+            self.state.speech = None
             if speech.announced:
-                await self._emit(
+                await self.emit(
                     {
                         "type": "input_audio_buffer.speech_stopped",
-                        "audio_end_ms": int(self._input_ms),
+                        "audio_end_ms": int(self.state.input_ms),
                         "item_id": speech.item_id,
                     }
                 )
 
-    def _cancel_drop_timer(self) -> None:
-        if self._drop_task is not None:
-            self._drop_task.cancel()
-            self._drop_task = None
-
     async def _on_partial(self, message: protocol.Transcript) -> None:
-        speech = self._speech
-        if not self.config.transcription or speech is None or not speech.announced:
+        speech = self.state.speech
+        if not self.state.config.transcription or speech is None or not speech.announced:
             return
         if not message.text.startswith(speech.partial):
             return  # partials only grow; a rewrite is left to the completed transcript
         delta = message.text[len(speech.partial) :]
         if delta:
             speech.partial = message.text
-            await self._emit(
+            await self.emit(
                 {
                     "type": "conversation.item.input_audio_transcription.delta",
                     "item_id": speech.item_id,
@@ -130,35 +153,37 @@ class Translator(AdapterCore):
             )
 
     async def _on_final(self, message: protocol.Transcript) -> None:
-        if self._typed is not None:  # the typed turn response.create just sent: its items exist already
-            params, self._typed = self._typed, None
-            await self._open_response(message.turn_id, params)
+        state = self.state
+        if state.typed is not None:  # the typed turn response.create just sent: its items exist already
+            params, state.typed = state.typed, None
+            await self.open_response(message.turn_id, params)
             return
-        speech, self._speech = self._speech, None
-        self._cancel_drop_timer()
+        speech = state.speech
+        state.forget_speech()
         if speech is None:
-            speech = Speech(item_id=new_id("item"), start_ms=int(self._input_ms))
+            speech = Speech(item_id=new_id("item"), start_ms=int(state.input_ms))
         if not speech.announced:
             await self._announce(speech)
-        end_ms = int(self._input_ms)
-        await self._emit(
+        end_ms = int(state.input_ms)
+        await self.emit(
             {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": end_ms, "item_id": speech.item_id}
         )
-        self._pending_into_history()  # client items not answered yet come before this turn
-        previous, self._last_item_id = self._last_item_id, speech.item_id
-        await self._emit(
+        # client items not answered yet come before this turn
+        state.settle_pending(self.session.history if self.session is not None else None)
+        previous = state.follow(speech.item_id)
+        await self.emit(
             {"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": speech.item_id}
         )
         content = [{"type": "input_audio", "transcript": None}]
-        await self._emit(
+        await self.emit(
             {
                 "type": "conversation.item.added",
                 "previous_item_id": previous,
                 "item": message_item(speech.item_id, "user", content, "in_progress"),
             }
         )
-        if self.config.transcription:
-            await self._emit(
+        if state.config.transcription:
+            await self.emit(
                 {
                     "type": "conversation.item.input_audio_transcription.completed",
                     "item_id": speech.item_id,
@@ -168,32 +193,25 @@ class Translator(AdapterCore):
                 }
             )
         done = message_item(speech.item_id, "user", [{"type": "input_audio", "transcript": message.text}])
-        self._remember(Item(done, "user", message.text))
-        await self._emit({"type": "conversation.item.done", "previous_item_id": previous, "item": done})
-        await self._open_response(message.turn_id, ResponseParams())  # Parley answers every spoken turn
+        state.remember(Item(done, "user", message.text))
+        await self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": done})
+        await self.open_response(message.turn_id, ResponseParams())  # Parley answers every spoken turn
 
-    async def _open_response(self, turn_id: int, params: ResponseParams) -> None:
-        response = Response(
-            id=new_id("resp"),
-            turn_id=turn_id,
-            modality=params.modality or self.config.modality,
-            metadata=params.metadata,
-            voice=self.config.voice,
-        )
-        self._response = response
-        await self._emit({"type": "response.created", "response": response.payload("in_progress")})
+    # ------------------------------------------------------------------ the reply
+    def _response(self, turn_id: int, params: ResponseParams) -> Response:
+        config = self.state.config
+        return Response(new_id("resp"), turn_id, params.modality or config.modality, params.metadata, config.voice)
 
-    def _current(self, turn_id: int) -> Response | None:
-        response = self._response
-        return response if response is not None and response.turn_id == turn_id else None
+    async def open_response(self, turn_id: int, params: ResponseParams) -> None:
+        """``response.created`` for Parley's turn ``turn_id``; the response is the open one until it finishes."""
+        response = self.state.response = self._response(turn_id, params)
+        await self.emit({"type": "response.created", "response": response.payload("in_progress")})
 
-    def _assistant_content(self, response: Response, text: str) -> list[dict[str, Any]]:
-        if response.modality == "text":
-            return [{"type": "output_text", "text": text}]
-        return [{"type": "output_audio", "transcript": text}]
-
-    def _part(self, response: Response, text: str) -> dict[str, Any]:
-        return {"type": "text", "text": text} if response.modality == "text" else {"type": "audio", "transcript": text}
+    async def fail_response(self, params: ResponseParams, error: dict[str, Any]) -> None:
+        """A ``response.create`` Parley has no turn to answer: created, then done as ``failed`` at once."""
+        response = self._response(-1, params)
+        await self.emit({"type": "response.created", "response": response.payload("in_progress")})
+        await self.finish(response, "failed", "", error)
 
     async def _open_output(self, response: Response) -> None:
         """The assistant item and its content part, opened on the reply's first text or audio."""
@@ -201,35 +219,32 @@ class Translator(AdapterCore):
             return
         response.item_id = new_id("item")
         item = message_item(response.item_id, "assistant", [], "in_progress")
-        self._remember(Item(item, "assistant", turn_id=response.turn_id))
-        previous, self._last_item_id = self._last_item_id, response.item_id
+        self.state.remember(Item(item, "assistant", turn_id=response.turn_id))
+        previous = self.state.follow(response.item_id)
         where = {"response_id": response.id, "output_index": 0}
-        await self._emit({"type": "response.output_item.added", **where, "item": item})
-        await self._emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
-        await self._emit(
+        await self.emit({"type": "response.output_item.added", **where, "item": item})
+        await self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+        await self.emit(
             {
                 "type": "response.content_part.added",
                 **where,
                 "item_id": response.item_id,
                 "content_index": 0,
-                "part": self._part(response, ""),
+                "part": response.part(""),
             }
         )
 
-    def _where(self, response: Response) -> dict[str, Any]:
-        return {"response_id": response.id, "item_id": response.item_id, "output_index": 0, "content_index": 0}
-
     async def _on_assistant_text(self, message: protocol.AssistantText) -> None:
-        response = self._current(message.turn_id)
+        response = self.state.current(message.turn_id)
         if response is None:
             return
         await self._open_output(response)
         response.text_parts.append(message.delta)
         kind = "response.output_text.delta" if response.modality == "text" else "response.output_audio_transcript.delta"
-        await self._emit({"type": kind, **self._where(response), "delta": message.delta})
+        await self.emit({"type": kind, **response.where(), "delta": message.delta})
 
     async def _on_audio_start(self, message: protocol.AudioStart) -> None:
-        response = self._current(message.turn_id)
+        response = self.state.current(message.turn_id)
         if response is None:
             return
         if message.sample_rate != REALTIME_SAMPLE_RATE:
@@ -239,8 +254,8 @@ class Translator(AdapterCore):
             await self.session.handle(protocol.Playback(turn_id=message.turn_id, played_ms=1e9))
 
     async def on_parley_audio(self, data: bytes) -> None:
-        async with self._lock:
-            response = self._response
+        async with self.state.lock:
+            response = self.state.response
             if response is None or response.modality == "text" or not data:
                 return
             await self._open_output(response)
@@ -254,30 +269,30 @@ class Translator(AdapterCore):
             return
         pcm = float_to_pcm16(samples)
         response.audio_bytes += len(pcm)
-        item = self._items.get(response.item_id or "")
+        item = self.state.items.get(response.item_id or "")
         if item is not None:
             item.audio_ms = response.audio_bytes / 2 / REALTIME_SAMPLE_RATE * 1000
-        await self._emit(
-            {"type": "response.output_audio.delta", **self._where(response), "delta": base64.b64encode(pcm).decode()}
+        await self.emit(
+            {"type": "response.output_audio.delta", **response.where(), "delta": base64.b64encode(pcm).decode()}
         )
 
     async def _on_interrupt(self, message: protocol.Interrupt) -> None:
-        speech = self._speech
+        speech = self.state.speech
         if speech is not None and not speech.announced:
             await self._announce(speech)  # barge-in confirmed: now the client may stop its playback
-        response = self._current(message.turn_id)
+        response = self.state.current(message.turn_id)
         if response is not None and response.cancel_reason is None:
             response.cancel_reason = "turn_detected"
 
     async def _on_turn_done(self, message: protocol.TurnDone) -> None:
-        response = self._current(message.turn_id)
+        response = self.state.current(message.turn_id)
         ids: dict[str, Any] = {}
         if response is not None:
             ids = {"response_id": response.id, "item_id": response.item_id}
             status = "cancelled" if message.interrupted else "completed"
-            await self._finish(response, status, message.text)
-        if INCLUDE_TURN_METRICS in self.config.include:
-            await self._emit(
+            await self.finish(response, status, message.text)
+        if INCLUDE_TURN_METRICS in self.state.config.include:
+            await self.emit(
                 {
                     "type": "parley.turn_metrics",
                     "turn_id": message.turn_id,
@@ -287,46 +302,49 @@ class Translator(AdapterCore):
                 }
             )
 
-    async def _finish(self, response: Response, status: str, text: str, error: dict | None = None) -> None:
+    async def finish(self, response: Response, status: str, text: str, error: dict | None = None) -> None:
         """Close the response: its content part, item and the response itself, in the Realtime order."""
-        if self._response is response:
-            self._response = None
+        if self.state.response is response:
+            self.state.response = None
         output = []
         if response.item_id is not None:
-            where = self._where(response)
+            where = response.where()
             if response.modality == "text":
-                await self._emit({"type": "response.output_text.done", **where, "text": text})
+                await self.emit({"type": "response.output_text.done", **where, "text": text})
             else:
                 if status == "completed" and response.resampler is not None:
                     tail = response.resampler.resample_chunk(np.zeros(0, np.float32), last=True)
                     await self._audio_delta(response, tail)
-                await self._emit({"type": "response.output_audio.done", **where})
-                await self._emit({"type": "response.output_audio_transcript.done", **where, "transcript": text})
-            await self._emit({"type": "response.content_part.done", **where, "part": self._part(response, text)})
-            content = self._assistant_content(response, text)
+                await self.emit({"type": "response.output_audio.done", **where})
+                await self.emit({"type": "response.output_audio_transcript.done", **where, "transcript": text})
+            await self.emit({"type": "response.content_part.done", **where, "part": response.part(text)})
+            content = response.content(text)
             item = message_item(
                 response.item_id, "assistant", content, "completed" if status == "completed" else "incomplete"
             )
-            stored = self._items.get(response.item_id)
+            stored = self.state.items.get(response.item_id)
             if stored is not None:
                 stored.payload, stored.text = item, text
-            await self._emit(
+            await self.emit(
                 {"type": "response.output_item.done", "response_id": response.id, "output_index": 0, "item": item}
             )
-            await self._emit({"type": "conversation.item.done", "item": item})
+            await self.emit({"type": "conversation.item.done", "item": item})
             output = [item]
         details = None
         if status == "cancelled":
             details = {"type": "cancelled", "reason": response.cancel_reason or "turn_detected"}
         elif status == "failed":
             details = {"type": "failed", "error": error}
-        await self._emit({"type": "response.done", "response": response.payload(status, output, details, zero_usage())})
+        await self.emit({"type": "response.done", "response": response.payload(status, output, details, zero_usage())})
 
     async def _on_parley_error(self, message: protocol.Error) -> None:
-        if message.code == "turn_failed" and self._response is not None:
-            response = self._response
+        response = self.state.response
+        if message.code == "turn_failed" and response is not None:
             error = {"type": "server_error", "code": message.code, "message": message.message}
-            await self._finish(response, "failed", "".join(response.text_parts).strip(), error)
+            await self.finish(response, "failed", "".join(response.text_parts).strip(), error)
             return
         kind = "server_error" if message.code in ("internal", "overloaded", "turn_failed") else "invalid_request_error"
-        await self._error(RealtimeError(message.code, message.message, kind=kind))
+        await self.error(RealtimeError(message.code, message.message, kind=kind))
+
+    def close(self) -> None:
+        self.state.cancel_drop_timer()

@@ -1,0 +1,48 @@
+"""One Realtime connection, put together: its state, the inbound half and the outbound half."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from app.config import Settings
+from app.server.realtime.core import SendEvent
+from app.server.realtime.inbound import Inbound
+from app.server.realtime.outbound import Outbound
+from app.server.realtime.state import RealtimeState
+from app.voice.session import VoiceSession
+
+
+class RealtimeAdapter:
+    """Translates one Realtime connection to and from one ``VoiceSession``.
+
+    ``on_parley`` / ``on_parley_audio`` are the session's ``send_json`` / ``send_bytes``;
+    ``handle_client`` / ``handle_binary`` take the client's frames. The session is attached after both exist.
+    ``drop_after_s``: how long after a pause an utterance that commits no turn is forgotten
+    (by default the endpoint's longest silence and time for the ASR).
+    """
+
+    def __init__(
+        self,
+        send: SendEvent,
+        settings: Settings,
+        models,
+        *,
+        model: str = "parley",
+        on_rate_limited: Callable[[float], None] | None = None,
+        drop_after_s: float | None = None,
+    ) -> None:
+        if drop_after_s is None:
+            drop_after_s = settings.endpoint_unfinished_silence_ms / 1000 + 3.0
+        self.state = RealtimeState.new(settings, models, model)
+        self.outbound = Outbound(self.state, send, drop_after_s=drop_after_s)
+        self.inbound = Inbound(self.state, self.outbound, settings, models, on_rate_limited=on_rate_limited)
+        self.on_parley, self.on_parley_audio = self.outbound.on_parley, self.outbound.on_parley_audio
+        self.handle_client, self.handle_binary = self.inbound.handle_client, self.inbound.handle_binary
+        self.start = self.outbound.start
+
+    def attach(self, session: VoiceSession) -> None:
+        self.inbound.session = self.outbound.session = session
+
+    async def close(self) -> None:
+        self.inbound.close()
+        self.outbound.close()
