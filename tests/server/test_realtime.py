@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from harness import ScriptedLLM
+from realtime_stubs import check_ga
 from starlette.websockets import WebSocketDisconnect
-from unit.server.realtime_stubs import check_ga
 
 from app.audio import float_to_pcm16, pcm16_to_float, resample
 from app.config import Settings

@@ -9,7 +9,7 @@ import base64
 import numpy as np
 import pytest
 from openai.types.realtime.realtime_audio_input_turn_detection import SemanticVad
-from unit.server.realtime_stubs import check_ga, parts
+from realtime_stubs import check_ga, parts
 
 from app import protocol
 from app.audio import float_to_pcm16

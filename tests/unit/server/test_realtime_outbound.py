@@ -8,7 +8,7 @@ import base64
 
 import numpy as np
 import pytest
-from unit.server.realtime_stubs import check_ga, parts
+from realtime_stubs import check_ga, parts
 
 from app import protocol
 from app.audio import float_to_pcm16

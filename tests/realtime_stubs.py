@@ -2,8 +2,8 @@
 records the typed calls it gets, models that list voices and languages, a sender that records
 events, and the GA check every sent event must pass.
 
-Imported as ``unit.server.realtime_stubs`` (``tests`` is on the path) by the unit tests and
-``tests/server/test_realtime.py``.
+Beside ``fakes.py`` and ``harness.py`` (``tests`` is on the path): used by the unit tests of the parts and
+by ``tests/server/test_realtime.py``.
 """
 
 from __future__ import annotations
