@@ -52,11 +52,8 @@ class VoiceSession:
         clock: Clock | None = None,
         run_blocking: RunBlocking | None = None,
     ) -> None:
-        self.models = models
-        self.settings = settings
-        self._send_json = send_json
-        self._clock = clock or MonotonicClock()
-        self._run = run_blocking or run_in_thread
+        self.models, self.settings, self._send_json = models, settings, send_json
+        self._clock, self._run = clock or MonotonicClock(), run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
         self._history = History(settings.max_history_messages)
         self._turn_ids = itertools.count(1)
@@ -188,8 +185,7 @@ class VoiceSession:
     async def tune(self, **changes: float) -> None:
         """Change this conversation's turn-taking settings live (the Realtime door's ``turn_detection``).
 
-        Only fields of ``Settings`` may change; the utterance in progress is dropped and the VAD rebuilt
-        with the new values (a ``start`` at the current input rate).
+        Only fields of ``Settings``; the utterance in progress is dropped and the VAD rebuilt (a ``start``).
         """
         unknown = [name for name in changes if name not in Settings.model_fields]
         if unknown:
@@ -277,13 +273,8 @@ class VoiceSession:
         fitted = self._replies.prompt(text, self._turn_language)
         if fitted.truncated_chars:
             text = fitted.messages[-1]["content"]
-            await self._send_json(
-                protocol.Notice(
-                    turn_id=turn_id,
-                    code="truncated",
-                    message=f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out.",
-                )
-            )
+            left_out = f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out."
+            await self._send_json(protocol.Notice(turn_id=turn_id, code="truncated", message=left_out))
         await self._tell_if_voiceless(turn_id)
         reply = self._replies.new(turn_id, text, self._turn_language)
         reply.speech_end, reply.commit = speech_end, commit
