@@ -1,23 +1,18 @@
 """One voice conversation: client messages in, server events and reply audio out.
 
-The session is transport-agnostic: a server hands it frames and gives it two async
-callbacks to send events and audio. It tells the story of a turn (heard, answered,
-perhaps interrupted) and leaves each part of it to a unit of its own:
+Transport-agnostic (a server hands it frames and callbacks to send events and audio), it tells the
+story of a turn: heard, perhaps answered ahead, answered, perhaps interrupted (the history keeps only
+what was heard), with the client's preferences. Each part is a unit of ``app.voice``:
 
-* ``UtteranceTracker`` (``app.voice.utterance``, built by ``app.voice.listening``): audio ->
-  VAD -> partial and tail ASR -> speech started / paused / resumed / committed / dropped;
-* ``Reply`` (``app.voice.reply``, made by ``app.voice.reply_factory``): prompt -> LLM ->
-  clauses -> TTS -> audio, held back while speculative, cancellable;
-* ``BargeIn`` (``app.voice.barge_in``): speech over a reply stops it, unless a backchannel;
-* ``ContinuedTurns`` (``app.voice.continuation``): the user going on right after a commit;
-* ``PrefixWarmup`` (``app.voice.warmup``): the LLM's prefix cache filled for the next turn.
+* ``listening``: audio -> VAD -> ASR -> speech started / paused / resumed / committed / dropped;
+* ``reply_factory``: the prompt and the ``Reply`` (LLM -> clauses -> TTS -> audio, cancellable);
+* ``speculation``: a reply started at a pause, held back, used if the turn commits with that text;
+* ``barge_in``: speech over a reply stops it, unless a backchannel;
+* ``continuation``: the user going on right after a commit;
+* ``warmup``: the LLM's prefix cache filled for the next turn.
 
-What stays here is the turn itself: the speculative reply started at a pause and swapped
-into the real one at the endpoint, a reply interrupted (only what was heard is kept), the
-history (``app.voice.history``) and the client's preferences (``app.voice.prefs``).
-Models come in through ``app.stages.base.VoiceStages``; time through an injected
-``Clock``, and blocking model calls through an injected runner, so that the whole
-conversation runs in tests with scripted stand-ins and a manual clock.
+Models come in through ``VoiceStages``, time through a ``Clock`` and blocking calls through a runner,
+all injected: whole conversations run in tests with scripted stand-ins and a manual clock.
 """
 
 from __future__ import annotations
@@ -41,6 +36,7 @@ from app.voice.listening import listen
 from app.voice.prefs import Preferences, SessionPrefs
 from app.voice.reply import Reply, SendBytes, SendJson
 from app.voice.reply_factory import ReplyFactory
+from app.voice.speculation import Speculation
 from app.voice.turns import is_filler, looks_unfinished
 from app.voice.warmup import PrefixWarmup, WarmPrefix
 
@@ -56,16 +52,12 @@ class VoiceSession:
         clock: Clock | None = None,
         run_blocking: RunBlocking | None = None,
     ) -> None:
-        self.models = models
-        self.settings = settings
-        self._send_json = send_json
-        self._clock = clock or MonotonicClock()
-        self._run = run_blocking or run_in_thread
+        self.models, self.settings, self._send_json = models, settings, send_json
+        self._clock, self._run = clock or MonotonicClock(), run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
         self._history = History(settings.max_history_messages)
         self._turn_ids = itertools.count(1)
         self._reply: Reply | None = None  # the released reply (producing or playing)
-        self._speculation: Reply | None = None  # a reply to the utterance in progress, held back
         self._turn_language: str | None = None  # the language of the turn being answered, when known
         self._closed = False
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
@@ -85,6 +77,7 @@ class VoiceSession:
             on_failed=lambda reply: self._history.forget_failed(reply.user_text),
             on_metrics=lambda: self.on_turn_metrics,
         )
+        self._speculation = Speculation(self._replies, language=lambda: self._turn_language)
         self._barge_in = BargeIn(
             reply=lambda: self._reply,
             hear=lambda: self._tracker.transcribe_speech_so_far(),
@@ -173,7 +166,7 @@ class VoiceSession:
                 reply.playback.report(message.played_ms / 1000, self._clock.now())
         elif isinstance(message, protocol.Cancel):
             self._continued.abandon()
-            await self._cancel_speculation()
+            await self._speculation.cancel()
             await self._interrupt_reply(barge_in=False)
         elif isinstance(message, protocol.SessionConfig):
             await self._configure(message)
@@ -192,8 +185,7 @@ class VoiceSession:
     async def tune(self, **changes: float) -> None:
         """Change this conversation's turn-taking settings live (the Realtime door's ``turn_detection``).
 
-        Only fields of ``Settings`` may change; the utterance in progress is dropped and the VAD rebuilt
-        with the new values (a ``start`` at the current input rate).
+        Only fields of ``Settings``; the utterance in progress is dropped and the VAD rebuilt (a ``start``).
         """
         unknown = [name for name in changes if name not in Settings.model_fields]
         if unknown:
@@ -215,7 +207,7 @@ class VoiceSession:
                 await self._send_json(protocol.SpeechStarted())
                 await self._continued.speech_started(onset)
             case heard.Resumed():
-                await self._cancel_speculation()
+                await self._speculation.cancel()
                 await self._send_json(protocol.SpeechStarted())
             case heard.Paused():
                 await self._send_json(protocol.SpeechStopped())
@@ -230,15 +222,15 @@ class VoiceSession:
                 said = self._continued.new_words(event.text)
                 if self.settings.speculative_reply and not self._barge_in.only_backchannel(said):
                     if not is_filler(said) and not looks_unfinished(event.text):
-                        await self._speculate(event)
+                        await self._speculation.start(event)
             case heard.Dropped():
-                await self._cancel_speculation()  # a cough or "mm": not a turn, and the reply goes on
+                await self._speculation.cancel()  # a cough or "mm": not a turn, and the reply goes on
                 await self._continued.end()
             case heard.Committed():
                 said = self._continued.new_words(event.text)
                 reply_goes_on = self.busy or self._continued.holding
                 if reply_goes_on and self._barge_in.only_backchannel(said):
-                    await self._cancel_speculation()  # "mm-hmm" said over the reply: it goes on
+                    await self._speculation.cancel()  # "mm-hmm" said over the reply: it goes on
                     await self._continued.end()
                     return
                 await self._on_committed(event)
@@ -253,9 +245,8 @@ class VoiceSession:
         await self._continued.committed(turn.turn_id)
         await self._interrupt_reply()
         figures = turn.figures()
-        speculation = self._speculation
-        if speculation is not None and speculation.user_text == turn.text:
-            self._speculation = None
+        speculation = await self._speculation.take(turn.text)
+        if speculation is not None:
             await self._send_json(
                 protocol.Transcript(turn_id=speculation.turn_id, text=turn.text, final=True, language=turn.language)
             )
@@ -266,14 +257,13 @@ class VoiceSession:
             self._reply = speculation
             await speculation.release()
             return
-        await self._cancel_speculation()
         await self._start_turn(
             turn.turn_id, turn.text, speech_end=turn.speech_end, commit=turn.commit, language=turn.language, **figures
         )
 
     async def _drop_utterance(self) -> None:
         await self._tracker.drop()
-        await self._cancel_speculation()
+        await self._speculation.cancel()
 
     # ------------------------------------------------------------------ replies
     async def _start_turn(
@@ -283,13 +273,8 @@ class VoiceSession:
         fitted = self._replies.prompt(text, self._turn_language)
         if fitted.truncated_chars:
             text = fitted.messages[-1]["content"]
-            await self._send_json(
-                protocol.Notice(
-                    turn_id=turn_id,
-                    code="truncated",
-                    message=f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out.",
-                )
-            )
+            left_out = f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out."
+            await self._send_json(protocol.Notice(turn_id=turn_id, code="truncated", message=left_out))
         await self._tell_if_voiceless(turn_id)
         reply = self._replies.new(turn_id, text, self._turn_language)
         reply.speech_end, reply.commit = speech_end, commit
@@ -298,28 +283,10 @@ class VoiceSession:
         self._reply = reply
         reply.start(fitted.messages, released=True)
 
-    async def _speculate(self, tail: heard.TailText) -> None:
-        """Start answering before the endpoint; nothing is sent unless the turn commits with this text."""
-        if self._speculation is not None and self._speculation.user_text == tail.text:
-            return
-        await self._cancel_speculation()
-        fitted = self._replies.prompt(tail.text, self._turn_language)
-        if fitted.truncated_chars:
-            return  # an over-long turn is answered (with a notice) once committed
-        reply = self._replies.new(tail.turn_id, tail.text, self._turn_language)
-        reply.speech_end = tail.speech_end
-        self._speculation = reply
-        reply.start(fitted.messages, released=False)
-
     async def _tell_if_voiceless(self, turn_id: int) -> None:
         notice = self._prefs.voiceless_notice(self._turn_language, turn_id)
         if notice is not None:
             await self._send_json(notice)
-
-    async def _cancel_speculation(self) -> None:
-        reply, self._speculation = self._speculation, None
-        if reply is not None:
-            await reply.cancel()
 
     def _record_reply(self, reply: Reply) -> None:
         if reply.text:
@@ -333,7 +300,7 @@ class VoiceSession:
 
     def _llm_needed(self) -> bool:
         """The tail transcription is about to run, a speculation runs or a reply is written: no prefill now."""
-        if self._tracker.speech_may_be_ending or self._speculation is not None:
+        if self._tracker.speech_may_be_ending or self._speculation.running:
             return True
         return self._reply is not None and self._reply.producing
 

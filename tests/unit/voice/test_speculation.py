@@ -1,0 +1,101 @@
+"""The speculative reply on its own: a scripted reply factory, stand-in replies, no models.
+
+When the conversation speculates (a pause, not a filler, the setting on) and what reaches the
+client is checked in test_conversation; here, which tail text starts, keeps or cancels a held reply.
+"""
+
+from __future__ import annotations
+
+from fakes import StandInReply
+
+from app.voice.context import Fitted
+from app.voice.speculation import Speculation
+from app.voice.utterance import TailText
+
+
+class HeldReply(StandInReply):
+    """A stand-in reply that also records how it was started."""
+
+    speech_end = 0.0
+
+    def start(self, messages: list[dict], *, released: bool) -> None:
+        self.log.append("start (released)" if released else "start (held)")
+        self.messages = messages
+
+
+class Scene:
+    """A ``Speculation`` over a factory whose prompts are cut when longer than ``max_chars``."""
+
+    def __init__(self, max_chars: int = 100) -> None:
+        self.max_chars = max_chars
+        self.language = "en"
+        self.made: list[HeldReply] = []
+        self.languages: list[str | None] = []
+        self.speculation = Speculation(self, language=lambda: self.language)
+
+    def prompt(self, user_text: str, language: str | None) -> Fitted:
+        cut = max(0, len(user_text) - self.max_chars)
+        return Fitted([{"role": "user", "content": user_text[: self.max_chars]}], truncated_chars=cut)
+
+    def new(self, turn_id: int, user_text: str, language: str | None) -> HeldReply:
+        self.languages.append(language)
+        self.made.append(HeldReply(turn_id, user_text))
+        return self.made[-1]
+
+    async def pause(self, text: str, speech_end: float = 5.0) -> None:
+        await self.speculation.start(TailText(turn_id=1, text=text, speech_end=speech_end))
+
+
+async def test_a_tail_starts_a_held_reply_in_the_turn_s_language():
+    scene = Scene()
+    scene.language = "de"
+    await scene.pause("Wie spät ist es?", speech_end=7.5)
+    [reply] = scene.made
+    assert reply.log == ["start (held)"] and reply.speech_end == 7.5
+    assert reply.messages == [{"role": "user", "content": "Wie spät ist es?"}]
+    assert scene.languages == ["de"] and scene.speculation.running
+
+
+async def test_the_same_text_is_not_speculated_again():
+    scene = Scene()
+    await scene.pause("What is the capital of France?")
+    await scene.pause("What is the capital of France?")
+    assert len(scene.made) == 1 and scene.made[0].log == ["start (held)"]
+
+
+async def test_a_new_text_cancels_the_old_speculation():
+    scene = Scene()
+    await scene.pause("Tell me about Paris.")
+    await scene.pause("Tell me about Paris. And London too.")
+    old, new = scene.made
+    assert old.log == ["start (held)", "cancel"] and new.log == ["start (held)"]
+
+
+async def test_an_over_long_prompt_is_not_speculated():
+    scene = Scene(max_chars=20)
+    await scene.pause("Tell me about Paris.")  # 20 characters: fits
+    await scene.pause("Tell me about Paris, and London.")
+    [fitting] = scene.made
+    assert fitting.log == ["start (held)", "cancel"] and not scene.speculation.running
+
+
+async def test_a_commit_with_the_same_text_adopts_the_held_reply():
+    scene = Scene()
+    await scene.pause("What is the capital of France?")
+    reply = await scene.speculation.take("What is the capital of France?")
+    assert reply is scene.made[0] and reply.log == ["start (held)"]  # handed over still held: the session releases it
+    assert not scene.speculation.running
+
+
+async def test_a_commit_with_other_text_cancels_the_held_reply():
+    scene = Scene()
+    await scene.pause("What is the capital")
+    assert await scene.speculation.take("What is the capital of France?") is None
+    assert scene.made[0].log == ["start (held)", "cancel"] and not scene.speculation.running
+
+
+async def test_cancel_and_take_without_a_speculation_do_nothing():
+    scene = Scene()
+    await scene.speculation.cancel()
+    assert await scene.speculation.take("Hi.") is None
+    assert not scene.made and not scene.speculation.running
