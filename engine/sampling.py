@@ -129,7 +129,7 @@ class SamplerRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     stop_token_ids: tuple[int, ...] = ()
-    _prompt_mask: torch.Tensor | None = field(default=None, repr=False)
+    _prompt_ids: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def holds_back_stops(self) -> bool:
@@ -141,16 +141,12 @@ class SamplerRow:
         p = self.params
         return p.greedy and not p.penalized and not p.logit_bias and not self.holds_back_stops
 
-    def prompt_mask(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """Which tokens the prompt holds, as a [vocab] bool tensor (built once per request)."""
-        mask = self._prompt_mask
-        if mask is None or mask.shape[0] != vocab or mask.device != device:
-            mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-            ids = [t for t in self.prompt_token_ids if 0 <= t < vocab]
-            if ids:
-                mask[torch.tensor(ids, device=device)] = True
-            self._prompt_mask = mask
-        return mask
+    def prompt_ids(self, vocab: int) -> torch.Tensor:
+        """The prompt's distinct token ids (a CPU tensor, found once per request)."""
+        if self._prompt_ids is None:
+            ids = torch.tensor(list(self.prompt_token_ids), dtype=torch.long)
+            self._prompt_ids = torch.unique(ids[(ids >= 0) & (ids < vocab)])
+        return self._prompt_ids
 
 
 def make_generator(params: SamplingParams, device: str | torch.device, fallback_seed: int) -> torch.Generator | None:
@@ -174,12 +170,16 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], lis
     ok = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).tolist()
     if not all(ok):
         ok = torch.isfinite(logits).all(dim=-1).tolist()
-    # argmax needs no float32 copy: widening is monotonic, so the first maximum is the same row entry
-    out = torch.argmax(logits, dim=-1).tolist()
     errors: list[str | None] = [
         None if fine else "model produced non-finite logits (NaN or inf); request stopped" for fine in ok
     ]
     todo = [i for i, row in enumerate(rows) if ok[i] and not row.plain_greedy]
+    if len(todo) == len(rows):
+        out = [-1] * len(rows)
+    else:
+        # argmax needs no float32 copy: widening is monotonic, so the first maximum is the same row entry
+        # (every row: a subset would cost a copy; the processed rows are replaced below)
+        out = torch.argmax(logits, dim=-1).tolist()
     if todo:
         for i, token in zip(todo, _sample_processed(logits, todo, [rows[i] for i in todo]), strict=True):
             out[i] = token
@@ -248,40 +248,44 @@ def _add_logit_bias(x: torch.Tensor, rows: list[SamplerRow]) -> None:
 def _apply_penalties(x: torch.Tensor, rows: list[SamplerRow]) -> None:
     """Repetition (prompt + output tokens), frequency and presence (output tokens) penalties, as vLLM.
 
-    Output tokens are counted by one scatter over a padded [rows, longest output] index;
-    the prompt's tokens come from a mask built once per request.
+    Only the logits of tokens a row has seen change, so only those are gathered (a padded
+    [rows, seen tokens] index), penalized and written back: a few hundred entries a row instead
+    of the whole vocabulary. Output tokens are counted by one scatter; the prompt's distinct
+    tokens are found once per request. A token seen several times is gathered several times
+    and gets the same new value each time.
     """
     rows_p = [j for j, r in enumerate(rows) if r.params.penalized]
     if not rows_p:
         return
     dev, vocab = x.device, x.shape[1]
     sub = [rows[j] for j in rows_p]
-    xp = _subset(x, rows_p)
-    outputs = [list(r.output_token_ids) for r in sub]
-    longest = max(len(o) for o in outputs)
-    counts = None
-    if longest:
-        # padding goes to an extra column that is dropped; out-of-vocab ids cannot occur (checked on sampling)
-        index = torch.tensor([o + [vocab] * (longest - len(o)) for o in outputs], device=dev)
-        counts = torch.zeros(len(sub), vocab + 1, device=dev).scatter_add_(
-            1, index, torch.ones(index.shape, device=dev)
-        )
-        counts = counts[:, :vocab]
-    if any(r.params.repetition_penalty != 1.0 for r in sub):
-        no_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        seen = torch.stack([r.prompt_mask(vocab, dev) if r.params.repetition_penalty != 1.0 else no_mask for r in sub])
-        if counts is not None:
-            seen |= counts > 0
-        rep = torch.tensor([r.params.repetition_penalty for r in sub], device=dev).unsqueeze(1)
-        xp = torch.where(seen, torch.where(xp > 0, xp / rep, xp * rep), xp)
-    if counts is not None and any(r.params.frequency_penalty or r.params.presence_penalty for r in sub):
-        freq = torch.tensor([r.params.frequency_penalty for r in sub], device=dev).unsqueeze(1)
-        pres = torch.tensor([r.params.presence_penalty for r in sub], device=dev).unsqueeze(1)
-        xp = xp - freq * counts - pres * (counts > 0)
-    if len(rows_p) == x.shape[0]:
-        x.copy_(xp)
-    else:
-        x[torch.tensor(rows_p, device=dev)] = xp
+    outputs = [torch.tensor(list(r.output_token_ids), dtype=torch.long) for r in sub]
+    seen = [
+        torch.cat([r.prompt_ids(vocab), out]) if r.params.repetition_penalty != 1.0 else out
+        for r, out in zip(sub, outputs, strict=True)
+    ]
+    longest = max(len(s) for s in seen)
+    if not longest:
+        return  # nothing seen yet: no penalty applies
+    # padding repeats a row's first seen token (or token 0, whose value then stays as it is)
+    index = torch.zeros(len(sub), longest, dtype=torch.long)
+    for i, s in enumerate(seen):
+        index[i, : len(s)] = s
+        index[i, len(s) :] = s[0] if len(s) else 0
+    longest_out = max(len(o) for o in outputs)
+    out_index = torch.full((len(sub), max(longest_out, 1)), vocab, dtype=torch.long)  # pads to a dropped column
+    for i, o in enumerate(outputs):
+        out_index[i, : len(o)] = o
+    index, out_index = index.to(dev), out_index.to(dev)
+    counts = torch.zeros(len(sub), vocab + 1, device=dev)
+    counts = counts.scatter_add_(1, out_index, torch.ones(out_index.shape, device=dev)).gather(1, index)
+    at = torch.tensor(rows_p, device=dev).unsqueeze(1)
+    values = x[at, index]
+    rep = torch.tensor([r.params.repetition_penalty for r in sub], device=dev).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in sub], device=dev).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in sub], device=dev).unsqueeze(1)
+    values = torch.where(values > 0, values / rep, values * rep)  # every gathered token was seen
+    x[at, index] = values - freq * counts - pres * (counts > 0)
 
 
 def _apply_min_p(y: torch.Tensor, rows: list[SamplerRow]) -> None:
@@ -293,36 +297,63 @@ def _apply_min_p(y: torch.Tensor, rows: list[SamplerRow]) -> None:
     y.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
 
 
-def _apply_top_k_top_p(y: torch.Tensor, rows: list[SamplerRow]) -> None:
-    """Keep each row's ``top_k`` largest logits (ties with the k-th kept), then its ``top_p`` mass.
+_TOP_P_CANDIDATES = 256  # a top-p row without top_k first looks for its cut among this many likeliest tokens
 
-    Top-p sorts the rows that use either (top-k then reads its threshold off the sort); top-k
-    alone needs only a topk of the largest k asked.
+
+def _apply_top_k_top_p(y: torch.Tensor, rows: list[SamplerRow]) -> None:
+    """Keep each row's ``top_k`` largest logits (ties with the k-th kept), then the most likely tokens
+    until the mass *before* a token reaches its ``top_p`` (the first is always kept); -inf for the rest.
+
+    Why no sort: sorting a 49k vocabulary costs ~10 ms on a CPU core, while the cut lies among
+    the k largest with top_k and nearly always among the few likeliest without. So the rows that
+    use either work on one topk of candidates (``_top_k_top_p``).
     """
     vocab = y.shape[1]
     ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-    use_p = [r.params.top_p < 1.0 for r in rows]
-    chosen = [j for j in range(len(rows)) if ks[j] < vocab or use_p[j]]
+    chosen = [j for j in range(len(rows)) if ks[j] < vocab or rows[j].params.top_p < 1.0]
     if not chosen:
         return
-    dev = y.device
-    yc = _subset(y, chosen)
-    kth_at = torch.tensor([ks[j] - 1 for j in chosen], device=dev).unsqueeze(1)
-    if any(use_p[j] for j in chosen):
-        sorted_logits, order = torch.sort(yc, dim=-1, descending=True)
-        sorted_logits.masked_fill_(sorted_logits < sorted_logits.gather(1, kth_at), float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop tokens once the mass *before* them already reaches top_p (always keep the first).
-        top_p = torch.tensor([rows[j].params.top_p if use_p[j] else math.inf for j in chosen], device=dev)
-        sorted_logits.masked_fill_((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1), float("-inf"))
-        yc = torch.full_like(yc, float("-inf")).scatter(1, order, sorted_logits)
-    else:
-        kth = torch.topk(yc, max(ks[j] for j in chosen), dim=-1).values.gather(1, kth_at)
-        yc = yc.masked_fill(yc < kth, float("-inf"))
+    k = [ks[j] for j in chosen]
+    # one candidate beyond the largest k: a tie of it with the k-th says the ties may go on beyond
+    limit = min(vocab, max(kj + 1 if kj < vocab else _TOP_P_CANDIDATES for kj in k))
+    out = _top_k_top_p(_subset(y, chosen), k, [rows[j].params.top_p for j in chosen], limit)
     if len(chosen) == y.shape[0]:
-        y.copy_(yc)
+        y.copy_(out)
     else:
-        y[torch.tensor(chosen, device=dev)] = yc
+        y[torch.tensor(chosen, device=y.device)] = out
+
+
+def _top_k_top_p(y: torch.Tensor, k: list[int], p: list[float], limit: int) -> torch.Tensor:
+    """``_apply_top_k_top_p`` on the ``limit`` largest logits of each row (k = vocab: no top-k).
+
+    A row whose cut these candidates do not settle (ties with the k-th beyond them, or a top-p
+    mass they do not reach) is done again with more: all its ties, or eight times as many.
+    """
+    vocab = y.shape[1]
+    dev = y.device
+    values, index = torch.topk(y, limit, dim=-1)  # largest first
+    no_k = torch.tensor([kj == vocab for kj in k], device=dev).unsqueeze(1)
+    at = torch.tensor([min(kj, limit) - 1 for kj in k], device=dev).unsqueeze(1)
+    kth = values.gather(1, at).masked_fill(no_k, float("-inf"))
+    kept = values.masked_fill(values < kth, float("-inf"))
+    # a top_k row's mass lies in its candidates; a top-p-only row's is normalized over the whole row
+    probs = torch.softmax(kept, dim=-1)
+    if any(kj == vocab for kj in k):
+        probs = torch.where(no_k, torch.softmax(y, dim=-1).gather(1, index), probs)
+    top_p = torch.tensor([pj if pj < 1.0 else math.inf for pj in p], device=dev).unsqueeze(1)
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p
+    out = torch.full_like(y, float("-inf")).scatter(1, index, kept.masked_fill(drop, float("-inf")))
+    if limit == vocab:
+        return out
+    # (a -inf k-th: fewer than k tokens are left, all of them among the candidates)
+    tied = (values[:, -1:] == kth) & (kth > float("-inf"))
+    unsettled = torch.where(no_k, ~drop[:, -1:], tied).squeeze(1).nonzero().squeeze(1).tolist()
+    if unsettled:
+        at = torch.tensor(unsettled, device=dev)
+        ties = (y[at] >= kth[at]).sum(dim=-1).tolist()
+        wanted = [limit * 8 if k[i] == vocab else ties[n] + 1 for n, i in enumerate(unsettled)]
+        out[at] = _top_k_top_p(y[at], [k[i] for i in unsettled], [p[i] for i in unsettled], min(vocab, max(wanted)))
+    return out
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:

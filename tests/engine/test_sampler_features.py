@@ -284,3 +284,56 @@ def test_choices_shift_a_given_seed():
     assert [choice_params(p, i).seed for i in range(3)] == [2**63 - 1, 0, 1]
     unseeded = SamplingParams(temperature=1.0)
     assert choice_params(unseeded, 2) is unseeded
+
+
+def test_sampler_cost_benchmark_reports_every_case():
+    from engine.benchmarks.sampler import CASES, report_lines, sampler_cost
+
+    r = sampler_cost(vocab=500, batch_sizes=(1, 2), reps=2, prompt_tokens=20, output_tokens=10)
+    for case in CASES:
+        assert r[f"sampler_ms_{case}_bs2"] > 0
+    assert "sampler_ms_one_row_everything_bs1" not in r  # one row of one is every row
+    assert r["sampler_vs_greedy_greedy_bs1"] == 1.0 and r["sampler_vs_temperature_temperature_bs2"] == 1.0
+    lines = report_lines(r)
+    assert len(lines) == 2 + len(CASES) and "x greedy" in lines[1]
+
+
+def _top_k_top_p_by_sorting(y: torch.Tensor, k: list[int], p: list[float]) -> torch.Tensor:
+    """The plain way: a threshold at each row's k-th largest, then a sort of the whole row for top-p."""
+    sorted_logits, order = torch.sort(y, dim=-1, descending=True)
+    kth = sorted_logits.gather(1, torch.tensor(k).unsqueeze(1) - 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    top_p = torch.tensor([pj if pj < 1.0 else math.inf for pj in p]).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill((probs.cumsum(dim=-1) - probs) >= top_p, NEG_INF)
+    return torch.full_like(y, NEG_INF).scatter(1, order, sorted_logits)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_top_k_top_p_on_candidates_equals_sorting_whole_rows(tied):
+    # the fast path looks for each cut among the largest logits only; it must keep exactly what sorting keeps,
+    # ties with the k-th included (bf16 logits tie often) and top-p masses the candidates do not reach
+    gen = torch.Generator().manual_seed(3)
+    vocab = 2000
+    logits = torch.randn(9, vocab, generator=gen) * 3
+    if tied:
+        logits = logits.round()  # many equal values, at the k-th too
+    logits[5] = torch.randn(vocab, generator=gen) * 0.01  # nearly flat: top_p 0.95 needs most of the row
+    logits[8, 5:] = NEG_INF  # min_p / min_tokens left fewer tokens than top_k asks for
+    settings = [(50, 1.0), (0, 0.9), (300, 0.8), (3, 0.5), (0, 0.3), (0, 0.95), (1000, 0.99), (7, 1.0), (50, 0.9)]
+    rows = [row(temperature=1.0, top_k=k, top_p=p) for k, p in settings]
+    fast = logits.clone()
+    sampling._apply_top_k_top_p(fast, rows)
+    reference = _top_k_top_p_by_sorting(logits, [k or vocab for k, _ in settings], [p for _, p in settings])
+    kept = torch.isfinite(fast)
+    assert torch.equal(fast[kept], logits[kept])
+    if not tied:
+        assert torch.equal(kept, torch.isfinite(reference))
+        return
+    # with ties the top-p cut may fall among equal logits, and which of them a sort puts first is arbitrary:
+    # the same number of tokens with the same values is kept; top-k alone (threshold) keeps the same tokens
+    assert torch.equal(kept.sum(dim=-1), torch.isfinite(reference).sum(dim=-1))
+    for i in range(len(settings)):
+        assert torch.equal(fast[i][kept[i]].sort().values, reference[i][torch.isfinite(reference[i])].sort().values)
+    for i in (0, 7):
+        assert torch.equal(kept[i], torch.isfinite(reference[i]))
