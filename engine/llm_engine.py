@@ -38,6 +38,7 @@ from engine.weights import generation_defaults, resolve_model
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 5.0
+_BREAKER_SETS_KEPT = 16  # distinct DRY sequence-breaker sets whose token ids are remembered
 
 
 @dataclass
@@ -84,6 +85,8 @@ class LLMEngine:
         # the model's generation_config.json sampling values: what the API uses for fields a request leaves unset
         self.generation_defaults = generation_defaults(path)
         self._rng = random.Random(config.seed)
+        self._token_texts: list[str] | None = None  # each token's own text, decoded once (DRY breakers)
+        self._breaker_ids: dict[tuple[str, ...], frozenset[int]] = {}
         self._states: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []
         self._rate: deque[tuple[float, int]] = deque()
@@ -186,10 +189,24 @@ class LLMEngine:
             req.prompt_token_ids,
             req.output_token_ids,
             stop_token_ids=tuple(dict.fromkeys(stops)),
+            dry_breakers=self._dry_breakers(params.dry_sequence_breakers) if params.dry else frozenset(),
         )
         self._states[request_id] = _RequestState(req, IncrementalDetokenizer(self.tokenizer, params.stop), row)
         self.prompt_tokens_total += req.num_prompt_tokens
         return request_id
+
+    def _dry_breakers(self, breakers: tuple[str, ...]) -> frozenset[int]:
+        """Ids of the tokens whose text holds one of ``breakers`` (DRY does not match across them).
+        The vocabulary is decoded once (~1 s for 49k tokens, on the first DRY request)."""
+        found = self._breaker_ids.get(breakers)
+        if found is None:
+            if self._token_texts is None:
+                self._token_texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+            found = frozenset(i for i, text in enumerate(self._token_texts) if any(b in text for b in breakers))
+            if len(self._breaker_ids) >= _BREAKER_SETS_KEPT:
+                self._breaker_ids.clear()
+            self._breaker_ids[breakers] = found
+        return found
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; its stream gets a final 'abort' output."""

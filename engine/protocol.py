@@ -34,6 +34,9 @@ from pydantic import (
 )
 
 from engine.sampling import (
+    MAX_DRY_ALLOWED_LENGTH,
+    MAX_DRY_BASE,
+    MAX_DRY_MULTIPLIER,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -54,6 +57,9 @@ MAX_MESSAGES = 256
 MAX_CONTENT_CHARS = 200_000  # per message, and per completion prompt (a few times any context we serve)
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 8  # n: each choice is an engine request of its own
+MAX_DRY_BREAKERS = 16
+DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_sequence_breakers")  # unset: the engine's
+MAX_DRY_BREAKER_CHARS = 20
 # the request fields that take the model's generation_config.json values when unset, and their neutral values
 DEFAULTED_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
@@ -70,8 +76,8 @@ class StreamOptions(OpenAIBaseModel):
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat completions and completions: OpenAI's, plus vLLM's ``top_k``,
     ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``stop_token_ids``
-    (bounded as vLLM, or tighter). Fields OpenAI has and we do not support are accepted only
-    at their neutral value."""
+    (bounded as vLLM, or tighter), and llama.cpp's DRY (``dry_*``, off unless ``dry_multiplier``
+    > 0). Fields OpenAI has and we do not support are accepted only at their neutral value."""
 
     model: StrictStr | None = None
     stream: StrictBool = False
@@ -93,6 +99,10 @@ class SamplingRequest(OpenAIBaseModel):
     frequency_penalty: StrictFloat | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # token id (a string in JSON) -> bias added to its logit
     logit_bias: dict[StrictStr, StrictFloat] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    dry_multiplier: StrictFloat | None = Field(default=None, ge=0.0, le=MAX_DRY_MULTIPLIER)
+    dry_base: StrictFloat | None = Field(default=None, gt=1.0, le=MAX_DRY_BASE)
+    dry_allowed_length: StrictInt | None = Field(default=None, ge=1, le=MAX_DRY_ALLOWED_LENGTH)
+    dry_sequence_breakers: list[StrictStr] | None = Field(default=None, max_length=MAX_DRY_BREAKERS)
     # accepted at their neutral value only
     best_of: StrictInt | None = None
     tools: Any = None
@@ -135,6 +145,13 @@ class SamplingRequest(OpenAIBaseModel):
     def _stop_token_ids(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
         if v is not None:
             _check_token_ids(v, info)
+        return v
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _dry_sequence_breakers(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not 1 <= len(b) <= MAX_DRY_BREAKER_CHARS for b in v):
+            raise ValueError(f"strings must have 1 to {MAX_DRY_BREAKER_CHARS} characters")
         return v
 
     @field_validator("logit_bias")
@@ -205,6 +222,7 @@ class SamplingRequest(OpenAIBaseModel):
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
             min_tokens=self.min_tokens or 0,
             logprobs=self.num_logprobs,
+            **{name: value for name in DRY_FIELDS if (value := getattr(self, name)) is not None},
             seed=self.seed,
             stop=tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),

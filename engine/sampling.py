@@ -30,6 +30,12 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one token's bias
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGPROBS = 20  # alternatives reported per token (OpenAI's top_logprobs bound)
+# DRY (llama.cpp / text-generation-webui): multiplier 0 is off; bounds as text-generation-webui's
+MAX_DRY_MULTIPLIER = 5.0
+MAX_DRY_BASE = 4.0
+MAX_DRY_ALLOWED_LENGTH = 20
+MAX_DRY_MATCH = 50  # a repeat is matched this far back at most (keeps base ** length finite, and the scan short)
+DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class SamplingParams:
     token ids' logits. ``min_tokens``: the stop tokens (EOS, ``stop_token_ids``) cannot be
     sampled before that many tokens. ``logprobs``: with each token, report its log-probability
     and that of the ``logprobs`` most likely tokens (0: its own only), from the raw logits.
+    ``dry_*``: llama.cpp's DRY ("don't repeat yourself") penalty, off while ``dry_multiplier`` is 0
+    (see ``_apply_dry``).
     """
 
     max_tokens: int = 128
@@ -60,6 +68,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a mapping is accepted
     min_tokens: int = 0
     logprobs: int | None = None
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples so the record stays hashable/immutable.
@@ -69,6 +81,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -100,6 +113,14 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if not 0 <= self.dry_multiplier <= MAX_DRY_MULTIPLIER:
+            raise ValueError(f"dry_multiplier must be in [0, {MAX_DRY_MULTIPLIER}]")
+        if not 1 < self.dry_base <= MAX_DRY_BASE:
+            raise ValueError(f"dry_base must be in (1, {MAX_DRY_BASE}]")
+        if not 1 <= self.dry_allowed_length <= MAX_DRY_ALLOWED_LENGTH:
+            raise ValueError(f"dry_allowed_length must be in [1, {MAX_DRY_ALLOWED_LENGTH}]")
+        if any(not b for b in self.dry_sequence_breakers):
+            raise ValueError("dry_sequence_breakers must be non-empty strings")
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +129,10 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def dry(self) -> bool:
+        return self.dry_multiplier > 0
 
 
 def _bias_pairs(bias: Mapping[int, float] | Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -121,7 +146,8 @@ class SamplerRow:
 
     ``prompt_token_ids`` / ``output_token_ids`` are the request's own lists (the penalties read
     them each step); ``stop_token_ids`` are the ids ``min_tokens`` holds back (its EOS ids
-    unless ``ignore_eos``, and ``params.stop_token_ids``).
+    unless ``ignore_eos``, and ``params.stop_token_ids``); ``dry_breakers`` the ids of the tokens
+    whose text holds one of ``params.dry_sequence_breakers``.
     """
 
     params: SamplingParams
@@ -129,6 +155,7 @@ class SamplerRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     stop_token_ids: tuple[int, ...] = ()
+    dry_breakers: frozenset[int] = frozenset()
     _prompt_ids: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -139,7 +166,7 @@ class SamplerRow:
     def plain_greedy(self) -> bool:
         """Greedy with nothing to change the logits first: the argmax of the raw logits is its token."""
         p = self.params
-        return p.greedy and not p.penalized and not p.logit_bias and not self.holds_back_stops
+        return p.greedy and not p.penalized and not p.dry and not p.logit_bias and not self.holds_back_stops
 
     def prompt_ids(self, vocab: int) -> torch.Tensor:
         """The prompt's distinct token ids (a CPU tensor, found once per request)."""
@@ -205,10 +232,11 @@ def _sample_processed(logits: torch.Tensor, index: list[int], rows: list[Sampler
 
 def process_logits(x: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     """In place on float32 ``x`` [rows, vocab]: stop tokens held back by ``min_tokens``, ``logit_bias``,
-    then the penalties. A greedy row's token is the argmax of the result."""
+    then the penalties and DRY. A greedy row's token is the argmax of the result."""
     _hold_back_stops(x, rows)
     _add_logit_bias(x, rows)
     _apply_penalties(x, rows)
+    _apply_dry(x, rows)
     return x
 
 
@@ -286,6 +314,53 @@ def _apply_penalties(x: torch.Tensor, rows: list[SamplerRow]) -> None:
     pres = torch.tensor([r.params.presence_penalty for r in sub], device=dev).unsqueeze(1)
     values = torch.where(values > 0, values / rep, values * rep)  # every gathered token was seen
     x[at, index] = values - freq * counts - pres * (counts > 0)
+
+
+def _apply_dry(x: torch.Tensor, rows: list[SamplerRow]) -> None:
+    """DRY, as text-generation-webui's reference (by its author) and llama.cpp: a token that would
+    continue a repeat of the context's end gets ``multiplier * base ** (n - allowed_length)`` taken
+    off its logit, n being the length of the repeated sequence (at least ``allowed_length``).
+
+    The repeat: the context (prompt + output) ends with tokens t[-n:] that also occur earlier,
+    followed there by the token to penalize. Matches do not extend across a sequence breaker, and
+    a breaker is never penalized. Per row a scan of the context in Python (only rows that use DRY);
+    the penalties are written at once.
+    """
+    triples = []
+    for j, r in enumerate(rows):
+        if r.params.dry:
+            triples += [(j, t, penalty) for t, penalty in _dry_penalties(r).items()]
+    if triples:
+        dev = x.device
+        r_idx = torch.tensor([j for j, _, _ in triples], device=dev)
+        t_idx = torch.tensor([t for _, t, _ in triples], device=dev)
+        x.index_put_((r_idx, t_idx), -torch.tensor([v for _, _, v in triples], device=dev), accumulate=True)
+
+
+def _dry_penalties(row: SamplerRow) -> dict[int, float]:
+    """Token id -> DRY penalty for one row (see ``_apply_dry``)."""
+    p, breakers = row.params, row.dry_breakers
+    ctx = [*row.prompt_token_ids, *row.output_token_ids]
+    if len(ctx) < 2 or ctx[-1] in breakers:
+        return {}
+    last = ctx[-1]
+    longest: dict[int, int] = {}  # token -> longest repeat it would continue
+    for i in range(len(ctx) - 1):
+        if ctx[i] != last or ctx[i + 1] in breakers:
+            continue
+        n = 1
+        while n < MAX_DRY_MATCH and i - n >= 0:
+            before = ctx[-(n + 1)]
+            if ctx[i - n] != before or before in breakers:
+                break
+            n += 1
+        following = ctx[i + 1]
+        longest[following] = max(n, longest.get(following, 0))
+    return {
+        t: p.dry_multiplier * p.dry_base ** (n - p.dry_allowed_length)
+        for t, n in longest.items()
+        if n >= p.dry_allowed_length
+    }
 
 
 def _apply_min_p(y: torch.Tensor, rows: list[SamplerRow]) -> None:

@@ -32,6 +32,7 @@ _EVERYTHING = dict(
     min_tokens=1000,
     max_tokens=1000,
     logprobs=5,
+    dry_multiplier=0.8,
 )
 # name -> (what it is, the params of every row); "one_row_everything" puts _EVERYTHING on row 0 only
 CASES: dict[str, tuple[str, dict]] = {
@@ -48,6 +49,7 @@ CASES: dict[str, tuple[str, dict]] = {
         {"logit_bias": _BIAS, "min_tokens": 1000, "max_tokens": 1000},
     ),
     "logprobs_greedy": ("greedy, logprobs with top 5", {"logprobs": 5}),
+    "dry_greedy": ("greedy, DRY 0.8", {"dry_multiplier": 0.8}),
     "everything": ("all of the above on every row", _EVERYTHING),
     "one_row_everything": ("all of the above on one row, the rest plain greedy", {}),
 }

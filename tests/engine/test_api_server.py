@@ -248,6 +248,11 @@ def _chat_body(**kw) -> dict:
         (_chat_body(stop_token_ids=[10**7]), "stop_token_ids", "token ids must be in [0, "),
         (_chat_body(stop_token_ids=list(range(65))), "stop_token_ids", "at most 64"),
         (_chat_body(max_tokens=3, min_tokens=4), None, "min_tokens must be in [0, max_tokens]"),
+        (_chat_body(dry_multiplier=6), "dry_multiplier", "less than or equal to 5"),
+        (_chat_body(dry_base=1), "dry_base", "greater than 1"),
+        (_chat_body(dry_allowed_length=0), "dry_allowed_length", "greater than or equal to 1"),
+        (_chat_body(dry_sequence_breakers=[""]), "dry_sequence_breakers", "1 to 20 characters"),
+        (_chat_body(dry_sequence_breakers=["x"] * 17), "dry_sequence_breakers", "at most 16"),
         (_chat_body(tools=[{"type": "function"}]), "tools", "not supported"),
         (_chat_body(response_format={"type": "json_object"}), "response_format", "text"),
         (_chat_body(stream_options=[1]), "stream_options", "stream_options"),
@@ -546,6 +551,7 @@ def test_penalties_change_a_repetitive_greedy_output(sdk):
     assert text(presence_penalty=2.0).startswith(" 6,")  # accepted (one subtraction does not beat "," here)
     assert text(extra_body={"repetition_penalty": 1.8}) != plain
     assert text(extra_body={"min_p": 0.1, "top_k": 5}) == plain  # greedy: warpers do not move the argmax
+    assert text(extra_body={"dry_multiplier": 5.0, "dry_allowed_length": 1}) != plain  # ", " repeats
 
 
 def test_min_tokens_holds_back_the_end_of_the_reply(sdk):

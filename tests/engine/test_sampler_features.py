@@ -24,9 +24,10 @@ from engine.weights import generation_defaults
 NEG_INF = float("-inf")
 
 
-def row(prompt=(), output=(), stops=(), seed=None, **kw) -> SamplerRow:
+def row(prompt=(), output=(), stops=(), seed=None, breakers=(), **kw) -> SamplerRow:
     params = SamplingParams(seed=seed, **kw)
-    return SamplerRow(params, make_generator(params, "cpu", 0), list(prompt), list(output), tuple(stops))
+    generator = make_generator(params, "cpu", 0)
+    return SamplerRow(params, generator, list(prompt), list(output), tuple(stops), frozenset(breakers))
 
 
 def processed(logits: list[list[float]], rows: list[SamplerRow]) -> list[list[float]]:
@@ -116,6 +117,40 @@ def test_logprobs_come_from_the_raw_logits():
     assert token_logprobs(logits, [row(), row()], [0, 1]) == [None, None]
 
 
+def _dry(prompt, output=(), breakers=(), **kw) -> list[float]:
+    return processed([[0.0] * 12], [row(prompt=prompt, output=output, breakers=breakers, **kw)])[0]
+
+
+def test_dry_penalizes_the_token_that_would_continue_a_repeat():
+    # context 1 2 3 9 1 2 3: the end "1 2 3" (length 3) occurred before, followed by 9
+    # -> 9 loses multiplier * base ** (3 - allowed_length) = 1.0 * 2 ** 1
+    got = _dry([1, 2, 3, 9], [1, 2, 3], dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=2)
+    assert got == [0.0] * 9 + [-2.0] + [0.0] * 2
+    # shorter than allowed_length: nothing
+    assert _dry([1, 2, 3, 9], [1, 2, 3], dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=4) == [0.0] * 12
+
+
+def test_dry_takes_each_tokens_longest_repeat():
+    # context 5 1 2 7 6 1 2 8 6 1 2: "1 2" was followed by 7 (repeat of length 2: before it 5 != 6)
+    # and "6 1 2" by 8 (length 3: before it 7 != 8)
+    got = _dry([5, 1, 2, 7, 6, 1, 2, 8, 6, 1, 2], dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2)
+    expected = [0.0] * 12
+    expected[7], expected[8] = -0.8 * 1.75**0, -0.8 * 1.75**1
+    assert got == pytest.approx(expected)
+
+
+def test_dry_does_not_match_across_sequence_breakers():
+    kw = dict(dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=2)
+    assert _dry([1, 2, 3, 9, 1, 2, 3], breakers={2}, **kw) == [0.0] * 12  # the repeat stops at 2: length 1
+    assert _dry([1, 2, 3, 9, 1, 2, 3], breakers={9}, **kw) == [0.0] * 12  # a breaker is never penalized
+    assert _dry([1, 2, 3, 9, 1, 2, 3], breakers={3}, **kw) == [0.0] * 12  # the context ends with a breaker
+
+
+def test_dry_is_off_by_default():
+    assert row(prompt=[1, 2, 1, 2], output=[1]).plain_greedy
+    assert not row(prompt=[1, 2, 1, 2], output=[1], dry_multiplier=0.5).plain_greedy
+
+
 # ------------------------------------------------------------------ the batch
 def _mixed_rows() -> list[SamplerRow]:
     return [
@@ -126,14 +161,15 @@ def _mixed_rows() -> list[SamplerRow]:
         row(logit_bias={9: 4.0, 11: -2.0}, output=[0], stops=[9], min_tokens=3),
         row(temperature=0.7, seed=3, repetition_penalty=1.8, prompt=list(range(20))),
         row(temperature=1.0, seed=4),
+        row(prompt=[1, 2, 3, 9, 1, 2], output=[3], dry_multiplier=2.0, breakers={30}),
     ]
 
 
 def test_rows_in_a_batch_equal_the_same_rows_alone():
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(7, 64, generator=gen) * 3
+    logits = torch.randn(8, 64, generator=gen) * 3
     batched, errors = sample(logits, _mixed_rows())
-    assert errors == [None] * 7
+    assert errors == [None] * 8
     alone = [sample(logits[i : i + 1], [r])[0][0] for i, r in enumerate(_mixed_rows())]
     assert batched == alone
     # and the processed logits too (greedy and sampled rows alike)
@@ -214,6 +250,10 @@ def test_non_finite_rows_are_errors_and_the_others_still_sample():
         {"logprobs": 21},
         {"logprobs": -1},
         {"stop_token_ids": (-3,)},
+        {"dry_multiplier": 5.5},
+        {"dry_base": 1.0},
+        {"dry_allowed_length": 0},
+        {"dry_sequence_breakers": ("",)},
     ],
 )
 def test_sampling_params_refuse_out_of_range_features(kw):
