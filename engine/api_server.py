@@ -298,8 +298,8 @@ async def _abort_on_disconnect(request: Request, engine, request_ids: list[str])
 
 
 async def _merged(
-    gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+    gens: list[AsyncGenerator[RequestOutput, None]], firsts: list[RequestOutput]
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """The outputs of the choices' streams as they come, as (choice index, output), up to each one's
     last; an exception in a stream is raised here. Closing this closes every stream (aborting the
     unfinished ones)."""

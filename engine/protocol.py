@@ -58,8 +58,8 @@ MAX_CONTENT_CHARS = 200_000  # per message, and per completion prompt (a few tim
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 8  # n: each choice is an engine request of its own
 MAX_DRY_BREAKERS = 16
-DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_sequence_breakers")  # unset: the engine's
 MAX_DRY_BREAKER_CHARS = 20
+DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_sequence_breakers")  # unset: the engine's
 # the request fields that take the model's generation_config.json values when unset, and their neutral values
 DEFAULTED_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
@@ -257,8 +257,7 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 def _check_token_ids(ids: list[int], info: ValidationInfo) -> None:
     vocab = (info.context or {}).get("vocab_size")
-    upper = vocab if vocab is not None else 1 << 62
-    if any(not 0 <= t < upper for t in ids):
+    if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
         raise ValueError(f"token ids must be in [0, {vocab})" if vocab is not None else "token ids must be >= 0")
 
 
