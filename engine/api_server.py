@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,13 +39,21 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.metrics import EngineCollector
-from engine.outputs import RequestOutput
-from engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, validation_error
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    choice_params,
+    sampling_defaults,
+    validation_error,
+)
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.25
+_MIN_LOGPROB = -9999.0  # what a -inf logprob is reported as (vLLM's choice)
 
 
 class APIError(Exception):
@@ -79,6 +88,10 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     app.state.model_name = model_name
     created = int(time.time())
     tokenizer = engine.tokenizer
+    defaults = sampling_defaults(getattr(engine.engine, "generation_defaults", {}))
+    if defaults:
+        log.info("unset request fields default to the model's generation_config.json: %s", defaults)
+    token_text = functools.lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
     if api_key:
         # plain ASGI, not @app.middleware: BaseHTTPMiddleware wraps `receive`, and the endpoints' client
         # disconnect detection (which aborts the engine request) would no longer see the disconnect
@@ -133,7 +146,7 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
                 param=field,
             )
         try:
-            return req.to_sampling_params(prompt_len, context_limit())
+            return req.to_sampling_params(prompt_len, context_limit(), defaults)
         except ValueError as e:
             raise APIError(str(e)) from e
 
@@ -166,13 +179,13 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     # --- generation ---------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await read_body(request, ChatCompletionRequest)
+        req = await read_body(request, ChatCompletionRequest, {"vocab_size": len(tokenizer)})
         try:
             prompt = engine.apply_chat_template(req.chat())
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
         params = sampling_params(req, len(prompt))
-        return await _generate(request, "chat", prompt, params, req.stream, req.include_usage)
+        return await _generate(request, "chat", prompt, params, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -180,46 +193,70 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         prompt = req.prompt
         ids = list(tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
         params = sampling_params(req, len(ids))
-        return await _generate(request, "text", ids, params, req.stream, req.include_usage)
+        return await _generate(request, "text", ids, params, req)
 
-    async def _generate(
-        request: Request, kind: str, prompt: list[int], params: SamplingParams, stream: bool, include_usage: bool
-    ):
+    async def _generate(request: Request, kind: str, prompt: list[int], params: SamplingParams, req: SamplingRequest):
+        """Run the request's ``n`` choices, each an engine request of its own (the later ones find the
+        prompt's blocks in the prefix cache), and answer with all of them, streamed or not."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        fmt = _Formatter(kind, request_id, model_name, int(time.time()))
-        gen = engine.generate(prompt, params, request_id=request_id)
-        watcher = asyncio.create_task(_abort_on_disconnect(request, engine, request_id))
-        try:
-            first = await _next(gen)
-        except BaseException:
+        fmt = _Formatter(kind, request_id, model_name, int(time.time()), token_text, params.logprobs is not None)
+        n = req.num_choices
+        ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        gens = [engine.generate(prompt, choice_params(params, i), request_id=rid) for i, rid in enumerate(ids)]
+        watcher = asyncio.create_task(_abort_on_disconnect(request, engine, ids))
+
+        async def give_up() -> None:
             watcher.cancel()
-            engine.abort(request_id)
-            await gen.aclose()
+            for rid in ids:
+                engine.abort(rid)
+            for gen in gens:
+                with contextlib.suppress(BaseException):
+                    await gen.aclose()
+
+        firsts_task = [asyncio.ensure_future(_next(gen)) for gen in gens]
+        try:
+            firsts = list(await asyncio.gather(*firsts_task))
+        except BaseException:
+            for task in firsts_task:
+                task.cancel()
+            await asyncio.gather(*firsts_task, return_exceptions=True)
+            await give_up()
             raise
-        if first is None or (first.finished and first.finish_reason == "error" and not first.token_ids_delta):
+        failed = [
+            f for f in firsts if f is None or (f.finished and f.finish_reason == "error" and not f.token_ids_delta)
+        ]
+        if failed:
             # Failed before any token; the engine says why: a request it can never serve (e.g. the KV
             # cache can never hold it) is a client error, a failure inside the engine a server error.
-            watcher.cancel()
-            await gen.aclose()
+            await give_up()
+            first = failed[0]
             message = first.error if first is not None and first.error else "the request produced no output"
             internal = first is not None and first.error_type == "internal"
             raise APIError(message, 500 if internal else 400)
-        if stream:
-            events = _sse(gen, first, fmt, include_usage, engine, request_id, watcher)
+        outputs = _merged(gens, firsts)
+        if req.stream:
+            events = _sse(outputs, n, fmt, req.include_usage, engine, ids, watcher)
             return StreamingResponse(
                 events,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
             )
+        choices = [_Choice(i) for i in range(n)]
+        usage = _Usage()
         try:
-            text, usage, reason, error = await _collect(gen, first)
+            async for i, out in outputs:
+                usage.add(out, first_choice=i == 0)
+                choices[i].add(out)
         finally:
+            await outputs.aclose()
             watcher.cancel()
-            engine.abort(request_id)  # no-op when it finished; frees blocks if we were cancelled
-        if error is not None and reason == "error":
+            for rid in ids:
+                engine.abort(rid)  # no-op when it finished; frees blocks if we were cancelled
+        error = next((c.error for c in choices if c.reason == "error" and c.error is not None), None)
+        if error is not None:
             raise APIError(error, 500)
-        return JSONResponse(fmt.full(text, reason, usage), headers={"X-Request-Id": request_id})
+        return JSONResponse(fmt.full(choices, usage), headers={"X-Request-Id": request_id})
 
     return app
 
@@ -249,25 +286,68 @@ async def _next(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         return None
 
 
-async def _abort_on_disconnect(request: Request, engine, request_id: str) -> None:
-    """Abort the engine request as soon as the HTTP client goes away (polls; cancelled when done)."""
+async def _abort_on_disconnect(request: Request, engine, request_ids: list[str]) -> None:
+    """Abort the engine requests as soon as the HTTP client goes away (polls; cancelled when done)."""
     while True:
         await asyncio.sleep(_DISCONNECT_POLL_S)
         if await request.is_disconnected():
-            log.info("client disconnected: aborting %s", request_id)
-            engine.abort(request_id)
+            log.info("client disconnected: aborting %s", ", ".join(request_ids))
+            for rid in request_ids:
+                engine.abort(rid)
             return
+
+
+async def _merged(
+    gens: list[AsyncGenerator[RequestOutput, None]], firsts: list[RequestOutput]
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """The outputs of the choices' streams as they come, as (choice index, output), up to each one's
+    last; an exception in a stream is raised here. Closing this closes every stream (aborting the
+    unfinished ones)."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput], out: RequestOutput | None) -> None:
+        try:
+            while out is not None:
+                await queue.put((i, out))
+                if out.finished:
+                    break
+                out = await _next(gen)
+        except Exception as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    pumps = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts, strict=True))]
+    try:
+        open_streams = len(gens)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for gen in gens:
+            with contextlib.suppress(BaseException):
+                await gen.aclose()
 
 
 @dataclass
 class _Usage:
+    """Token counts of a response: the prompt once (as the first choice saw it), every choice's output."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
 
-    def add(self, out: RequestOutput) -> None:
-        self.prompt_tokens = out.num_prompt_tokens
-        self.cached_tokens = out.num_cached_tokens
+    def add(self, out: RequestOutput, first_choice: bool = True) -> None:
+        if first_choice:
+            self.prompt_tokens = out.num_prompt_tokens
+            self.cached_tokens = out.num_cached_tokens
         self.completion_tokens += len(out.token_ids_delta)
 
     def as_dict(self) -> dict:
@@ -279,59 +359,138 @@ class _Usage:
         }
 
 
+@dataclass
+class _Choice:
+    """One choice of a non-streamed response, gathered from its outputs."""
+
+    index: int
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    reason: str | None = None
+    error: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.parts.append(out.text_delta)
+        self.logprobs += out.logprobs or ()
+        if out.finished:
+            self.reason = _finish_reason(out)
+            self.error = out.error
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 def _finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
     return {"stop": "stop", "length": "length"}.get(out.finish_reason or "", out.finish_reason)
 
 
-async def _collect(
-    gen: AsyncIterator[RequestOutput], first: RequestOutput
-) -> tuple[str, _Usage, str | None, str | None]:
-    usage = _Usage()
-    parts: list[str] = []
-    out: RequestOutput | None = first
-    last = first
-    while out is not None:
-        usage.add(out)
-        parts.append(out.text_delta)
-        last = out
-        if out.finished:
-            break
-        out = await _next(gen)
-    return "".join(parts), usage, _finish_reason(last), last.error
+def _logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB)  # JSON has no -inf
 
 
 class _Formatter:
-    """Builds OpenAI response objects for chat (``chat.completion``) or text (``text_completion``)."""
+    """Builds OpenAI response objects for chat (``chat.completion``) or text (``text_completion``).
 
-    def __init__(self, kind: str, request_id: str, model: str, created: int) -> None:
+    With logprobs, a chat choice carries ``logprobs.content``: per token its text, logprob, UTF-8
+    bytes and ``top_logprobs``; a text choice the legacy ``tokens`` / ``token_logprobs`` /
+    ``top_logprobs`` / ``text_offset`` lists. A token's text is its own decoding, as vLLM does.
+    """
+
+    def __init__(
+        self, kind: str, request_id: str, model: str, created: int, token_text: Callable[[int], str], logprobs: bool
+    ) -> None:
         self.kind = kind
         self.id = request_id
         self.model = model
         self.created = created
+        self.token_text = token_text
+        self.want_logprobs = logprobs
+        self._offsets: dict[int, int] = {}  # text_offset reached per choice (text completions)
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, reason: str | None, usage: _Usage) -> dict:
+    def logprobs(self, index: int, entries: Sequence[TokenLogprobs]) -> dict | None:
+        if not self.want_logprobs:
+            return None
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            body = self._envelope("chat.completion", [choice])
+            return {"content": [self._chat_entry(e) for e in entries]}
+        tokens, offsets = [], []
+        offset = self._offsets.get(index, 0)
+        for e in entries:
+            tokens.append(self.token_text(e.token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        self._offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": [
+                {self.token_text(t): _logprob(v) for t, v in ((e.token_id, e.logprob), *e.top)} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, e: TokenLogprobs) -> dict:
+        def one(token_id: int, value: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode())}
+
+        return one(e.token_id, e.logprob) | {"top_logprobs": [one(t, v) for t, v in e.top]}
+
+    def full(self, choices: list[_Choice], usage: _Usage) -> dict:
+        if self.kind == "chat":
+            body = self._envelope(
+                "chat.completion",
+                [
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": self.logprobs(c.index, c.logprobs),
+                        "finish_reason": c.reason,
+                    }
+                    for c in choices
+                ],
+            )
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": reason}])
+            body = self._envelope(
+                "text_completion",
+                [
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "logprobs": self.logprobs(c.index, c.logprobs),
+                        "finish_reason": c.reason,
+                    }
+                    for c in choices
+                ],
+            )
         body["usage"] = usage.as_dict()
         return body
 
-    def chunk(self, text: str | None, reason: str | None, role: bool = False) -> dict:
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        reason: str | None,
+        role: bool = False,
+        logprobs: Sequence[TokenLogprobs] = (),
+    ) -> dict:
+        lp = self.logprobs(index, logprobs) if logprobs else None
         if self.kind == "chat":
             delta: dict[str, str] = {}
             if role:
                 delta["role"] = "assistant"
             if text:
                 delta["content"] = text
-            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": reason}])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": reason}])
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope(
+            "text_completion", [{"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}]
+        )
 
     def usage_chunk(self, usage: _Usage) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -346,45 +505,43 @@ def _data(obj: dict | str) -> bytes:
 
 
 async def _sse(
-    gen: AsyncIterator[RequestOutput],
-    first: RequestOutput,
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    n: int,
     fmt: _Formatter,
     include_usage: bool,
     engine,
-    request_id: str,
+    request_ids: list[str],
     watcher: asyncio.Task,
 ) -> AsyncIterator[bytes]:
-    """SSE events: a role chunk, one chunk per output, the finish chunk, optional usage, ``[DONE]``.
+    """SSE events: a role chunk per choice, one chunk per output with text (or logprobs), each choice's
+    finish chunk, optional usage, ``[DONE]``.
 
     Whatever ends this generator early (client gone: the server cancels it or closes it)
-    reaches the ``finally`` below, which aborts the engine request.
+    reaches the ``finally`` below, which aborts the engine requests.
     """
     usage = _Usage()
-    finished = False
     try:
         if fmt.kind == "chat":
-            yield _data(fmt.chunk(None, None, role=True))
-        out: RequestOutput | None = first
-        while out is not None:
-            usage.add(out)
-            if out.finished:
-                finished = True
-                if out.finish_reason == "error":
-                    if out.text_delta:
-                        yield _data(fmt.chunk(out.text_delta, None))
-                    yield _data(APIError(out.error or "generation failed", 500).body())
-                    break
-                yield _data(fmt.chunk(out.text_delta, _finish_reason(out)))
+            for i in range(n):
+                yield _data(fmt.chunk(i, None, None, role=True))
+        async for i, out in outputs:
+            usage.add(out, first_choice=i == 0)
+            logprobs = out.logprobs or ()
+            if out.finished and out.finish_reason == "error":
+                if out.text_delta or logprobs:
+                    yield _data(fmt.chunk(i, out.text_delta, None, logprobs=logprobs))
+                yield _data(APIError(out.error or "generation failed", 500).body())
                 break
-            if out.text_delta:
-                yield _data(fmt.chunk(out.text_delta, None))
-            out = await _next(gen)
+            if out.finished:
+                yield _data(fmt.chunk(i, out.text_delta, _finish_reason(out), logprobs=logprobs))
+            elif out.text_delta or logprobs:
+                yield _data(fmt.chunk(i, out.text_delta, None, logprobs=logprobs))
         if include_usage:
             yield _data(fmt.usage_chunk(usage))
         yield _data("[DONE]")
     finally:
         watcher.cancel()
-        if not finished:
-            engine.abort(request_id)
+        for rid in request_ids:
+            engine.abort(rid)  # no-op for the finished ones
         with contextlib.suppress(BaseException):
-            await gen.aclose()
+            await outputs.aclose()

@@ -29,15 +29,16 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplerRow, SamplingParams, make_generator, sample
+from engine.sampling import SamplerRow, SamplingParams, make_generator, sample, token_logprobs
 from engine.scheduler import RequestRejected, Scheduler
-from engine.weights import resolve_model
+from engine.weights import generation_defaults, resolve_model
 
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 5.0
+_BREAKER_SETS_KEPT = 16  # distinct DRY sequence-breaker sets whose token ids are remembered
 
 
 @dataclass
@@ -81,7 +82,11 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_token_ids(path, self.tokenizer, self.runner.model.args.eos_token_ids)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        # the model's generation_config.json sampling values: what the API uses for fields a request leaves unset
+        self.generation_defaults = generation_defaults(path)
         self._rng = random.Random(config.seed)
+        self._token_texts: list[str] | None = None  # each token's own text, decoded once (DRY breakers)
+        self._breaker_ids: dict[tuple[str, ...], frozenset[int]] = {}
         self._states: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []
         self._rate: deque[tuple[float, int]] = deque()
@@ -167,15 +172,41 @@ class LLMEngine:
             bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
             if bad is not None:  # it would fail the embedding lookup of a whole batch
                 raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            bad = next((t for t in (*params.stop_token_ids, *(t for t, _ in params.logit_bias)) if t >= vocab), None)
+            if bad is not None:
+                raise RequestRejected(
+                    f"token id {bad} (stop_token_ids, logit_bias) is outside the vocabulary [0, {vocab})"
+                )
             self.scheduler.add_request(req)
         except RequestRejected as e:
             self._pending.append(self._final(req, "error", str(e), error_type="invalid_request"))
             self.requests_finished_total += 1
             return request_id
-        row = SamplerRow(params, make_generator(params, self.runner.device, self._rng.getrandbits(63)))
+        stops = params.stop_token_ids + (() if params.ignore_eos else req.eos_token_ids)
+        row = SamplerRow(
+            params,
+            make_generator(params, self.runner.device, self._rng.getrandbits(63)),
+            req.prompt_token_ids,
+            req.output_token_ids,
+            stop_token_ids=tuple(dict.fromkeys(stops)),
+            dry_breakers=self._dry_breakers(params.dry_sequence_breakers) if params.dry else frozenset(),
+        )
         self._states[request_id] = _RequestState(req, IncrementalDetokenizer(self.tokenizer, params.stop), row)
         self.prompt_tokens_total += req.num_prompt_tokens
         return request_id
+
+    def _dry_breakers(self, breakers: tuple[str, ...]) -> frozenset[int]:
+        """Ids of the tokens whose text holds one of ``breakers`` (DRY does not match across them).
+        The vocabulary is decoded once (~1 s for 49k tokens, on the first DRY request)."""
+        found = self._breaker_ids.get(breakers)
+        if found is None:
+            if self._token_texts is None:
+                self._token_texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+            found = frozenset(i for i, text in enumerate(self._token_texts) if any(b in text for b in breakers))
+            if len(self._breaker_ids) >= _BREAKER_SETS_KEPT:
+                self._breaker_ids.clear()
+            self._breaker_ids[breakers] = found
+        return found
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; its stream gets a final 'abort' output."""
@@ -254,7 +285,7 @@ class LLMEngine:
             log.exception("model forward failed; failing the %d request(s) of this step", len(sched.chunks))
             outputs += self._fail_step(sched, f"model forward failed: {type(e).__name__}: {e}")
             return outputs
-        sampled, errors = self._sample(sample_ids, logits)
+        sampled, errors, logprobs = self._sample(sample_ids, logits)
         now = time.monotonic()
         updates = self.scheduler.update_from_output(sched, sampled, errors, now=now)
         n_new = 0
@@ -265,7 +296,7 @@ class LLMEngine:
                 continue
             n_new += len(u.new_token_ids)
             try:
-                outputs.append(self._output(state, u.new_token_ids, u.finished))
+                outputs.append(self._output(state, u.new_token_ids, u.finished, logprobs.get(req.request_id)))
             except Exception as e:  # detokenizing / stop strings of this request: fail it alone
                 log.exception("request %s failed after its step", req.request_id)
                 self.scheduler.finish_request(req.request_id, "error", f"{type(e).__name__}: {e}")
@@ -277,7 +308,9 @@ class LLMEngine:
             self._rate.append((now, n_new))
         return outputs
 
-    def _output(self, state: _RequestState, new_token_ids: list[int], finished: bool) -> RequestOutput:
+    def _output(
+        self, state: _RequestState, new_token_ids: list[int], finished: bool, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
         """Detokenize a request's new tokens, apply its stop strings, and build its output."""
         req = state.request
         text, stopped = state.detok.add(new_token_ids, finished)
@@ -296,14 +329,15 @@ class LLMEngine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
+            logprobs=None if req.params.logprobs is None else ((logprobs,) if logprobs and new_token_ids else ()),
         )
         if finished:
             del self._states[req.request_id]
             self.requests_finished_total += 1
         return out
 
-    def _sample(self, sample_ids: list[str], logits) -> tuple[dict[str, int], dict[str, str]]:
-        """One token per sampling request, or an error for the requests whose row failed.
+    def _sample(self, sample_ids: list[str], logits) -> tuple[dict[str, int], dict[str, str], dict[str, TokenLogprobs]]:
+        """One token per sampling request (with its logprobs if asked), or an error for the requests whose row failed.
 
         The batch is sampled at once; if that raises, each row is sampled alone so only the
         failing requests get an error (a seeded row's draw may then differ from an undisturbed
@@ -312,8 +346,9 @@ class LLMEngine:
         """
         sampled: dict[str, int] = {}
         errors: dict[str, str] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
         if not sample_ids:
-            return sampled, errors
+            return sampled, errors, logprobs
         rows = [self._states[i].row for i in sample_ids]
         try:
             tokens, errs = sample(logits, rows)
@@ -337,7 +372,19 @@ class LLMEngine:
                 sampled[rid] = int(tok)
             else:
                 errors[rid] = err
-        return sampled, errors
+        if any(row.params.logprobs is not None for row in rows):
+            tokens = [sampled.get(rid, -1) for rid in sample_ids]
+            try:
+                found = token_logprobs(logits, rows, tokens)
+            except Exception as e:  # the requests that asked fail; the others keep their tokens
+                log.exception("computing logprobs failed")
+                found = [None] * len(rows)
+                for rid, row in zip(sample_ids, rows, strict=True):
+                    if row.params.logprobs is not None and rid in sampled:
+                        del sampled[rid]
+                        errors[rid] = f"computing logprobs failed: {type(e).__name__}: {e}"
+            logprobs = {rid: lp for rid, lp in zip(sample_ids, found, strict=True) if lp is not None}
+        return sampled, errors, logprobs
 
     def _fail_step(self, sched, message: str) -> list[RequestOutput]:
         """Finish every request of a failed step with ``message``; forget the prefix-cache blocks it was filling."""

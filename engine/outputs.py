@@ -6,12 +6,22 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability, and the most likely tokens' (best first), from the raw logits."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One increment of a request: new text/tokens since the last output, and the final state.
 
     ``first_token_time`` is the ``time.monotonic()`` at which the first token was sampled
     (TTFT = first_token_time - arrival_time); ``num_cached_tokens`` is the prefix-cache hit.
-    ``finish_reason == "error"`` comes with ``error`` (why) and ``error_type``.
+    ``finish_reason == "error"`` comes with ``error`` (why) and ``error_type``. ``logprobs`` holds one
+    entry per token of ``token_ids_delta`` when the request asked for them (``SamplingParams.logprobs``).
     """
 
     request_id: str
@@ -26,3 +36,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None

@@ -6,11 +6,18 @@ JSON naming the field (``validation_error`` turns pydantic's first error into th
 and ``param``). Unknown fields are ignored, as OpenAI clients send many. Bounds guard the
 engine as much as the client: a tiny positive temperature (1e-40) used to overflow the
 sampler inside the engine loop; seeds must fit a torch generator; stop strings are checked
-against the text after every token, so there are few and short ones.
+against the text after every token, so there are few and short ones; token ids (stop
+tokens, ``logit_bias``) must lie in the vocabulary (``context={"vocab_size": n}``).
+
+Sampling fields a request leaves unset take the model's ``generation_config.json`` values
+(``sampling_defaults``; vLLM's ``--generation-config auto``), then neutral ones (temperature 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import (
@@ -26,7 +33,21 @@ from pydantic import (
     field_validator,
 )
 
-from engine.sampling import MAX_SEED, MIN_TEMPERATURE, SamplingParams
+from engine.sampling import (
+    MAX_DRY_ALLOWED_LENGTH,
+    MAX_DRY_BASE,
+    MAX_DRY_MULTIPLIER,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_TEMPERATURE = 2.0
@@ -34,6 +55,13 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 200
 MAX_MESSAGES = 256
 MAX_CONTENT_CHARS = 200_000  # per message, and per completion prompt (a few times any context we serve)
+MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 8  # n: each choice is an engine request of its own
+MAX_DRY_BREAKERS = 16
+MAX_DRY_BREAKER_CHARS = 20
+DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_sequence_breakers")  # unset: the engine's
+# the request fields that take the model's generation_config.json values when unset, and their neutral values
+DEFAULTED_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 class OpenAIBaseModel(BaseModel):
@@ -47,8 +75,9 @@ class StreamOptions(OpenAIBaseModel):
 
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat completions and completions: OpenAI's, plus vLLM's ``top_k``,
-    ``ignore_eos`` and ``stop_token_ids``. Fields OpenAI has and we do not support are
-    accepted only at their neutral value."""
+    ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``stop_token_ids``
+    (bounded as vLLM, or tighter), and llama.cpp's DRY (``dry_*``, off unless ``dry_multiplier``
+    > 0). Fields OpenAI has and we do not support are accepted only at their neutral value."""
 
     model: StrictStr | None = None
     stream: StrictBool = False
@@ -58,17 +87,24 @@ class SamplingRequest(OpenAIBaseModel):
     temperature: StrictFloat | None = None  # 0 (greedy) or [MIN_TEMPERATURE, MAX_TEMPERATURE]; default 1
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # -1 and 0 disable it (vLLM spells "off" as -1)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    # token id (a string in JSON) -> bias added to its logit
+    logit_bias: dict[StrictStr, StrictFloat] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    dry_multiplier: StrictFloat | None = Field(default=None, ge=0.0, le=MAX_DRY_MULTIPLIER)
+    dry_base: StrictFloat | None = Field(default=None, gt=1.0, le=MAX_DRY_BASE)
+    dry_allowed_length: StrictInt | None = Field(default=None, ge=1, le=MAX_DRY_ALLOWED_LENGTH)
+    dry_sequence_breakers: list[StrictStr] | None = Field(default=None, max_length=MAX_DRY_BREAKERS)
     # accepted at their neutral value only
-    n: StrictInt | None = None
     best_of: StrictInt | None = None
-    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
-    logprobs: Any = None
-    top_logprobs: Any = None
     tools: Any = None
     functions: Any = None
     response_format: Any = None
@@ -97,25 +133,39 @@ class SamplingRequest(OpenAIBaseModel):
             raise ValueError(f"strings may be at most {MAX_STOP_CHARS} characters")
         return v
 
-    @field_validator("n", "best_of")
+    @field_validator("best_of")
     @classmethod
     def _only_one(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise ValueError("must be 1 (one choice per request)")
+            raise ValueError("must be 1 (ask for several choices with n)")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("stop_token_ids")
     @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("is not supported (use 0)")
+    def _stop_token_ids(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if v is not None:
+            _check_token_ids(v, info)
         return v
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("dry_sequence_breakers")
     @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("is not supported")
+    def _dry_sequence_breakers(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not 1 <= len(b) <= MAX_DRY_BREAKER_CHARS for b in v):
+            raise ValueError(f"strings must have 1 to {MAX_DRY_BREAKER_CHARS} characters")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None, info: ValidationInfo) -> dict[str, float] | None:
+        if v is None:
+            return None
+        try:
+            ids = [int(k) for k in v]
+        except ValueError:
+            raise ValueError("keys must be token ids (integers)") from None
+        _check_token_ids(ids, info)
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in v.values()):
+            raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         return v
 
     @field_validator("tools", "functions")
@@ -136,22 +186,79 @@ class SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, prompt_len: int, context_limit: int) -> SamplingParams:
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives to report with each token (None: no logprobs at all)."""
+        return None
+
+    def to_sampling_params(
+        self, prompt_len: int, context_limit: int, defaults: Mapping[str, float | int] | None = None
+    ) -> SamplingParams:
         """The engine's parameters; without a max_tokens, whatever room the context leaves (the KV
-        blocks are taken lazily, so this reserves nothing). Raises ValueError if the engine refuses them."""
+        blocks are taken lazily, so this reserves nothing). Unset ``DEFAULTED_FIELDS`` take
+        ``defaults`` (see ``sampling_defaults``), then their neutral values. Raises ValueError if
+        the engine refuses them."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, context_limit - prompt_len)
+            max_tokens = max(1, context_limit - prompt_len, self.min_tokens or 0)
+        defaults = defaults or {}
+        chosen = {
+            name: value if (value := getattr(self, name)) is not None else defaults.get(name, neutral)
+            for name, neutral in DEFAULTED_FIELDS.items()
+        }
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            temperature=float(chosen["temperature"]),
+            top_p=float(chosen["top_p"]),
+            top_k=max(0, int(chosen["top_k"])),  # -1 is vLLM's "off"
+            min_p=float(chosen["min_p"]),
+            repetition_penalty=float(chosen["repetition_penalty"]),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens or 0,
+            logprobs=self.num_logprobs,
+            **{name: value for name in DRY_FIELDS if (value := getattr(self, name)) is not None},
             seed=self.seed,
             stop=tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
         )
+
+
+def sampling_defaults(found: Mapping[str, float | int]) -> dict[str, float | int]:
+    """The model's generation_config values the engine can use as request defaults (see
+    ``engine.weights.generation_defaults``); a value the engine would refuse is logged and left out,
+    so that a bad file does not turn every request into an error."""
+    usable: dict[str, float | int] = {}
+    for name, value in found.items():
+        if name not in DEFAULTED_FIELDS:
+            continue
+        try:
+            SamplingParams(**{name: max(0, int(value)) if name == "top_k" else value})
+        except (TypeError, ValueError) as e:
+            log.warning("generation_config.json: ignoring %s=%r (%s)", name, value, e)
+            continue
+        usable[name] = value
+    return usable
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of choice ``index`` of a request with several: a given seed is shifted by the
+    index (as vLLM), so the choices differ and each stays reproducible."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
+
+
+def _check_token_ids(ids: list[int], info: ValidationInfo) -> None:
+    vocab = (info.context or {}).get("vocab_size")
+    if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+        raise ValueError(f"token ids must be in [0, {vocab})" if vocab is not None else "token ids must be >= 0")
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -184,6 +291,19 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs 'logprobs': true")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -206,8 +326,13 @@ class CompletionRequest(SamplingRequest):
     refused). Token ids are checked against ``context={"vocab_size": n}`` when given."""
 
     prompt: str | list[int]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     echo: Any = None
     suffix: Any = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod

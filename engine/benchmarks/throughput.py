@@ -12,6 +12,8 @@ What it measures, in one run (all on the CPU, ``--threads`` torch threads, one d
    (the history was computed by the previous turn).
 3. fp32 vs bf16 vs int8 (and int4) in our engine: decode tokens/s at batch 1 and 8 (prefill excluded),
    weight memory, and perplexity of ``data.txt`` computed with the engine's own forward.
+4. The sampler's cost per step with vLLM's sampling features (penalties, min_p, logit_bias,
+   logprobs, ...) as a ratio to plain greedy and temperature sampling (``engine/benchmarks/sampler.py``).
 
 ``--json PATH`` writes every figure as one JSON object; ``--quick`` is a small smoke run.
 """
@@ -42,6 +44,8 @@ from engine.benchmarks.baselines import (
     hf_static,
     load_hf_model,
 )
+from engine.benchmarks.sampler import report_lines as sampler_report_lines
+from engine.benchmarks.sampler import sampler_cost
 
 log = logging.getLogger(__name__)
 
@@ -548,6 +552,7 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
             + f"; weights {_fmt(r.get('int4_weight_memory_ratio'), '.3f')}x; "
             f"perplexity {_fmt(r.get('int4_perplexity_ratio'), '.4f')}x"
         )
+    lines += ["", *sampler_report_lines(r)]
     lines += ["", "targets:", *_target_lines(r), "", f"total bench time {r['bench_wall_s']:.0f} s"]
     other = r.get("other_cpu_cores")
     if other is not None:
@@ -724,9 +729,14 @@ def main(argv: list[str] | None = None) -> int:
             r["hf_continuous_error"] = f"{type(e).__name__}: {e}"
             print(f"[bench] (c) failed, reported as null: {r['hf_continuous_error']}", flush=True)
 
+    def sampler_run() -> None:
+        dtype = _DTYPES[args.dtype]  # the logits come in the model's dtype
+        r.update(sampler_cost(len(tokenizer), tuple(batch_sizes), dtype, reps=5 if quick else 30, seed=args.seed))
+
     section("engine", engine_run)
     section("prefix", prefix_run)
     section("precision", precision_run)
+    section("sampler", sampler_run)
     shared.clear()
     gc.collect()
     if not args.skip_hf:

@@ -190,7 +190,7 @@ def test_metrics_in_prometheus_format(client):
         (json.dumps({"messages": QUESTION, "temperature": "hot"}).encode(), 400, "temperature"),
         (json.dumps({"messages": QUESTION, "top_p": 1.5}).encode(), 400, "top_p"),
         (json.dumps({"messages": QUESTION, "stop": [1]}).encode(), 400, "stop"),
-        (json.dumps({"messages": QUESTION, "n": 2}).encode(), 400, "'n'"),
+        (json.dumps({"messages": QUESTION, "n": 9}).encode(), 400, "'n'"),
         (json.dumps({"messages": QUESTION, "stream": "yes"}).encode(), 400, "stream"),
         (json.dumps({"messages": QUESTION, "model": "gpt-9"}).encode(), 404, "does not exist"),
     ],
@@ -229,8 +229,30 @@ def _chat_body(**kw) -> dict:
         (_chat_body(messages=[{"role": "user", "content": "x" * 200_001}]), "messages[0].content", "characters"),
         (_chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content", "text"),
         (_chat_body(messages=[{"role": "user"}]), "messages[0].content", "string"),
-        (_chat_body(presence_penalty=0.5), "presence_penalty", "not supported"),
-        (_chat_body(logprobs=True), "logprobs", "not supported"),
+        (_chat_body(presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
+        (_chat_body(frequency_penalty=-2.5), "frequency_penalty", "greater than or equal to -2"),
+        (_chat_body(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+        (_chat_body(repetition_penalty=2.5), "repetition_penalty", "less than or equal to 2"),
+        (_chat_body(min_p=1.5), "min_p", "less than or equal to 1"),
+        (_chat_body(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
+        (_chat_body(n=0), "n", "greater than or equal to 1"),
+        (_chat_body(n=9), "n", "less than or equal to 8"),
+        (_chat_body(best_of=2), "best_of", "must be 1"),
+        (_chat_body(logprobs="yes"), "logprobs", "boolean"),
+        (_chat_body(top_logprobs=2), "top_logprobs", "needs 'logprobs': true"),
+        (_chat_body(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
+        (_chat_body(logit_bias={"5": 101}), "logit_bias", "biases must be in [-100, 100]"),
+        (_chat_body(logit_bias={"five": 1}), "logit_bias", "token ids (integers)"),
+        (_chat_body(logit_bias={"1000000": 1}), "logit_bias", "token ids must be in [0, "),
+        (_chat_body(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "at most 300"),
+        (_chat_body(stop_token_ids=[10**7]), "stop_token_ids", "token ids must be in [0, "),
+        (_chat_body(stop_token_ids=list(range(65))), "stop_token_ids", "at most 64"),
+        (_chat_body(max_tokens=3, min_tokens=4), None, "min_tokens must be in [0, max_tokens]"),
+        (_chat_body(dry_multiplier=6), "dry_multiplier", "less than or equal to 5"),
+        (_chat_body(dry_base=1), "dry_base", "greater than 1"),
+        (_chat_body(dry_allowed_length=0), "dry_allowed_length", "greater than or equal to 1"),
+        (_chat_body(dry_sequence_breakers=[""]), "dry_sequence_breakers", "1 to 20 characters"),
+        (_chat_body(dry_sequence_breakers=["x"] * 17), "dry_sequence_breakers", "at most 16"),
         (_chat_body(tools=[{"type": "function"}]), "tools", "not supported"),
         (_chat_body(response_format={"type": "json_object"}), "response_format", "text"),
         (_chat_body(stream_options=[1]), "stream_options", "stream_options"),
@@ -259,7 +281,9 @@ def test_nan_temperature_is_rejected(client):
         ({"prompt": [1, 2, 10**9]}, "prompt", "token ids must be in [0, "),
         ({"prompt": ["a", "b"]}, "prompt", "batches are not supported"),
         ({"prompt": "hi", "echo": True}, "echo", "not supported"),
-        ({"prompt": "hi", "n": 3}, "n", "must be 1"),
+        ({"prompt": "hi", "n": 9}, "n", "less than or equal to 8"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"prompt": "hi", "logprobs": True}, "logprobs", "integer"),
     ],
 )
 def test_bad_completion_requests(client, body, param, needle):
@@ -415,3 +439,148 @@ def test_forged_chat_markers_stay_plain_text(client, server):
         + len(tok(tail, add_special_tokens=False)["input_ids"])
     )
     assert r.json()["usage"]["prompt_tokens"] == expected
+
+
+# ------------------------------------------------------------------ vLLM's sampling fields through the openai SDK
+@pytest.fixture(scope="module")
+def sdk(server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=60, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tok(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def test_chat_logprobs_have_openais_shape(sdk):
+    r = sdk.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    choice = r.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == choice.message.content
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and e.logprob <= 0
+        assert len(e.top_logprobs) == 3
+        values = [t.logprob for t in e.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # greedy: the token is the most likely one of the raw distribution
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+    plain = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_streamed_chat_logprobs_match_the_non_streamed_ones(sdk):
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    full = sdk.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = []
+    for chunk in sdk.chat.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in full]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in full], abs=1e-4)
+    assert [len(e.top_logprobs) for e in streamed] == [2] * len(full)
+
+
+def test_completion_logprobs_have_the_legacy_shape(sdk):
+    r = sdk.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == r.usage.completion_tokens
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and token in top and 2 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(value)  # greedy
+
+
+def test_n_choices_non_streamed_and_streamed(sdk):
+    kw = dict(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True}
+    )
+    r = sdk.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # each choice draws with its own seed (seed + index)
+    assert r.usage.completion_tokens == 3 * 8
+    again = sdk.chat.completions.create(**kw)
+    assert [c.message.content for c in again.choices] == texts
+    parts: dict[int, str] = {0: "", 1: "", 2: ""}
+    roles, finishes = set(), {}
+    for chunk in sdk.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.add(c.index)
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert [parts[i] for i in range(3)] == texts
+    assert roles == {0, 1, 2} and set(finishes) == {0, 1, 2}
+    one = sdk.chat.completions.create(**(kw | {"n": 1}))
+    assert one.choices[0].message.content == texts[0]  # choice 0 keeps the request's seed
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens and one.usage.completion_tokens == 8  # prompt once
+
+
+def test_logit_bias_forces_a_token(sdk, tok):
+    target = tok(" banana", add_special_tokens=False)["input_ids"][0]
+    r = sdk.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, logit_bias={str(target): 100}
+    )
+    assert r.choices[0].message.content == tok.decode([target]) * 3
+
+
+def test_penalties_change_a_repetitive_greedy_output(sdk):
+    def text(**kw) -> str:
+        r = sdk.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4, 5,", max_tokens=12, temperature=0, **kw)
+        return r.choices[0].text
+
+    plain = text()
+    assert ", 8" in plain  # the model keeps counting with ", " between numbers
+    assert text(frequency_penalty=2.0) != plain
+    assert text(presence_penalty=2.0).startswith(" 6,")  # accepted (one subtraction does not beat "," here)
+    assert text(extra_body={"repetition_penalty": 1.8}) != plain
+    assert text(extra_body={"min_p": 0.1, "top_k": 5}) == plain  # greedy: warpers do not move the argmax
+    assert text(extra_body={"dry_multiplier": 5.0, "dry_allowed_length": 1}) != plain  # ", " repeats
+
+
+def test_min_tokens_holds_back_the_end_of_the_reply(sdk):
+    ask = dict(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0)
+    short = sdk.chat.completions.create(**ask)
+    n = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and n < 20  # "The capital of France is Paris." and EOS
+    longer = sdk.chat.completions.create(**ask, extra_body={"min_tokens": n + 5})
+    assert longer.usage.completion_tokens >= n + 5
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
+def test_generation_config_defaults_fill_unset_fields(small_engine, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+    monkeypatch.setattr(small_engine.engine, "generation_defaults", defaults)
+    seen = []
+    real = small_engine.generate
+
+    def spy(prompt, params, request_id=None):
+        seen.append(params)
+        return real(prompt, params, request_id=request_id)
+
+    monkeypatch.setattr(small_engine, "generate", spy)
+    with TestClient(create_app(small_engine, MODEL)) as c:
+        assert c.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2}).status_code == 200
+        explicit = {"temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2} | explicit)
+        assert r.status_code == 200, r.text
+    got = [(p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) for p in seen]
+    assert got == [(0.6, 0.9, 20, 0.05, 1.1), (0.0, 1.0, 0, 0.0, 1.0)]

@@ -135,3 +135,94 @@ def test_sampling_params_refuse_values_the_sampler_cannot_use(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
     SamplingParams(temperature=1e-3, seed=2**63 - 1)
+
+
+# ------------------------------------------------------------------ vLLM's sampling features, end to end
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, local_files_only=True).eval()
+
+
+def test_repetition_penalty_and_min_tokens_match_transformers(engine, prompts, hf_model):
+    # transformers' greedy generate with the same processors is the reference: RepetitionPenaltyLogitsProcessor
+    # (prompt + output, positive logits divided) and MinNewTokensLengthLogitsProcessor (EOS held back)
+    prompt = prompts[-1]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=False,
+            repetition_penalty=1.3,
+            min_new_tokens=20,
+            eos_token_id=list(engine.eos_token_ids),
+        )[0, len(prompt) :].tolist()
+    got = tokens(collect(engine, prompt, SamplingParams(max_tokens=24, repetition_penalty=1.3, min_tokens=20)))
+    assert got == ref
+    assert not set(got[:20]) & set(engine.eos_token_ids)
+
+
+def test_penalized_requests_in_a_crowd_equal_them_alone(engine, prompts):
+    mine = [
+        SamplingParams(max_tokens=10, repetition_penalty=1.5, frequency_penalty=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=5, presence_penalty=1.0, min_p=0.05, logit_bias={13: 2.0}),
+    ]
+    alone = [tokens(collect(engine, prompts[i], p, rid=f"alone{i}")) for i, p in enumerate(mine)]
+    others = [
+        SamplingParams(max_tokens=8, temperature=1.0, top_k=20),
+        SamplingParams(max_tokens=8, frequency_penalty=-1.0),
+        SamplingParams(max_tokens=8, logprobs=3),
+    ]
+    for j, p in enumerate(others):
+        engine.add_request(f"other{j}", prompts[j + 3], p)
+    for i, p in enumerate(mine):
+        engine.add_request(f"crowd{i}", prompts[i], p)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids_delta)
+    assert [got[f"crowd{i}"] for i in range(2)] == alone
+
+
+def test_logprobs_come_with_every_token(engine, prompts):
+    outs = collect(engine, prompts[0], SamplingParams(max_tokens=6, logprobs=4, ignore_eos=True))
+    entries = [e for o in outs for e in o.logprobs]
+    assert [e.token_id for e in entries] == tokens(outs)
+    for e in entries:
+        assert len(e.top) == 4 and e.top[0] == (e.token_id, pytest.approx(e.logprob))  # greedy: the top token
+        assert e.logprob <= 0 and [v for _, v in e.top] == sorted((v for _, v in e.top), reverse=True)
+    assert all(o.logprobs is None for o in collect(engine, prompts[0], SamplingParams(max_tokens=2), rid="plain"))
+
+
+def test_same_prompt_requests_share_the_prefix_cache(make_engine, prompts):
+    eng = make_engine(block_size=16)
+    prompt = prompts[-1]
+    assert len(prompt) > 32
+    params = SamplingParams(max_tokens=2, temperature=1.0)
+    for i in range(3):  # the API's n choices are added like this, all at once
+        eng.add_request(f"choice{i}", prompt, params)
+    cached: dict[str, int] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            cached[o.request_id] = o.num_cached_tokens
+    assert cached["choice0"] == 0
+    assert cached["choice1"] >= (len(prompt) - 1) // 16 * 16 and cached["choice2"] >= cached["choice1"]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(engine, prompts):
+    vocab = engine.runner.model.args.vocab_size
+    for p in (SamplingParams(stop_token_ids=(vocab,)), SamplingParams(logit_bias={vocab + 5: 1.0})):
+        outs = collect(engine, prompts[0], p)
+        assert outs[-1].finish_reason == "error" and "outside the vocabulary" in outs[-1].error
+
+
+def test_dry_sequence_breakers_are_the_tokens_holding_them(engine, tokenizer):
+    breakers = engine._dry_breakers(("\n", ":"))
+    for text in ("\n", "\n\n", ":", " :"):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and ids[0] in breakers, text
+    assert not {tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in ("hello", " the", ",")} & breakers
+    assert engine._dry_breakers(("\n", ":")) is breakers  # decoded once per set
