@@ -494,3 +494,12 @@ def test_bundled_gguf_equals_transformers_own_gguf_loader(model_path):
     assert sorted(ours) == sorted(theirs) and len(ours) == 272
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name].float()), name
+
+
+def test_engine_serve_stops_on_a_bad_gguf_with_its_reason(tmp_path, capsys, monkeypatch):
+    import engine.cli
+
+    monkeypatch.setenv("PARLEY_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "x.gguf").write_bytes(b"<html>a download page, not a model</html>")
+    assert engine.cli.serve(engine.cli.build_parser().parse_args(["serve", "--model", str(tmp_path / "x.gguf")])) == 2
+    assert "x.gguf is not a GGUF file: it starts with b'<htm'" in capsys.readouterr().err
