@@ -35,19 +35,19 @@ SAMPLING_KEYS = {
 def convert_gguf(path: Path, out: Path) -> None:
     """Write the HF folder for the GGUF at ``path`` into the existing, empty directory ``out``."""
     start = time.perf_counter()
+    log.info("converting %s (%.0f MB) to safetensors, once: reading its header", path.name, path.stat().st_size / 1e6)
     gguf = open_gguf(path)
     family = family_of(gguf)
     config = hf_config(gguf, family)
     names = {name: family.hf_name(gguf, name) for name in gguf.tensors}  # every name checked before any work
     types = Counter(t.tensor_type.name for t in gguf.tensors.values())
     log.info(
-        "converting %s (%s, %d layers, %d tensors: %s, %.0f MB) to safetensors, once",
+        "%s: %s, %d layers, %d tensors (%s); writing the config and tokenizer",
         path.name,
         gguf.arch,
         config["num_hidden_layers"],
         len(names),
         ", ".join(f"{n} {t}" for t, n in types.most_common()),
-        path.stat().st_size / 1e6,
     )
     _write_config(gguf, config, out)
     stage = time.perf_counter()
