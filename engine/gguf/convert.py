@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from engine.gguf.archs import end_of_turn_ids, family_of, hf_config
+from engine.gguf.archs import Family, end_of_turn_ids, family_of, hf_config
 from engine.gguf.reader import GGUFError, GGUFFile, open_gguf
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def _write_tokenizer(path: Path, out: Path) -> None:
     TokenizersBackend(tokenizer_object=backend, **tokenizer_config, **extra).save_pretrained(out)
 
 
-def _write_weights(gguf: GGUFFile, family, config: dict, names: dict[str, str | None], out: Path) -> int:
+def _write_weights(gguf: GGUFFile, family: Family, config: dict, names: dict[str, str | None], out: Path) -> int:
     """Dequantize, rename and restore every tensor, shard by shard; returns the float32 bytes written."""
     import torch
     from safetensors.torch import save_file
