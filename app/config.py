@@ -44,7 +44,10 @@ class Settings(BaseSettings):
 
     # LLM
     llm_backend: Literal["engine", "transformers", "openai"] = "engine"
-    llm_model: str = Field("bundled", description="'bundled' (SmolLM2-135M-Instruct), a model dir or a .gguf")
+    llm_model: str = Field(
+        "bundled",
+        description="'bundled' (SmolLM2-135M-Instruct), a model dir, or a GGUF file (llama.cpp, Ollama, LM Studio)",
+    )
     llm_url: str | None = Field(None, description="OpenAI-compatible base URL (e.g. http://host:8001/v1)")
     llm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"

@@ -34,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8001, help="0 picks a free port (the ready line tells which)")
-    serve.add_argument("--model", default="bundled", help="'bundled', a Hugging Face model directory or a .gguf file")
+    serve.add_argument(
+        "--model",
+        default="bundled",
+        help="'bundled', a Hugging Face model directory, or a GGUF file (llama.cpp, Ollama, LM Studio: converted once)",
+    )
     serve.add_argument("--served-model-name", default=None, help="model id for /v1/models (default: from --model)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     serve.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
@@ -128,10 +132,12 @@ async def _serve(app, host: str, port: int, log_level: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     from engine.api_server import create_app
     from engine.async_engine import AsyncLLMEngine
+    from engine.weights import resolve_model
 
     try:
         config = engine_config(args)
-    except ValueError as e:
+        resolve_model(config.model)  # a GGUF converts here, once; a missing or bad file stops with its reason
+    except (OSError, ValueError) as e:
         print(f"parley engine: {e}", file=sys.stderr)
         return 2
     engine = AsyncLLMEngine(config)

