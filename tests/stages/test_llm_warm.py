@@ -6,6 +6,8 @@ import pytest
 
 from app.stages.llm import EngineChatLLM, GenerationSettings
 
+pytestmark = pytest.mark.models
+
 
 @pytest.fixture(scope="module")
 def llm():
