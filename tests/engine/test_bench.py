@@ -61,6 +61,7 @@ def test_percentile():
 
 
 @pytest.mark.slow
+@pytest.mark.models
 def test_quick_bench_writes_all_figures(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["--quick", "--json", str(out)])

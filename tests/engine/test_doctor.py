@@ -30,6 +30,7 @@ FAST = ["--size", "tiny", "--new-tokens", "16", "--ppl-tokens", "128"]
 
 
 @pytest.mark.slow
+@pytest.mark.models  # the perplexity self-test loads the bundled SmolLM2 when installed
 @pytest.mark.timeout(300)
 def test_parley_doctor_json_on_cpu(tmp_path):
     out = tmp_path / "doctor.json"
@@ -62,6 +63,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
+@pytest.mark.models  # no model file, but its random-weight self-tests and speed runs take 10+ s
 @pytest.mark.timeout(300)
 def test_parley_doctor_without_the_optional_packages(tmp_path):
     out = tmp_path / "bare.json"

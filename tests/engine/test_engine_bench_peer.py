@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from engine.benchmarks import peer as bench_peer
 
 
@@ -46,6 +48,7 @@ class FakeOurs:
         return 150.0
 
 
+@pytest.mark.models  # the workload is tokenized with the bundled model's tokenizer
 def test_peer_bench_ratios_and_json(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench_peer, "LlamaCppPeer", FakePeer)
     monkeypatch.setattr(bench_peer, "Ours", FakeOurs)

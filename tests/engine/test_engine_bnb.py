@@ -8,6 +8,7 @@ at most one near tie).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -22,7 +23,10 @@ from engine.model_runner import perplexity
 from engine.quant import BnbLinear, Int8PackLinear, get_quant_method, int8_linear_class
 from engine.sampling import SamplingParams
 
-pytest.importorskip("bitsandbytes", reason="the test extra installs bitsandbytes (the GPU's int8)")
+# found, not imported: the import takes seconds, which the one model-free test below does not need
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="the test extra installs bitsandbytes (the GPU's int8)"
+)
 
 BENCH_TEXT = Path(__file__).resolve().parents[2] / "engine" / "benchmarks" / "data.txt"
 QUESTIONS = [*CHAT_QUESTIONS, "What is the capital of France?", "Name three colors.", "What is 2 plus 2?"]
@@ -33,6 +37,7 @@ def bnb_engine():
     return LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", int8_method="bitsandbytes", device="cpu"))
 
 
+@pytest.mark.models
 def test_bitsandbytes_layers_and_16bit_lm_head(bnb_engine):
     model = bnb_engine.model
     for lin in (model.layers[0].qkv, model.layers[0].o, model.layers[0].gate_up, model.layers[-1].down):
@@ -71,6 +76,7 @@ def test_bitsandbytes_greedy_replies_agree_with_fp32(bnb_engine, engine):
 
 
 def test_int8_method_choice(monkeypatch, caplog):
+    monkeypatch.setattr(quant, "_bitsandbytes_importable", lambda: True)
     assert int8_linear_class("auto", "cpu") is Int8PackLinear
     assert int8_linear_class("auto", "cuda") is BnbLinear
     assert int8_linear_class("bitsandbytes", "cpu") is BnbLinear

@@ -88,8 +88,9 @@ def test_prefix_cache_hits(make_engine, prompts, hf_reference, tokenizer):
     # the identical prompt hits its full blocks; its last 2 tokens are in a block the earlier runs
     # filled with their own outputs: shared by hash, never taken over (only a freed partial block is)
     eng.add_request("again", story, SamplingParams(max_tokens=2))
-    outs = eng.step()
-    assert not outs or outs[0].num_cached_tokens == (len(story) - 1) // 16 * 16
+    outs = eng.step()  # the uncached tail fits one step: it prefills and gives the first token
+    assert [o.request_id for o in outs] == ["again"], outs
+    assert outs[0].num_cached_tokens == (len(story) - 1) // 16 * 16
 
 
 def test_a_prompt_continuing_a_finished_one_computes_only_its_new_tokens(make_engine, prompts, hf_reference):

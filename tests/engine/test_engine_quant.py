@@ -82,6 +82,7 @@ def test_greedy_answers_mostly_agree(quant_engine, engine, prompts):
     assert agree >= 6, (quant_engine.config.quantization, agree, ref, got)
 
 
+@pytest.mark.models
 def test_prefill_path_matches_small_batch_path(quant_engine):
     # more rows than the packed kernels take are dequantized first; both must compute the same product
     lin = quant_engine.model.layers[3].gate_up

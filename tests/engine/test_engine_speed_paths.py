@@ -95,7 +95,14 @@ def test_bf16_engine_packs_linears_and_matches_unpacked(model_path):
     with torch.inference_mode():
         got = model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, caches[0]).float()
         ref = plain.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, caches[1]).float()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    # Not bit-exact: the packed kernels add the bf16 products in another order, which moves the top
+    # logits by up to 0.375 here (1.0 over the engine test prompts). The top tokens agreed at every
+    # position measured, but this prompt has an exact tie at position 1 (a coin toss on another CPU):
+    # so the packed path's top token must be the plain path's best within that noise. Wrong packing
+    # misses by whole logits.
+    best = ref.max(-1).values
+    chosen = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+    assert (best - chosen).max() <= 0.5, best - chosen
     assert torch.allclose(got.softmax(-1), ref.softmax(-1), atol=0.05)
     # and the engine decodes with it, batch of one and of several
     out = eng.generate([ids, ids[:5], ids[:9]], SamplingParams(max_tokens=6))

@@ -16,6 +16,8 @@ from app.stages.registry import Models
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad
 
+pytestmark = pytest.mark.models
+
 
 @pytest.fixture(scope="module")
 def models():

@@ -23,6 +23,8 @@ from harness import start_server, stop_server
 from app import protocol
 from app.audio import float_to_pcm16
 
+pytestmark = pytest.mark.models  # a real `parley serve`
+
 KEY = "trust-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SEND_TIMEOUT_S = 3

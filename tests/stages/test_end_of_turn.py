@@ -24,6 +24,7 @@ def ending(text: str) -> np.ndarray:
     return np.concatenate([trim_to_speech(synthesize_speech(text)), np.zeros(3200, np.float32)])
 
 
+@pytest.mark.models
 def test_a_finished_question_sounds_finished_and_a_trailing_and_does_not(model):
     finished = [model.complete_probability(ending(t)) for t in ("What is the capital of France?", "What time is it?")]
     unfinished = [
@@ -54,6 +55,7 @@ def test_our_features_are_the_ones_the_model_was_trained_on():
     assert np.abs(ours - theirs).max() < 1e-4
 
 
+@pytest.mark.models
 def test_short_and_long_audio_are_padded_or_cut_to_its_window(model):
     for seconds in (0.3, 12.0):
         p = model.complete_probability(np.zeros(int(seconds * 16000), np.float32))

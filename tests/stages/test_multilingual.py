@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,8 @@ import pytest
 from app import protocol
 from app.audio import read_wav, resample
 from app.stages.asr import BUNDLED_MULTILINGUAL_ASR, Transcriber, bundled_multilingual_asr_path
+
+pytestmark = pytest.mark.models  # Whisper base, tiny.en and the bundled voice
 
 # (espeak-ng voice, sentence, its content words)
 SPOKEN = {
@@ -119,24 +120,6 @@ def test_the_parts_are_joined_once_atomically(tmp_path):
     model.write_bytes(b"truncated")
     bundled_multilingual_asr_path(tmp_path)
     assert model.stat().st_size == sum(p.stat().st_size for p in parts)  # a wrong size is rewritten
-
-
-def test_speed_base_vs_tiny_on_a_3_s_clip(base, speech):
-    """Measured, not asserted: what the multilingual model costs per utterance."""
-    clip = np.zeros(48_000, np.float32)
-    audio = speech("Can you recommend a good book for my holiday?")[:48_000]
-    clip[: len(audio)] = audio
-    tiny = Transcriber()
-    timings = {}
-    for name, model, language in (("tiny.en", tiny, None), ("base en", base, "en"), ("base detect", base, "")):
-        model.transcribe(clip, language=language)  # warm
-        runs = []
-        for _ in range(3):
-            started = time.perf_counter()
-            model.transcribe(clip, language=language)
-            runs.append(time.perf_counter() - started)
-        timings[name] = min(runs)
-    print("\n3 s clip, best of 3: " + ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in timings.items()))
 
 
 @needs_espeak

@@ -42,6 +42,7 @@ def test_vad_finds_one_utterance_in_speech(vad_model, speech):
     assert abs(end - (8000 + len(audio))) <= 4800  # within 0.3 s of the real end
 
 
+@pytest.mark.models
 def test_vad_silence_and_noise_are_not_speech(vad_model):
     rng = np.random.default_rng(0)
     silence = np.zeros(16000 * 2, np.float32)
@@ -100,10 +101,12 @@ def test_a_partial_gives_whisper_up_to_a_transcription_that_comes_to_wait(transc
     assert heard(final["result"]) == words(QUESTION)
 
 
+@pytest.mark.models
 def test_asr_on_silence_gives_no_words(transcriber):
     assert words(transcriber.transcribe(np.zeros(16000, np.float32)).text) == []
 
 
+@pytest.mark.models
 def test_tts_speaks_what_it_is_given(transcriber):
     tts = PiperSynthesizer()
     chunks = list(tts.synthesize("The weather is sunny today."))
@@ -128,6 +131,7 @@ def test_stream_resampler_matches_whole_buffer_resampling():
     assert abs(np.fft.rfftfreq(len(pieces), 1 / 16000)[np.argmax(spectrum)] - 440) < 3
 
 
+@pytest.mark.models
 def test_piper_takes_a_voice_per_language(tmp_path):
     """tts_voices: a language's voice is loaded beside the default and named after its file."""
     import shutil
@@ -148,6 +152,7 @@ def test_piper_takes_a_voice_per_language(tmp_path):
         PiperSynthesizer(voices_by_language={"de": str(tmp_path / "missing.onnx")})
 
 
+@pytest.mark.models
 def test_asr_falls_back_to_the_cpu_loudly_when_cuda_cannot_run_it(monkeypatch, caplog):
     import ctranslate2
 

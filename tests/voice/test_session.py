@@ -15,6 +15,8 @@ from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad
 from app.voice.text import words
 
+pytestmark = pytest.mark.models
+
 QUESTION = "What is the capital of France?"
 
 

@@ -19,6 +19,8 @@ from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad
 from app.voice.text import words
 
+pytestmark = pytest.mark.models
+
 # No comma: the voice pauses ~380 ms at one, which a 400 ms endpoint may take for the end.
 LONG = "Can you tell me what the weather will be like tomorrow morning in London and whether I need an umbrella?"
 

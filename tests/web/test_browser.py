@@ -1143,6 +1143,7 @@ def enter_key(page, key: str) -> None:
     page.click("#key-submit")
 
 
+@pytest.mark.models  # keyed_server is a real `parley serve`
 def test_api_key_form_busy_countdown_and_idle_close_on_a_real_server(playwright, keyed_server, silence_wav, tmp_path):
     args = [*BASE_ARGS, *FAKE_MIC_ARGS, f"--use-file-for-fake-audio-capture={silence_wav}"]
     with contextlib.ExitStack() as first_tab:
