@@ -54,7 +54,7 @@ def forbid_model_files(patch: pytest.MonkeyPatch, empty_cache: Path) -> None:
     import piper
 
     import app.stages.asr
-    import app.stages.turn
+    import app.stages.end_of_turn
     import app.stages.vad
     import engine.weights
     from app.bench.launcher import ServerProcess
@@ -65,7 +65,7 @@ def forbid_model_files(patch: pytest.MonkeyPatch, empty_cache: Path) -> None:
         (app.stages.asr, "_package_data", "Whisper base"),
         (faster_whisper, "WhisperModel", "a Whisper model"),
         (app.stages.vad, "_default_model_path", "Silero VAD"),
-        (app.stages.turn, "bundled_model_path", "Smart Turn"),
+        (app.stages.end_of_turn, "bundled_model_path", "Smart Turn"),
         (onnxruntime, "InferenceSession", "an ONNX model (VAD, Smart Turn, Piper)"),
         (piper.PiperVoice, "load", "a Piper voice"),
         (engine.weights, "bundled_gguf_path", "SmolLM2"),
