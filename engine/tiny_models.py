@@ -101,6 +101,7 @@ def _phi3():
     rope = {
         "rope_type": "longrope",
         "rope_theta": 10000.0,
+        "factor": _COMMON["max_position_embeddings"] / PHI3_ORIGINAL_LEN,
         "partial_rotary_factor": 0.5,
         "short_factor": [1.0, 1.3, 2.1, 3.5][:half_rot],
         "long_factor": [1.2, 2.5, 4.0, 9.0][:half_rot],
@@ -161,12 +162,16 @@ FAMILY_CONFIGS: dict[str, Callable[[], object]] = {
     "granite": _granite,
     "olmo2": _olmo2,
 }
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 # transformers' attention for the reference: Gemma 2's soft-capping runs only in its eager attention
 REFERENCE_ATTENTION = {"gemma2": "eager"}
 
 
 def build_family_model(root: Path, family: str, seed: int = 0) -> Path:
-    """A tiny random-weight model of ``family`` with a word-level tokenizer, saved in ``root / family``."""
+    """A tiny random-weight model of ``family`` with a byte-level tokenizer, saved in ``root / family``."""
     import torch
     from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration
 
@@ -184,7 +189,7 @@ def build_family_model(root: Path, family: str, seed: int = 0) -> Path:
             if "norm" in name:  # spread the norm weights (Gemma's start at zero)
                 param.add_(torch.randn_like(param) * 0.3)
     model.save_pretrained(path, safe_serialization=True)
-    save_word_tokenizer(path, VOCAB)
+    save_byte_tokenizer(path)
     return path
 
 
@@ -203,11 +208,20 @@ def load_reference(path: Path, family: str, dtype=None, device: str = "cpu"):
     return model.to(device).eval()
 
 
-def save_word_tokenizer(path: Path, vocab: int) -> None:
-    """A word-level tokenizer over the whole vocabulary ("t0" ... "t{vocab-1}"), saved in ``path``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer (token id = byte value, no merges) with a plain chat template, saved in ``path``.
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    Any text round-trips through ids 0..255, inside every tiny vocabulary, so a tiny model also
+    serves chats and runs ``parley bench engine --model <folder>``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
