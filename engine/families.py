@@ -65,6 +65,13 @@ class Family:
     residual_scale: float = 1.0  # Granite: each block's output is scaled before the residual add
     logits_divisor: float = 1.0  # Granite's logits_scaling
 
+    def windowed_up_to(self, max_len: int) -> Family:
+        """This family for sequences of at most ``max_len`` tokens: a window none of them outgrows is full
+        attention (Phi-4-mini's 262144 in a 131072 context, Mistral's 4096 in a 4096 one)."""
+        if self.window is not None and self.window < max_len and any(p.sliding for p in self.layers):
+            return self
+        return replace(self, window=None, layers=tuple(replace(p, sliding=False) for p in self.layers))
+
     @property
     def llama_shaped(self) -> bool:
         """The forward is Llama's, so the fused CPU kernels (engine/fused.py) can run it."""

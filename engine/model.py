@@ -42,7 +42,7 @@ from engine.layers.linear import (
     tensor_nbytes,
 )
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import Rope, apply_rotary, build_rope
+from engine.layers.rotary import apply_rotary, build_rope
 from engine.quant import QuantMethod, quant_summary
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,7 @@ class DecoderLayer:
     mlp_out_norm: RMSNorm | None
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
-    plan: LayerPlan
-    rope: Rope | None  # None: no position embedding (a NoPE layer)
+    plan: LayerPlan  # sliding or not, which RoPE table (or none)
     spec: AttentionSpec
 
     def norms(self) -> list[RMSNorm]:
@@ -142,11 +141,12 @@ class LlamaModel:
 
         path = Path(path)
         self.config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        self.family: Family = describe(self.config)  # refuses an unsupported architecture
+        family = describe(self.config)  # refuses an unsupported architecture
         self.args = args = ModelArgs.from_config(self.config)
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_len = max_model_len or args.max_position_embeddings
+        self.family: Family = family.windowed_up_to(self.max_len)
         self.quant = quant
         self.quant_info: dict | None = None  # what quantization did (method, kernel, bytes), when quantized
         self.num_packed_linears = 0
@@ -228,7 +228,6 @@ class LlamaModel:
                     q_norm=norm(f.qk_norm and p + "self_attn.q_norm.weight"),
                     k_norm=norm(f.qk_norm and p + "self_attn.k_norm.weight"),
                     plan=plan,
-                    rope=self.ropes[plan.rope_set] if plan.rope else None,
                     spec=AttentionSpec(f.attn_scale, f.attn_softcap),
                 )
             )
@@ -371,7 +370,7 @@ class LlamaModel:
         for li, layer in enumerate(self.layers):
             x = layer.attn_norm(h) if layer.attn_norm is not None else h
             qkv = layer.qkv(x)
-            cos_sin = tables[layer.plan.rope_set] if layer.rope is not None else None
+            cos_sin = tables[layer.plan.rope_set] if layer.plan.rope else None
             if layer.q_norm is None:  # q and k rotate together, no copies
                 qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
                 if cos_sin is not None:

@@ -179,6 +179,15 @@ def test_fused_kernels_only_for_llama_shaped_families(family_path):
     assert shaped == {f: f == "llama3" for f in FAMILIES}
 
 
+def test_a_window_no_sequence_outgrows_is_full_attention(family_path, reference):
+    """Mistral's window of 16 in a 16-token context: a Llama (fused kernels and all), same tokens."""
+    prompt = _ids(5, 8)
+    eng = _engine(family_path("mistral"), max_model_len=16)
+    assert eng.model.family.window is None and eng.model._llama_shaped()
+    got = eng.generate([prompt], SamplingParams(max_tokens=11, ignore_eos=True))
+    assert got == [reference("mistral", tuple(prompt), 11)]
+
+
 def test_unsupported_architecture_is_refused_with_the_supported_ones(family_path, tmp_path):
     src = family_path("llama3")
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
