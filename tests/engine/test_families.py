@@ -104,7 +104,7 @@ def _all_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     a = model.args
     nb = -(-len(ids) // BLOCK)
     inputs = prepare_inputs([ScheduledChunk("x", ids, 0, list(range(nb)), sample=True)], BLOCK, "cpu", all_logits=True)
-    cache = torch.zeros(a.num_layers, 2, a.num_kv_heads, nb, BLOCK, a.head_dim)
+    cache = torch.zeros(a.num_layers, 2, a.num_kv_heads, nb, BLOCK, a.head_dim, dtype=model.dtype)
     with torch.inference_mode():
         return model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, cache)
 
