@@ -7,12 +7,13 @@ One command for a user whose set-up misbehaves, and the one-shot check of a GPU 
   CPU kernels, and which bundled model packages are installed. Optional packages are
   imported lazily and reported missing, so it runs on a bare GPU machine that has only
   torch, transformers, safetensors and tokenizers;
+* the model families the engine runs (its supported architectures);
 * on each device (the CPU, and CUDA when present): the engine token-exact against
   transformers' greedy ``generate`` on a tiny random-weight Llama (fp32; on CUDA with CUDA
-  graphs on and off); the INT8 path with its perplexity ratio to fp32 (int8pack and
-  bitsandbytes on the CPU, bitsandbytes on CUDA; the bundled model and the bench text when
-  installed, else a random-weight model on random tokens); decode tokens/s at batch 1, 8
-  and 32 for bf16 and INT8 on a random-weight model of ``--size`` (built in place, nothing
+  graphs on and off), and on a tiny model of every family (``engine/tiny_models.py``); the
+  INT8 path with its perplexity ratio to fp32 (int8pack and bitsandbytes on the CPU,
+  bitsandbytes on CUDA; the bundled model and the bench text when installed, else a
+  random-weight model on random tokens); decode tokens/s at batch 1, 8 and 32 for bf16 and INT8 on a random-weight model of ``--size`` (built in place, nothing
   downloaded) next to transformers ``generate`` in the same run, with CUDA graphs on and
   off on CUDA.
 
@@ -130,10 +131,11 @@ def fused_cpu_kernels() -> bool:
 
 
 def build_model(root: Path, size: str, dtype: str = "float32", seed: int = 0) -> Path:
-    """A random-weight Llama of ``size`` with a word-level tokenizer over its whole vocabulary, saved in ``root``."""
+    """A random-weight Llama of ``size`` with a byte-level tokenizer (engine/tiny_models.py), saved in ``root``."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.tiny_models import save_byte_tokenizer
 
     hidden, layers, heads, kv, inter, vocab, tie = SIZES[size]
     path = root / f"random-{size}-{dtype}"
@@ -160,38 +162,32 @@ def build_model(root: Path, size: str, dtype: str = "float32", seed: int = 0) ->
     model.generation_config.pad_token_id = 0
     model.save_pretrained(path, safe_serialization=True)
     del model
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    save_byte_tokenizer(path)
     return path
-
-
-def _hf_model(path: Path, dtype, device: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True).to(device).eval()
 
 
 # --- self-tests -----------------------------------------------------------------------------------
 
 
-def token_exact(path: Path, device: str, cuda_graphs: bool = True) -> tuple[bool, str]:
-    """Engine greedy (fp32, a mixed batch) == transformers' greedy generate, per prompt."""
+def token_exact(path: Path, device: str, cuda_graphs: bool = True, family: str | None = None) -> tuple[bool, str]:
+    """Engine greedy (fp32, a mixed batch) == transformers' greedy generate, per prompt (``family``: a tiny
+    model of engine/tiny_models.py; None: the tiny Llama of ``build_model``)."""
     import torch
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
+    from engine.tiny_models import load_reference
 
     g = torch.Generator().manual_seed(1)
-    vocab = SIZES["tiny"][5]
-    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (5, 17, 33, 9, 64)]
+    # ids 3..499: inside every tiny vocabulary, clear of the tiny Gemma 3 checkpoint's image ids
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 33, 9, 64)]
     new = 24
     eng = LLMEngine(
         EngineConfig(model=str(path), dtype="float32", device=device, num_blocks=64, cuda_graphs=cuda_graphs)
     )
     got = eng.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
-    hf = _hf_model(path, torch.float32, device)
+    hf = load_reference(path, family, torch.float32, device)
     ref = []
     with torch.inference_mode():
         for p in prompts:
@@ -375,10 +371,16 @@ def run(args: argparse.Namespace) -> int:
     have = [name for name, ok in env["bundled_packages"].items() if ok]
     missing = [name for name, ok in env["bundled_packages"].items() if not ok]
     rep.line(f"bundled packages present: {', '.join(have) or 'none'}; missing: {', '.join(missing) or 'none'}")
+    from engine.model import SUPPORTED_ARCHITECTURES
+    from engine.tiny_models import FAMILY_CONFIGS, build_family_model
+
+    rep.data["supported_architectures"] = list(SUPPORTED_ARCHITECTURES)
+    rep.line(f"model families: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     devices = ["cpu"] + (["cuda"] if env["cuda_available"] else [])
     root = Path(tempfile.mkdtemp(prefix="parley-doctor-"))
     exact: dict[str, bool] = {}
+    families: dict[str, dict[str, bool]] = {}
     int8: dict = {}
     int8_methods: list[str] = []
     speeds: dict = {}
@@ -402,6 +404,14 @@ def run(args: argparse.Namespace) -> int:
 
                 ok = rep.test(label, device, check)
                 exact[device] = bool(ok) and exact.get(device, True)
+            for family in FAMILY_CONFIGS:
+
+                def family_check(device=device, family=family):
+                    ok, detail = token_exact(build_family_model(root, family), device, family=family)
+                    return ok, detail, ok
+
+                ok = rep.test(f"{family} tiny model token-exact vs transformers (fp32)", device, family_check)
+                families.setdefault(device, {})[family] = bool(ok)
 
             def ref_ppl(device=device):
                 from engine.model import LlamaModel
@@ -437,6 +447,7 @@ def run(args: argparse.Namespace) -> int:
 
     rep.data["engine_token_exact"] = bool(exact) and all(exact.values())
     rep.data["engine_token_exact_per_device"] = exact
+    rep.data["families_token_exact"] = families
     rep.data["int8"] = int8
     rep.data["int8_methods"] = int8_methods
     bnb = int8.get("cuda", {}).get("bitsandbytes") or int8.get("cpu", {}).get("bitsandbytes")
@@ -496,7 +507,9 @@ def speed_section(rep: Report, root: Path, device: str, args) -> tuple[dict, dic
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
     hf: dict = {}
-    holder = {"model": _hf_model(path, torch.bfloat16, device)}
+    from engine.tiny_models import load_reference
+
+    holder = {"model": load_reference(path, None, torch.bfloat16, device)}
     for batch in BATCH_SIZES:
 
         def measure_hf(batch=batch):

@@ -1,11 +1,14 @@
-"""Our own Llama-family model (Llama, SmolLM2, Mistral, Qwen2): the decoder layers, and the weight loading.
+"""Our own decoder forward for every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3,
+Granite, OLMo 2), and the weight loading.
 
 Why not transformers' model: its per-op Python overhead dominates decode on a small CPU
 model, and it knows nothing of a paged KV cache. Here a step is one flat batch of tokens
 (decodes of running requests and prefill chunks of new ones) with per-token positions;
 each layer runs a handful of fused ops (QKV and gate/up are single matmuls, rotary on q
 and k together), writes K/V into the paged cache through a slot mapping, then attends
-over the blocks (``engine/layers/attention.py``).
+over the blocks (``engine/layers/attention.py``). What differs between families (norms,
+scales, activation, sliding or NoPE layers) is a ``Family`` description (``engine/families.py``)
+that the one forward follows.
 
 The builder chooses every linear as it loads the weights: quantized when the engine asks
 for it (``engine/quant.py``), bf16 pre-packed for oneDNN where that applies, else dense.
@@ -22,7 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention import AttentionMetadata, attention, fused_decode_attention, write_kv
+from engine.families import ACTIVATIONS, SUPPORTED_ARCHITECTURES, Family, LayerPlan, describe, text_config
+from engine.layers.attention import (
+    AttentionMetadata,
+    AttentionSpec,
+    attention,
+    fused_decode_attention,
+    write_kv,
+)
 from engine.layers.linear import (
     DenseLinear,
     Linear,
@@ -31,12 +41,13 @@ from engine.layers.linear import (
     onednn_packing_available,
     tensor_nbytes,
 )
-from engine.layers.rotary import apply_rotary, rope_tables
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import apply_rotary, build_rope
 from engine.quant import QuantMethod, quant_summary
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaModel", "ModelArgs"]
 
 
 @dataclass
@@ -53,44 +64,58 @@ class ModelArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None
 
     @classmethod
     def from_config(cls, cfg) -> ModelArgs:
+        """The shapes of the language model (a multimodal checkpoint's text part)."""
         arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = cfg.num_attention_heads
-        eos = cfg.eos_token_id
+        text = text_config(cfg)
+        heads = text.num_attention_heads
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = text.eos_token_id if eos is None else eos
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-        sw = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         return cls(
             architecture=arch,
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            num_layers=text.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size,
-            rms_norm_eps=cfg.rms_norm_eps,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            intermediate_size=text.intermediate_size,
+            vocab_size=text.vocab_size,
+            rms_norm_eps=text.rms_norm_eps,
+            max_position_embeddings=text.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
-            sliding_window=sw,
         )
 
 
 @dataclass
 class DecoderLayer:
-    """One transformer block's weights: pre-norm attention (fused QKV) and a SwiGLU MLP (fused gate/up)."""
+    """One transformer block's weights (fused QKV, fused gate/up) and what its family does around them.
 
-    input_norm: torch.Tensor
+    A norm is None where the family has none there (OLMo 2 has no pre-norms, Llama no post-norms).
+    """
+
     qkv: Linear
     o: Linear
-    post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    attn_norm: RMSNorm | None
+    attn_out_norm: RMSNorm | None
+    mlp_norm: RMSNorm | None
+    mlp_out_norm: RMSNorm | None
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    plan: LayerPlan  # sliding or not, which RoPE table (or none)
+    spec: AttentionSpec
+
+    def norms(self) -> list[RMSNorm]:
+        return [
+            n
+            for n in (self.attn_norm, self.attn_out_norm, self.mlp_norm, self.mlp_out_norm, self.q_norm, self.k_norm)
+            if n is not None
+        ]
 
 
 class LlamaModel:
@@ -116,24 +141,33 @@ class LlamaModel:
 
         path = Path(path)
         self.config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        family = describe(self.config)  # refuses an unsupported architecture
         self.args = args = ModelArgs.from_config(self.config)
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_len = max_model_len or args.max_position_embeddings
-        self.sliding_window = args.sliding_window
+        self.family: Family = family.windowed_up_to(self.max_len)
         self.quant = quant
         self.quant_info: dict | None = None  # what quantization did (method, kernel, bytes), when quantized
         self.num_packed_linears = 0
         self._pack = pack_linears and onednn_packing_available(dtype, self.device)
         # the fused CPU kernels (engine/fused.py), set by use_fused_kernels() for 16-bit CPU models
         self.fused = None
+        text = text_config(self.config)
+        sets = {plan.rope_set for plan in self.family.layers if plan.rope}
+        self.ropes = {key: build_rope(text, key, args.head_dim, self.max_len, dtype, self.device) for key in sets}
+        scale = self.family.embed_scale
+        # Gemma's scale is a tensor in the model's dtype (sqrt(3072) is 55.5 in bf16)
+        self.embed_scale = float(torch.tensor(scale).to(dtype)) if self.family.embed_scale_rounded else scale
+        self._activation = ACTIVATIONS[self.family.activation]
         self._build(_load_state_dict(path))
-        self.cos, self.sin = rope_tables(self.config, args.head_dim, self.max_len, dtype, self.device)
 
     def _build(self, sd: dict[str, torch.Tensor]) -> None:
         a = self.args
+        f = self.family
         quant = self.quant
         float_linear_bytes = 0
+        prefix = _text_prefix(sd)
 
         def take(name: str) -> torch.Tensor:
             return sd.pop(name).to(device=self.device, dtype=self.dtype).contiguous()
@@ -141,15 +175,26 @@ class LlamaModel:
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in sd else None
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        def linear(base: str, names: tuple[str, ...]) -> Linear:
+            """One linear over the rows of ``base.<name>`` for each name (q/k/v or gate/up fused)."""
             nonlocal float_linear_bytes
+            weight = torch.cat([take(f"{base}.{n}.weight") for n in names]).contiguous()
+            biases = [maybe(f"{base}.{n}.bias") for n in names]
+            if any(b is not None for b in biases) and not all(b is not None for b in biases):
+                raise ValueError(f"{base}: some of {', '.join(names)} have a bias and some not")
+            bias = torch.cat(biases).contiguous() if biases[0] is not None else None
             float_linear_bytes += tensor_nbytes(weight, bias)
             if quant is not None:
                 return quant.linear(weight, bias, self.dtype)
             return self._dense(weight, bias)
 
-        embed = take("model.embed_tokens.weight")
-        lm_head = sd.pop("lm_head.weight", None)
+        def norm(name: str | None) -> RMSNorm | None:
+            if name is None:
+                return None
+            return RMSNorm(take(name), a.rms_norm_eps, self.dtype, offset=f.norm_offset, upcast=f.norm_upcast)
+
+        embed = take(prefix + "embed_tokens.weight")
+        lm_head = next((sd.pop(n) for n in _LM_HEAD_NAMES if n in sd), None)
         tied = a.tie_word_embeddings or lm_head is None
         if not tied:
             lm_head = lm_head.to(device=self.device, dtype=self.dtype).contiguous()
@@ -166,22 +211,24 @@ class LlamaModel:
             # a packed copy where packing applies (the plain tensor stays for the tied embedding lookup)
             self.lm_head_linear = self._dense(self.lm_head)
         del embed, lm_head
-        self.norm = take("model.norm.weight")
+        self.norm = norm(prefix + "norm.weight")
         self.layers: list[DecoderLayer] = []
-        for i in range(a.num_layers):
-            p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
-            biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            qkv_bias = torch.cat(biases).contiguous() if all(b is not None for b in biases) else None
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous()
+        for i, plan in enumerate(f.layers):
+            p = f"{prefix}layers.{i}."
             self.layers.append(
                 DecoderLayer(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=linear(qkv, qkv_bias),
-                    o=linear(take(p + "self_attn.o_proj.weight")),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(gate_up),
-                    down=linear(take(p + "mlp.down_proj.weight")),
+                    qkv=linear(p + "self_attn", f.qkv_names),
+                    o=linear(p + "self_attn", ("o_proj",)),
+                    gate_up=linear(p + "mlp", f.gate_up_names),
+                    down=linear(p + "mlp", ("down_proj",)),
+                    attn_norm=norm(f.attn_norm and p + f.attn_norm + ".weight"),
+                    attn_out_norm=norm(f.attn_out_norm and p + f.attn_out_norm + ".weight"),
+                    mlp_norm=norm(f.mlp_norm and p + f.mlp_norm + ".weight"),
+                    mlp_out_norm=norm(f.mlp_out_norm and p + f.mlp_out_norm + ".weight"),
+                    q_norm=norm(f.qk_norm and p + "self_attn.q_norm.weight"),
+                    k_norm=norm(f.qk_norm and p + "self_attn.k_norm.weight"),
+                    plan=plan,
+                    spec=AttentionSpec(f.attn_scale, f.attn_softcap),
                 )
             )
         if sd:
@@ -212,9 +259,11 @@ class LlamaModel:
     def use_fused_kernels(self) -> bool:
         """Switch the forward to the fused CPU kernels where they apply (16-bit, CPU); returns whether it did.
 
-        fp32 keeps the ATen ops: its tokens must equal transformers' bit for bit.
+        fp32 keeps the ATen ops: its tokens must equal transformers' bit for bit. The kernels are
+        Llama's forward: a family that differs from it (other norms, scales, windows, partial
+        rotary or longrope) keeps the ATen ops too.
         """
-        if self.device.type != "cpu" or self.dtype == torch.float32:
+        if self.device.type != "cpu" or self.dtype == torch.float32 or not self._llama_shaped():
             return False
         from engine.fused import fused_kernels
 
@@ -226,6 +275,10 @@ class LlamaModel:
                 if hasattr(linear, "use_fused_kernels"):  # int8 weights: the int8 x int8 kernel (Int8Dot)
                     linear.use_fused_kernels(self.fused)
         return self.fused is not None
+
+    def _llama_shaped(self) -> bool:
+        rope = self.ropes.get(None)
+        return self.family.llama_shaped and rope is not None and rope.dim == self.args.head_dim
 
     def _dense_lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed)
@@ -268,9 +321,9 @@ class LlamaModel:
         total += tensor_nbytes(*plain.values())
         if not isinstance(self.lm_head_linear, DenseLinear):
             total += linear_nbytes(self.lm_head_linear)  # a packed or quantized copy of lm_head
-        total += tensor_nbytes(self.norm)
+        total += self.norm.nbytes()
         for layer in self.layers:
-            total += tensor_nbytes(layer.input_norm, layer.post_norm)
+            total += sum(n.nbytes() for n in layer.norms())
         return total
 
     # --- forward -----------------------------------------------------------------------
@@ -285,7 +338,13 @@ class LlamaModel:
 
         ``kv_cache`` is [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
         """
-        return self.lm_head_linear(self.hidden_states(input_ids, positions, meta, kv_cache))
+        logits = self.lm_head_linear(self.hidden_states(input_ids, positions, meta, kv_cache))
+        f = self.family
+        if f.final_softcap is not None:
+            logits = torch.tanh(logits / f.final_softcap) * f.final_softcap
+        if f.logits_divisor != 1.0:
+            logits = logits / f.logits_divisor
+        return logits
 
     def hidden_states(
         self,
@@ -298,28 +357,52 @@ class LlamaModel:
         if self.fused is not None:
             return self._hidden_states_fused(input_ids, positions, meta, kv_cache)
         a = self.args
-        eps = a.rms_norm_eps
+        f = self.family
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
         T = input_ids.shape[0]
         h = self.embed_lookup(input_ids)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        hidden = a.hidden_size
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
+        tables = {key: rope.at(positions) for key, rope in self.ropes.items()}  # cos/sin, once a step
+        window_meta = meta.windowed(f.window) if f.window is not None else meta
+        act = self._activation
+        scale = f.residual_scale
         for li, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (hidden,), layer.input_norm, eps)
+            x = layer.attn_norm(h) if layer.attn_norm is not None else h
             qkv = layer.qkv(x)
-            qk = apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), cos, sin)
-            q = qk[:, :H]
-            k = qk[:, H:]
+            cos_sin = tables[layer.plan.rope_set] if layer.plan.rope else None
+            if layer.q_norm is None:  # q and k rotate together, no copies
+                qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
+                if cos_sin is not None:
+                    qk = apply_rotary(qk, *cos_sin)
+                q, k = qk[:, :H], qk[:, H:]
+            else:
+                q, k = self._normed_qk(layer, qkv, T)
+                if cos_sin is not None:
+                    q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
             v = qkv[:, (H + KV) * D :].view(T, KV, D)
             cache = kv_cache[li]
             write_kv(cache, k, v, meta.slot_mapping)
-            h = h + layer.o(attention(q, k, v, cache, meta))
-            x = F.rms_norm(h, (hidden,), layer.post_norm, eps)
+            out = layer.o(attention(q, k, v, cache, window_meta if layer.plan.sliding else meta, spec=layer.spec))
+            if layer.attn_out_norm is not None:
+                out = layer.attn_out_norm(out)
+            h = h + (out * scale if scale != 1.0 else out)
+            x = layer.mlp_norm(h) if layer.mlp_norm is not None else h
             g, u = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(g) * u)
-        h = h.index_select(0, meta.sample_indices)
-        return F.rms_norm(h, (hidden,), self.norm, eps)
+            out = layer.down(act(g) * u)
+            if layer.mlp_out_norm is not None:
+                out = layer.mlp_out_norm(out)
+            h = h + (out * scale if scale != 1.0 else out)
+        return self.norm(h.index_select(0, meta.sample_indices))
+
+    def _normed_qk(self, layer: DecoderLayer, qkv: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, KV, D] after the family's q/k norm (per head, or over the whole projection)."""
+        a = self.args
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        q, k = qkv[:, : H * D], qkv[:, H * D : (H + KV) * D]
+        if self.family.qk_norm == "width":
+            return layer.q_norm(q).view(T, H, D), layer.k_norm(k).view(T, KV, D)
+        return layer.q_norm(q.view(T, H, D)), layer.k_norm(k.view(T, KV, D))
 
     def _hidden_states_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
@@ -330,13 +413,14 @@ class LlamaModel:
         eps = a.rms_norm_eps
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
         T = input_ids.shape[0]
+        rope = self.ropes[None]
         h = self.embed_lookup(input_ids)
         delta = None
         for li, layer in enumerate(self.layers):
-            h, x = fk.add_rms_norm(h, delta, layer.input_norm, eps)
+            h, x = fk.add_rms_norm(h, delta, layer.attn_norm.weight, eps)
             qkv = layer.qkv(x).contiguous()
             cache = kv_cache[li]
-            fk.rotary_kv_write(qkv, self.cos, self.sin, positions, cache, meta.slot_mapping, H, KV, D)
+            fk.rotary_kv_write(qkv, rope.cos, rope.sin, positions, cache, meta.slot_mapping, H, KV, D)
             decoded = fused_decode_attention(fk, qkv, cache, meta, H, D)
             if meta.num_decodes == T:
                 attn = decoded.view(T, H * D)
@@ -346,15 +430,34 @@ class LlamaModel:
                 v = qkv[:, (H + KV) * D :].view(T, KV, D)
                 attn = attention(q, k, v, cache, meta, decoded=decoded)
             delta = layer.o(attn)
-            h, x = fk.add_rms_norm(h, delta, layer.post_norm, eps)
+            h, x = fk.add_rms_norm(h, delta, layer.mlp_norm.weight, eps)
             delta = layer.down(fk.silu_mul(layer.gate_up(x).contiguous()))
         idx = meta.sample_indices
-        return fk.add_rms_norm(h.index_select(0, idx), delta.index_select(0, idx), self.norm, eps)[1]
+        return fk.add_rms_norm(h.index_select(0, idx), delta.index_select(0, idx), self.norm.weight, eps)[1]
+
+
+# where the language model's weights live: a causal LM's, or a multimodal checkpoint's text part (new and old layouts)
+_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+_LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def _text_prefix(sd: dict[str, torch.Tensor]) -> str:
+    for prefix in _TEXT_PREFIXES:
+        if prefix + "embed_tokens.weight" in sd:
+            return prefix
+    raise ValueError(f"no token embedding under {', '.join(p + 'embed_tokens.weight' for p in _TEXT_PREFIXES)}")
+
+
+def _is_text_weight(name: str) -> bool:
+    """A weight of the language model (a multimodal checkpoint's vision tower is never read)."""
+    return name in _LM_HEAD_NAMES or any(
+        name.startswith(p + n) for p in _TEXT_PREFIXES for n in ("embed_tokens.", "layers.", "norm.")
+    )
 
 
 def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint."""
-    from safetensors.torch import load_file
+    """The language model's tensors of a (possibly sharded) safetensors checkpoint."""
+    from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -365,5 +468,6 @@ def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no safetensors weights in {path}")
     sd: dict[str, torch.Tensor] = {}
     for name in files:
-        sd.update(load_file(str(path / name)))
+        with safe_open(str(path / name), framework="pt") as f:
+            sd.update({key: f.get_tensor(key) for key in f.keys() if _is_text_weight(key)})  # noqa: SIM118
     return sd

@@ -61,15 +61,15 @@ class ModelRunner:
         if model is None:
             # The builder applies the quantization method and the oneDNN packing as it loads the layers.
             quant = get_quant_method(config.quantization, self.device, config.int8_method)
-            self.model = LlamaModel(model_path, dtype, self.device, quant=quant, pack_linears=True)
+            self.model = LlamaModel(
+                model_path, dtype, self.device, config.max_model_len, quant=quant, pack_linears=True
+            )
         else:
             # Sharing an already loaded model lets tests build engines with different limits cheaply.
             self.model = model
             model.pack_linears()  # bf16 on an oneDNN CPU: packed once, for every engine sharing it
         a = self.model.args
-        limit = a.max_position_embeddings
-        if a.sliding_window:
-            limit = min(limit, a.sliding_window)  # full attention is exact up to the window
+        limit = a.max_position_embeddings  # sliding-window layers mask their keys: any length is exact
         self.block_size = config.block_size
         bs = self.block_size
         elem = torch.empty((), dtype=dtype).element_size()

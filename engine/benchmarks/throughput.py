@@ -629,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     text_ids = list(tokenizer(DATA_PATH.read_text(), add_special_tokens=False)["input_ids"])
     ppl_ids = text_ids[: 128 if quick else 1024]
     reqs = make_workload(tokenizer, text_ids, n_req, prompt_range, output_range, args.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # masked out, so any id pads; a tokenizer with neither pad nor EOS (the tiny test models') pads with 0
+    pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     plens = [len(r.prompt) for r in reqs]
     olens = [r.max_tokens for r in reqs]
     r: dict = {

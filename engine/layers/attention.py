@@ -7,12 +7,17 @@ folded into the query length, so no K/V repeat), prefill chunks one call each wi
 causal mask offset by the request's cached context. With the fused CPU kernels
 (``engine/fused.py``) the decode rows use a paged decode kernel instead.
 
+A layer's own attention settings (``AttentionSpec``: the score scale, Gemma 2's soft-cap) go
+with each call; a sliding-window layer gets the step's metadata narrowed to its window
+(``AttentionMetadata.windowed``): every block stays in the cache, keys before the window are
+masked out.
+
 The KV cache of one layer is [2, num_kv_heads, num_blocks, block_size, head_dim].
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +40,38 @@ class AttentionMetadata:
     decode_flat_blocks: torch.Tensor | None = None
     decode_ctx_len: int | None = None
     decode_ctx_lens: torch.Tensor | None = None  # [B] context length of each decode (fused kernels)
+    decode_ctx_start: int = 0  # with decode_ctx_len: the first cached position attended (a sliding window)
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """The same step with each query seeing only its last ``window`` keys (itself included), as
+        transformers' sliding-window mask does; the masks are derived on the device (graph-safe)."""
+        prefills = []
+        for start, end, block_ids, mask in self.prefills:
+            n = end - start
+            if mask is None:  # no cached context: the keys are the chunk's own tokens
+                if n > window:
+                    i = torch.arange(n, device=self.slot_mapping.device)
+                    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+            else:  # each row sees keys 0..p, its position p
+                last = mask.sum(-1, keepdim=True) - 1
+                mask = mask & (torch.arange(mask.shape[-1], device=mask.device)[None, :] > last - window)
+            prefills.append((start, end, block_ids, mask))
+        decode_mask = self.decode_mask
+        if self.num_decodes and self.decode_ctx_len is None:  # several decodes: their mask, narrowed
+            L = decode_mask.shape[-1]
+            lens = self.decode_ctx_lens if self.decode_ctx_lens is not None else decode_mask.sum(-1).view(-1)
+            first = (lens - window).view(-1, 1, 1, 1)
+            decode_mask = decode_mask & (torch.arange(L, device=decode_mask.device) >= first)
+        start = max(0, self.decode_ctx_len - window) if self.decode_ctx_len is not None else 0
+        return replace(self, prefills=prefills, decode_mask=decode_mask, decode_ctx_start=start)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention settings: the score scale (None: head_dim ** -0.5) and Gemma 2's soft-cap."""
+
+    scale: float | None = None
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap) before the mask
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -51,37 +88,36 @@ def attention(
     cache: torch.Tensor,  # [2, KV, num_blocks, block_size, D]
     meta: AttentionMetadata,
     decoded: torch.Tensor | None = None,
+    spec: AttentionSpec = AttentionSpec(),
 ) -> torch.Tensor:
     """Attention output [T, H * D] of a packed step; the step's K/V are already in ``cache``.
 
     ``decoded``: the decode rows' attention when already computed (by the fused kernel).
     """
     T, H, D = q.shape
-    KV = k.shape[1]
-    G = H // KV
     B = meta.num_decodes
     if B == T:  # decode-only step: one batched call, no copies of q/out
-        return decode_attention(q, cache, meta).reshape(T, H * D)
+        return decode_attention(q, cache, meta, spec).reshape(T, H * D)
     out = q.new_empty(T, H * D)
     if B:
-        out[:B] = (decoded if decoded is not None else decode_attention(q[:B], cache, meta)).reshape(B, H * D)
+        out[:B] = (decoded if decoded is not None else decode_attention(q[:B], cache, meta, spec)).reshape(B, H * D)
     for start, end, block_ids, mask in meta.prefills:
         n = end - start
         qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if block_ids is None:  # no cached context: attend within the chunk only
+        if block_ids is None:  # no cached context: attend within the chunk only (causal, or the given mask)
             kp = k[start:end].transpose(0, 1).unsqueeze(0)
             vp = v[start:end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=G > 1)
+            o = _attend(qp, kp, vp, mask, spec)
         else:
             kv = cache[:, :, block_ids].flatten(2, 3)  # [2, KV, L, D]
-            o = F.scaled_dot_product_attention(
-                qp, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask, enable_gqa=G > 1
-            )
+            o = _attend(qp, kv[0].unsqueeze(0), kv[1].unsqueeze(0), mask, spec, causal=False)
         out[start:end] = o[0].transpose(0, 1).reshape(n, H * D)
     return out
 
 
-def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec = AttentionSpec()
+) -> torch.Tensor:
     """Attention [B, H, D] of the step's ``B`` single-token decodes over their cached context."""
     B, H, D = q.shape
     KV = cache.shape[1]
@@ -89,15 +125,46 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     flat = meta.decode_flat_blocks
     if flat is None:  # metadata built by hand (tests): advanced indexing
         kv = cache[:, :, meta.decode_block_tables].flatten(3, 4).transpose(1, 2)  # [2, B, KV, L, D]
-        return F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=meta.decode_mask)
+        return _attend(qd, kv[0], kv[1], meta.decode_mask, spec, causal=False)
     # index_select is a plain row copy, faster than aten::index's generic gather
     kv = cache.index_select(2, flat)  # [2, KV, B * nb, bs, D]
     L = kv.shape[2] // B * kv.shape[3]
     kv = kv.view(2, KV, B, L, D).transpose(1, 2)  # [2, B, KV, L, D]
-    if meta.decode_ctx_len is not None:  # one request: cut to its length, no mask needed
-        n = meta.decode_ctx_len
-        return F.scaled_dot_product_attention(qd, kv[0, :, :, :n], kv[1, :, :, :n])
-    return F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=meta.decode_mask)
+    if meta.decode_ctx_len is not None:  # one request: cut to its length (and window), no mask needed
+        s, n = meta.decode_ctx_start, meta.decode_ctx_len
+        return _attend(qd, kv[0, :, :, s:n], kv[1, :, :, s:n], None, spec, causal=False)
+    return _attend(qd, kv[0], kv[1], meta.decode_mask, spec, causal=False)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    spec: AttentionSpec,
+    causal: bool = True,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v over [..., heads, n|L, D]; ``mask`` (bool, True = attend) or, without one
+    and ``causal``, the causal mask. K/V may have fewer heads than q (grouped-query attention)."""
+    gqa = q.shape[-3] != k.shape[-3]
+    causal = causal and mask is None
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=spec.scale, enable_gqa=gqa
+        )
+    # SDPA has no soft-cap: the scores are formed here, in the order transformers' eager attention uses
+    if gqa:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if causal:
+        n, L = scores.shape[-2:]
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def fused_decode_attention(

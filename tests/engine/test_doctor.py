@@ -14,6 +14,8 @@ KEYS = (
     "torch_version",
     "cuda_available",
     "engine_token_exact",
+    "supported_architectures",
+    "families_token_exact",
     "int8_methods",
     "int8_bitsandbytes_perplexity_ratio",
     "decode_tokens_per_s",
@@ -42,6 +44,9 @@ def test_parley_doctor_json_on_cpu(tmp_path):
         assert key in report, key
     assert report["all_passed"] and all(t["ok"] for t in report["self_tests"])
     assert report["engine_token_exact"] is True and report["cuda_available"] is False
+    assert "Gemma3ForCausalLM" in report["supported_architectures"] and all(
+        report["families_token_exact"]["cpu"].values()
+    )
     assert "cpu:int8pack" in report["int8_methods"]
     assert "cpu:bitsandbytes" in report["int8_methods"]  # the test extra installs it
     assert 0.9 < report["int8_bitsandbytes_perplexity_ratio"] <= 1.03
