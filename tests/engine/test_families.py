@@ -25,6 +25,9 @@ from engine.scheduler import ScheduledChunk
 from engine.step_inputs import prepare_inputs
 from engine.tiny_models import FAMILY_CONFIGS, PHI3_ORIGINAL_LEN, build_family_model, load_reference
 
+# random-weight models, but a minute and a half of CPU in all: `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.models
+
 FAMILIES = list(FAMILY_CONFIGS)
 NEW = 12  # tokens generated per request
 BLOCK = 8
