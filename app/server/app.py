@@ -34,13 +34,9 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
             app.state.models = await asyncio.to_thread(load_models, settings, lambda line: print(line, flush=True))
         for warning in app.state.access.startup_warnings():
             print(f"WARNING: {warning}", flush=True)
-        cap = app.state.admission.max_sessions
-        how = (
-            "max_sessions"
-            if settings.max_sessions
-            else "what this machine serves in real time; set max_sessions to change"
-        )
-        print(f"sessions at once: {cap} ({how})", flush=True)
+        admission.size_cap()  # the models now hold their memory: what is left is the sessions'
+        how = "max_sessions" if settings.max_sessions else "by CPU cores and free memory; set max_sessions to change"
+        print(f"sessions at once: {admission.max_sessions} ({how})", flush=True)
         scheme = "https" if settings.ssl_certfile else "http"
         print(f"parley ready on {scheme}://{settings.host}:{settings.port}", flush=True)
         yield
@@ -50,7 +46,7 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
 
     app = FastAPI(title="Parley", lifespan=lifespan)
     app.state.models = models
-    app.state.sessions = set()
+    app.state.sessions = {}  # each open VoiceSession -> its Connection
     app.state.access = access = AccessPolicy(settings)
     app.state.admission = admission = Admission(settings, on_memory_pressure=lambda: _release_llm_cache(app))
     app.state.metrics = VoiceMetrics(admission)
@@ -83,7 +79,7 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
             "llm": llm.name,
             "llm_status": detail,
             "auth_required": access.key_required(),
-            "accepting_sessions": healthy and admission.refuse_reason(len(app.state.sessions)) is None,
+            "accepting_sessions": healthy and admission.check(len(app.state.sessions)) is None,
         }
         return JSONResponse(body, status_code=200 if healthy else 503)
 
