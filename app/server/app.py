@@ -4,6 +4,7 @@ and, in the OpenAI Realtime API, at ``/v1/realtime`` (the ``realtime`` package).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -35,11 +36,16 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
         for warning in app.state.access.startup_warnings():
             print(f"WARNING: {warning}", flush=True)
         admission.size_cap()  # the models now hold their memory: what is left is the sessions'
+        # What is loaded by now (models, libraries) lives as long as the server: a full garbage
+        # collection that walks it all stalls the event loop for hundreds of ms, so it is left out.
+        gc.collect()
+        gc.freeze()
         how = "max_sessions" if settings.max_sessions else "by CPU cores and free memory; set max_sessions to change"
         print(f"sessions at once: {admission.max_sessions} ({how})", flush=True)
         scheme = "https" if settings.ssl_certfile else "http"
         print(f"parley ready on {scheme}://{settings.host}:{settings.port}", flush=True)
         yield
+        gc.unfreeze()
         for session in list(app.state.sessions):
             await session.close()
         app.state.models.close()
