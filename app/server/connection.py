@@ -11,7 +11,7 @@ is closed with code 4000); ``serve`` runs one ``VoiceSession`` until the client 
 * an idle timeout: no frames for ``idle_timeout_s``, and no reply playing, closes it (code 4000);
 * a read pace: at most ``CLIENT_FRAMES_PER_S`` frames a second are read; beyond that the socket
   is left unread, so a flood waits in TCP buffers instead of spending the event loop, and a
-  client held to the pace for ``FLOOD_CLOSE_S`` is closed (code 1008);
+  client that keeps over half the pace is closed (code 1008) after about ``FLOOD_CLOSE_S``;
 * the session registered in ``state.sessions`` (capacity, ``/healthz``, ``/metrics``) while it runs.
 
 ``AudioRateLimit`` drops microphone audio beyond ``max_audio_rate`` times real time, with
