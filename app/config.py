@@ -187,11 +187,17 @@ class Settings(BaseSettings):
     max_sessions: int | None = Field(
         None,
         ge=1,
-        description="sessions at once (default: what this machine serves in real time, from its CPU cores; "
-        "measure yours with `parley bench load`)",
+        description="sessions at once (default: 2 per CPU core, fewer if free memory holds fewer at 32 MiB a "
+        "session; the latency breaker guards the rest; measure yours with `parley bench load`)",
     )
     send_timeout_s: float = Field(20.0, gt=0, description="a client that reads nothing this long is disconnected")
     idle_timeout_s: float = Field(300.0, gt=0, description="a session with no audio and no text this long is closed")
+    idle_evict_s: float = Field(
+        30.0,
+        gt=0,
+        description="while all sessions are in use, one with no audio, no text and no reply playing this long "
+        "is closed to let a new user in",
+    )
     max_audio_rate: float = Field(2.0, ge=1.0, description="audio faster than this many times real time is dropped")
     breaker_voice_to_voice_ms: float = Field(
         2000.0, gt=0, description="refuse new sessions while recent voice-to-voice p95 is above this"

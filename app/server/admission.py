@@ -2,8 +2,9 @@
 
 Three gates, checked when a connection arrives (sessions already open keep working):
 
-* a session cap (``max_sessions``; by default what the machine serves in real time, see
-  ``default_max_sessions``);
+* a session cap (``max_sessions``; by default what memory holds at the measured cost of a
+  session, at most ``SESSIONS_PER_CORE`` a core, see ``default_max_sessions``); a session
+  idle for ``idle_evict_s`` gives its slot up to a newcomer (``app.server.connection``);
 * a latency circuit breaker: when the p95 of recent voice-to-voice latencies (or LLM
   time to first token) passes its threshold, new sessions are refused with a retry hint;
   the samples age out of the window, so the breaker closes again by itself once the
@@ -11,16 +12,18 @@ Three gates, checked when a connection arrives (sessions already open keep worki
 * a memory red line: when the machine's memory in use (the container's limit counts, and
   GPU memory on CUDA) passes ``memory_red_line``, new sessions are refused and the LLM is
   asked to drop its cached prefixes.
+
+``check`` only looks (``/healthz`` asks it); ``refuse`` counts a refusal and words it.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app import protocol
@@ -50,32 +53,31 @@ class LatencyBreaker:
             self._samples.popleft()
         return list(self._samples)
 
+    def retry_after_s(self) -> float:
+        """Seconds until the breaker closes if no new figure comes: once enough slow ones aged out, or too few are left."""
+        recent = self._recent()
+        values = [value for _, value in recent]
+        for aged in range(len(recent) + 1):  # the oldest age out first
+            if not self._opens(values[aged:]):
+                return 1.0 if aged == 0 else max(1.0, recent[aged - 1][0] + self.window_s - self._clock())
+        return self.window_s  # unreachable while min_samples >= 1: an empty window is closed
+
     def p95(self) -> float | None:
         recent = self._recent()
         return percentile([value for _, value in recent], 95)
 
     def open(self) -> bool:
-        recent = self._recent()
-        return len(recent) >= self.min_samples and percentile([v for _, v in recent], 95) > self.threshold_ms
+        return self._opens([value for _, value in self._recent()])
 
-    def retry_after_s(self) -> float:
-        """When enough of the slow samples will have aged out for the breaker to be able to close."""
-        recent = self._recent()
-        slow = [when for when, value in recent if value > self.threshold_ms]
-        if not slow:
-            return 1.0
-        return max(1.0, slow[0] + self.window_s - self._clock())
+    def _opens(self, values: list[float]) -> bool:
+        return len(values) >= self.min_samples and percentile(values, 95) > self.threshold_ms
 
 
-# Measured with `parley bench load --step-s 90 --max-users 3` (users join one by one and talk
-# without pause; a number of users is "real time" when the turns answered while that many were
-# connected had a heard voice-to-voice p95 under 2000 ms and every reply an RTF >= 1) on a
-# 2-core AMD EPYC (znver3, no native bf16, so a float32 LLM): 1 user (p95 1872 ms, RTF min
-# 2.18); 2 users had p95 2559 ms. (A 40 s step, 3 turns a step, had passed 2 users by chance.)
-# Most of a turn's work is CPU-bound on any device (VAD, Piper, and on a CPU-only machine
-# Whisper and the LLM), so the default scales with the cores. Not measured on a GPU machine.
-MEASURED_CORES = 2
-REAL_TIME_SESSIONS_MEASURED = 1
+# A session is budgeted at about twice the memory a talking session was measured to add, and up
+# to 2 are let in a core, as four users on 2 cores were served fast (README, "Safe on a LAN");
+# the latency breaker guards the rest.
+SESSION_MEMORY_BYTES = 32 << 20
+SESSIONS_PER_CORE = 2
 
 
 def available_cores() -> int:
@@ -85,29 +87,41 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_max_sessions(cores: int | None = None) -> int:
-    """The session cap when ``max_sessions`` is not set: the measured real-time users per core, times the cores."""
-    cores = cores or available_cores()
-    return max(1, math.floor(cores * REAL_TIME_SESSIONS_MEASURED / MEASURED_CORES))
+def default_max_sessions(cores: int | None = None, free_bytes: int | None = None) -> int:
+    """The session cap when ``max_sessions`` is not set: ``SESSIONS_PER_CORE`` a core, as far as ``free_bytes`` hold."""
+    by_cores = (cores or available_cores()) * SESSIONS_PER_CORE
+    if free_bytes is None:
+        return by_cores
+    return max(1, min(by_cores, free_bytes // SESSION_MEMORY_BYTES))
 
 
-def memory_in_use() -> float:
-    """Fraction of the memory this process may use that is in use (the container limit when there is one)."""
+def _memory_readings() -> list[tuple[int, int]]:
+    """(bytes in use, bytes in all) of the machine, and of the container when its limit is lower."""
     info = {}
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             key, value = line.split(":", 1)
             info[key] = int(value.split()[0]) * 1024
     total, available = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
-    fraction = 1.0 - available / total
+    readings = [(total - available, total)]
     limit_file, usage_file = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
     try:
         limit = limit_file.read_text().strip()
         if limit != "max" and int(limit) < total:
-            fraction = max(fraction, int(usage_file.read_text()) / int(limit))
+            readings.append((int(usage_file.read_text()), int(limit)))
     except (OSError, ValueError):
         pass
-    return fraction
+    return readings
+
+
+def memory_in_use() -> float:
+    """Fraction of the memory this process may use that is in use (the container limit when there is one)."""
+    return max(used / total for used, total in _memory_readings())
+
+
+def memory_headroom(red_line: float) -> int:
+    """Bytes that may still be taken before the memory in use reaches ``red_line`` (0 when past it)."""
+    return max(0, min(int(total * red_line) - used for used, total in _memory_readings()))
 
 
 def gpu_memory_in_use() -> float | None:
@@ -121,6 +135,22 @@ def gpu_memory_in_use() -> float | None:
     return 1.0 - free / total
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a new session is not let in now, and when trying again makes sense."""
+
+    reason: str  # the gate: "sessions", "latency" or "memory"
+    message: str
+    retry_after_s: float
+
+    def retry_sooner(self, retry_after_s: float) -> Refusal:
+        return replace(self, retry_after_s=max(1.0, min(self.retry_after_s, retry_after_s)))
+
+
+FULL_RETRY_S = 5.0  # all slots taken: sessions end at any moment, so a refused client asks again soon
+MEMORY_RETRY_S = 10.0
+
+
 class Admission:
     def __init__(
         self,
@@ -129,16 +159,23 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
         memory: Callable[[], float] = memory_in_use,
         gpu_memory: Callable[[], float | None] = gpu_memory_in_use,
+        headroom: Callable[[float], int] = memory_headroom,
         on_memory_pressure: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
-        self.max_sessions = settings.max_sessions or default_max_sessions()
         window = settings.breaker_window_s
         self.voice_to_voice = LatencyBreaker(settings.breaker_voice_to_voice_ms, window, clock=clock)
         self.llm_ttft = LatencyBreaker(settings.breaker_llm_ttft_ms, window, clock=clock)
-        self._memory, self._gpu_memory = memory, gpu_memory
+        self._memory, self._gpu_memory, self._headroom = memory, gpu_memory, headroom
         self._on_memory_pressure = on_memory_pressure
         self.refused: dict[str, int] = {"sessions": 0, "latency": 0, "memory": 0}
+        self.size_cap()
+
+    def size_cap(self) -> None:
+        """``max_sessions``, else the default for the cores and the memory free now (sized again once models load)."""
+        self.max_sessions = self.settings.max_sessions or default_max_sessions(
+            free_bytes=self._headroom(self.settings.memory_red_line)
+        )
 
     def observe(self, metrics: protocol.TurnMetrics) -> None:
         if metrics.barge_in:
@@ -156,30 +193,33 @@ class Admission:
             fractions.append(gpu)
         return max(fractions)
 
-    def refuse_reason(self, open_sessions: int) -> protocol.Error | None:
-        """None to admit a new session, else the ``overloaded`` error to send it."""
+    def check(self, open_sessions: int) -> Refusal | None:
+        """None when a new session may come in, else why not (nothing is counted: ``refuse`` does)."""
         if open_sessions >= self.max_sessions:
-            return self._refuse("sessions", f"all {self.max_sessions} sessions are in use", 5.0)
-        if self.breaker_open():
+            return Refusal("sessions", f"all {self.max_sessions} sessions are in use", FULL_RETRY_S)
+        breakers = [("voice-to-voice", self.voice_to_voice), ("LLM first token", self.llm_ttft)]
+        tripped = [(name, breaker) for name, breaker in breakers if breaker.open()]
+        if tripped:
             figures = ", ".join(
-                f"{name} p95 {breaker.p95():.0f} ms (limit {breaker.threshold_ms:.0f})"
-                for name, breaker in (("voice-to-voice", self.voice_to_voice), ("LLM first token", self.llm_ttft))
-                if breaker.open()
+                f"{name} p95 {breaker.p95():.0f} ms (limit {breaker.threshold_ms:.0f})" for name, breaker in tripped
             )
-            retry = max(self.voice_to_voice.retry_after_s(), self.llm_ttft.retry_after_s())
-            return self._refuse("latency", f"the server is answering slowly ({figures})", retry)
+            retry = max(breaker.retry_after_s() for _, breaker in tripped)
+            return Refusal("latency", f"the server is answering slowly ({figures})", retry)
         fraction = self.memory_fraction()
         if fraction >= self.settings.memory_red_line:
-            if self._on_memory_pressure is not None:
-                self._on_memory_pressure()
-            return self._refuse(
-                "memory", f"memory {fraction:.0%} in use (red line {self.settings.memory_red_line:.0%})", 10.0
-            )
+            red_line = self.settings.memory_red_line
+            return Refusal("memory", f"memory {fraction:.0%} in use (red line {red_line:.0%})", MEMORY_RETRY_S)
         return None
 
-    def _refuse(self, reason: str, message: str, retry_after_s: float) -> protocol.Error:
-        self.refused[reason] += 1
-        log.warning("refused a new session: %s", message)
+    def refuse(self, refusal: Refusal) -> protocol.Error:
+        """Count the refusal (memory pressure also asks the LLM to free its cache); the ``overloaded`` error to send."""
+        self.refused[refusal.reason] += 1
+        if refusal.reason == "memory" and self._on_memory_pressure is not None:
+            self._on_memory_pressure()
+        log.warning("refused a new session: %s", refusal.message)
         return protocol.Error(
-            code="overloaded", message=f"{message}; try again later", fatal=True, retry_after_s=round(retry_after_s, 1)
+            code="overloaded",
+            message=f"{refusal.message}; try again later",
+            fatal=True,
+            retry_after_s=round(refusal.retry_after_s, 1),
         )

@@ -4,6 +4,7 @@ and, in the OpenAI Realtime API, at ``/v1/realtime`` (the ``realtime`` package).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -34,23 +35,24 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
             app.state.models = await asyncio.to_thread(load_models, settings, lambda line: print(line, flush=True))
         for warning in app.state.access.startup_warnings():
             print(f"WARNING: {warning}", flush=True)
-        cap = app.state.admission.max_sessions
-        how = (
-            "max_sessions"
-            if settings.max_sessions
-            else "what this machine serves in real time; set max_sessions to change"
-        )
-        print(f"sessions at once: {cap} ({how})", flush=True)
+        admission.size_cap()  # the models now hold their memory: what is left is the sessions'
+        # What is loaded by now (models, libraries) lives as long as the server: a full garbage
+        # collection that walks it all stalls the event loop for hundreds of ms, so it is left out.
+        gc.collect()
+        gc.freeze()
+        how = "max_sessions" if settings.max_sessions else "by CPU cores and free memory; set max_sessions to change"
+        print(f"sessions at once: {admission.max_sessions} ({how})", flush=True)
         scheme = "https" if settings.ssl_certfile else "http"
         print(f"parley ready on {scheme}://{settings.host}:{settings.port}", flush=True)
         yield
+        gc.unfreeze()
         for session in list(app.state.sessions):
             await session.close()
         app.state.models.close()
 
     app = FastAPI(title="Parley", lifespan=lifespan)
     app.state.models = models
-    app.state.sessions = set()
+    app.state.sessions = {}  # each open VoiceSession -> its Connection
     app.state.access = access = AccessPolicy(settings)
     app.state.admission = admission = Admission(settings, on_memory_pressure=lambda: _release_llm_cache(app))
     app.state.metrics = VoiceMetrics(admission)
@@ -83,7 +85,7 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
             "llm": llm.name,
             "llm_status": detail,
             "auth_required": access.key_required(),
-            "accepting_sessions": healthy and admission.refuse_reason(len(app.state.sessions)) is None,
+            "accepting_sessions": healthy and admission.check(len(app.state.sessions)) is None,
         }
         return JSONResponse(body, status_code=200 if healthy else 503)
 

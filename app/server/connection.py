@@ -3,11 +3,15 @@
 Both endpoints admit, limit and close their connections here, and keep only their
 translation: ``Connection.accept`` checks the origin and API key (refused before the
 handshake: HTTP 403) and accepts; ``admit`` refuses a connection the server has no room
-for (code 1013); ``serve`` runs one ``VoiceSession`` until the client leaves, with
+for (code 1013), unless a session idle for ``idle_evict_s`` gives up its slot to it (that one
+is closed with code 4000); ``serve`` runs one ``VoiceSession`` until the client leaves, with
 
 * a deadline on every send (``send_timeout_s``): a client that stops reading is closed
   (code 4001) and its session freed, instead of wedging with its slot held;
 * an idle timeout: no frames for ``idle_timeout_s``, and no reply playing, closes it (code 4000);
+* a read pace: at most ``CLIENT_FRAMES_PER_S`` frames a second are read; beyond that the socket
+  is left unread, so a flood waits in TCP buffers instead of spending the event loop, and a
+  client that keeps over half the pace is closed (code 1008) after about ``FLOOD_CLOSE_S``;
 * the session registered in ``state.sessions`` (capacity, ``/healthz``, ``/metrics``) while it runs.
 
 ``AudioRateLimit`` drops microphone audio beyond ``max_audio_rate`` times real time, with
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -28,7 +33,8 @@ from starlette.websockets import WebSocketState
 from app import protocol
 from app.config import Settings
 from app.server.access import CLOSE_POLICY
-from app.server.limits import AudioBudget, Every
+from app.server.admission import Refusal
+from app.server.limits import Every, TokenBucket
 from app.stages.registry import set_open_sessions
 from app.voice.session import VoiceSession
 
@@ -38,6 +44,15 @@ CLOSE_OVERLOADED = 1013  # RFC 6455 "try again later"
 CLOSE_IDLE = 4000
 CLOSE_NOT_READING = 4001
 CLOSE_WAIT_S = 2.0  # a close handshake with a client that does not read must not hold the session
+# A browser sends 50 audio frames a second and a few events; 2x real time in 10 ms frames is 200.
+# Past the burst, reading waits: a flood of small frames costs the server this many a second at most.
+CLIENT_FRAMES_PER_S = 400.0
+CLIENT_FRAMES_BURST = 400.0
+# A client that averages over half the pace is flooding on purpose: read at the full pace, it is
+# closed (1008) after about FLOOD_CLOSE_S, so the backlog it left in the socket buffers cannot
+# hold its slot long after it leaves.
+FLOOD_CLOSE_S = 5.0
+AUDIO_BURST_S = 2.0
 
 
 class AudioRateLimit:
@@ -45,7 +60,7 @@ class AudioRateLimit:
 
     def __init__(self, rate: float, on_dropped: Callable[[float], None] | None = None) -> None:
         self.rate = rate
-        self._budget = AudioBudget(rate)
+        self._budget = TokenBucket(rate, AUDIO_BURST_S)
         self._warn = Every(1.0)
         self._on_dropped = on_dropped
 
@@ -59,14 +74,26 @@ class AudioRateLimit:
 
 
 class Connection:
-    """An admitted client WebSocket: guarded sends, a receive loop with an idle timeout, one close."""
+    """An admitted client WebSocket: guarded sends, a paced receive loop with an idle timeout, one close."""
 
-    def __init__(self, websocket: WebSocket, state: State, settings: Settings, label: str = "session") -> None:
+    def __init__(
+        self,
+        websocket: WebSocket,
+        state: State,
+        settings: Settings,
+        label: str = "session",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.websocket, self.state, self.settings, self.label = websocket, state, settings, label
         headers = websocket.headers
         self.offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+        self.session: VoiceSession | None = None
+        self._clock = clock
+        self.heard_at = clock()  # the client's last frame
         self._send_lock = asyncio.Lock()
-        self._evicted = asyncio.Event()
+        self._closing = asyncio.Event()  # the server closes it (``_close_why``): it stopped reading, or idled
+        self._close_why: tuple[int, str, str] = (1000, "", "")  # code, reason, eviction label
+        self.freed = asyncio.Event()  # its slot is free again
 
     async def accept(self, subprotocol: str, key_protocols: Iterable[str] = ()) -> bool:
         """Origin and API key (``key_protocols``: more subprotocols that may carry the key), then the handshake."""
@@ -82,12 +109,46 @@ class Connection:
         return True
 
     async def admit(self, refusal: Callable[[protocol.Error], str]) -> bool:
-        """Room for one more session? If not, the client gets ``refusal(error)`` and the close code 1013."""
-        error = self.state.admission.refuse_reason(len(self.state.sessions))
-        if error is None:
+        """Room for one more session? If not, the client gets ``refusal(error)`` and the close code 1013.
+
+        When every slot is taken, the session idle longest gives its slot up if it has been idle
+        for ``idle_evict_s``; else the refused client is told to come back when one will have.
+        """
+        admission, sessions = self.state.admission, self.state.sessions
+        verdict = admission.check(len(sessions))
+        if verdict is not None and verdict.reason == "sessions":
+            verdict = await self._make_room(verdict)
+        if verdict is None:
             return True
-        await self.refuse(refusal(error), CLOSE_OVERLOADED)
+        await self.refuse(refusal(admission.refuse(verdict)), CLOSE_OVERLOADED)
         return False
+
+    async def _make_room(self, full: Refusal) -> Refusal | None:
+        """Evict the idlest session if it idled ``idle_evict_s``; the refusal that remains (None: admitted)."""
+        evict_s = self.settings.idle_evict_s
+        idlest = max(self.state.sessions.values(), key=Connection.idle_for, default=None)
+        if idlest is None:
+            return full
+        idle = idlest.idle_for()
+        if idle < evict_s:
+            return full.retry_sooner(evict_s - idle)
+        idlest.close_soon(CLOSE_IDLE, f"idle for {idle:.0f} s while the server was full", "idle_full")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await idlest.freed.wait()
+        return self.state.admission.check(len(self.state.sessions))
+
+    def idle_for(self) -> float:
+        """Seconds since the client's last frame; 0 while a reply is produced or played (it is listening) or it closes."""
+        if self._closing.is_set() or (self.session is not None and self.session.busy):
+            return 0.0
+        return self._clock() - self.heard_at
+
+    def close_soon(self, code: int, reason: str, label: str) -> None:
+        """Have ``serve`` close this connection with ``code`` and count an eviction ``label``; nothing more is sent."""
+        if not self._closing.is_set():
+            self._close_why = (code, reason, label)
+            self._closing.set()
 
     async def refuse(self, text: str, code: int) -> None:
         """One last text frame, then the close (an accepted connection that will not get a session)."""
@@ -97,7 +158,7 @@ class Connection:
     async def send(self, data: str | bytes) -> None:
         """A frame to the client within ``send_timeout_s``; past it the client is evicted (nothing more is sent)."""
         websocket = self.websocket
-        if websocket.client_state != WebSocketState.CONNECTED or self._evicted.is_set():
+        if websocket.client_state != WebSocketState.CONNECTED or self._closing.is_set():
             return
         async with self._send_lock:
             try:
@@ -107,7 +168,8 @@ class Connection:
                     else:
                         await websocket.send_text(data)
             except TimeoutError:
-                self._evicted.set()
+                reason = f"client read nothing for {self.settings.send_timeout_s:g} s"
+                self.close_soon(CLOSE_NOT_READING, reason, "not_reading")
             except (WebSocketDisconnect, RuntimeError):
                 pass
 
@@ -128,19 +190,20 @@ class Connection:
         """
         state, settings, metrics = self.state, self.settings, self.state.metrics
         session.on_turn_metrics = metrics.observe_turn
-        state.sessions.add(session)
+        self.session, self.heard_at = session, self._clock()
+        state.sessions[session] = self
         set_open_sessions(session.models, settings, len(state.sessions))
         close_code, close_reason = 1000, ""
         receiving = asyncio.create_task(self._receive(session, on_text, on_bytes), name=f"{self.label}-receive")
-        watching = asyncio.create_task(self._evicted.wait(), name=f"{self.label}-evicted")
+        watching = asyncio.create_task(self._closing.wait(), name=f"{self.label}-closing")
         try:
             await session.start()
             if started is not None:
                 await started()
             await asyncio.wait({receiving, watching}, return_when=asyncio.FIRST_COMPLETED)
-            if self._evicted.is_set():
-                metrics.evictions.labels(reason="not_reading").inc()
-                close_code, close_reason = CLOSE_NOT_READING, f"client read nothing for {settings.send_timeout_s:g} s"
+            if self._closing.is_set():
+                close_code, close_reason, label = self._close_why
+                metrics.evictions.labels(reason=label).inc()
                 log.warning("%s %s: %s; closing it", self.label, session.session_id, close_reason)
             else:
                 close_code, close_reason = receiving.result()
@@ -154,7 +217,8 @@ class Connection:
         finally:
             for task in (receiving, watching):
                 task.cancel()
-            state.sessions.discard(session)
+            state.sessions.pop(session, None)
+            self.freed.set()
             set_open_sessions(session.models, settings, len(state.sessions))
             if closing is not None:
                 await closing()
@@ -169,8 +233,16 @@ class Connection:
         on_text: Callable[[str], Awaitable[None]],
         on_bytes: Callable[[bytes], Awaitable[None]],
     ) -> tuple[int, str]:
-        """Client frames to the handlers until the client leaves or idles out; returns the close code and reason."""
+        """Client frames to the handlers until the client leaves or idles out; returns the close code and reason.
+
+        Frames the server has already buffered come back from ``receive`` without a pause, so
+        without the pace one client's flood would hold the event loop (and every other client)
+        until it stops.
+        """
         idle_s = self.settings.idle_timeout_s
+        pace = TokenBucket(CLIENT_FRAMES_PER_S, CLIENT_FRAMES_BURST, self._clock)
+        half = CLIENT_FRAMES_PER_S / 2
+        flood = TokenBucket(half, CLIENT_FRAMES_BURST + FLOOD_CLOSE_S * half, self._clock)
         while True:
             try:
                 async with asyncio.timeout(idle_s):
@@ -179,9 +251,16 @@ class Connection:
                 if session.busy:
                     continue  # listening to a long reply is not idling
                 return CLOSE_IDLE, f"idle for {idle_s:g} s"
+            self.heard_at = self._clock()
             if message["type"] == "websocket.disconnect":
                 return 1000, ""
             if message.get("bytes") is not None:
                 await on_bytes(message["bytes"])
             elif message.get("text") is not None:
                 await on_text(message["text"])
+            if not flood.admit(1.0):
+                self.state.metrics.evictions.labels(reason="flooding").inc()
+                return CLOSE_POLICY, f"over {half:g} frames a second"
+            wait_s = pace.take(1.0)
+            if wait_s:
+                await asyncio.sleep(wait_s)

@@ -6,30 +6,41 @@ import time
 from collections.abc import Callable
 
 
-class AudioBudget:
-    """Admits microphone audio up to ``rate`` times real time, with a burst of ``burst_s`` seconds.
+class TokenBucket:
+    """Up to ``rate`` units a second, with a burst of ``burst`` units.
 
-    A token bucket measured in audio seconds: it refills by ``rate`` audio seconds per wall
-    second. A client that streams in real time never touches the limit; one that floods
-    (a file pushed as fast as the socket allows) is cut to ``rate``x, so the VAD, the
-    resampler and ASR spend on it at most that share of the machine.
+    It refills by ``rate`` units per wall second. Microphone audio is measured in audio
+    seconds (``AudioRateLimit``: a client that streams in real time never touches the
+    limit; one that floods is cut to ``rate``x, so the VAD, the resampler and ASR spend on it
+    at most that share of the machine); client frames are counted one by one (the
+    connection's read pace).
     """
 
-    def __init__(self, rate: float, burst_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst_s, self._clock = rate, burst_s, clock
-        self._tokens = burst_s
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self._clock = rate, burst, clock
+        self._tokens = burst
         self._last = clock()
-        self.dropped_s = 0.0
+        self.dropped = 0.0
 
-    def admit(self, seconds: float) -> bool:
+    def _refill(self) -> None:
         now = self._clock()
-        self._tokens = min(self.burst_s, self._tokens + (now - self._last) * self.rate)
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
         self._last = now
-        if seconds <= self._tokens:
-            self._tokens -= seconds
+
+    def admit(self, amount: float) -> bool:
+        """Take ``amount`` if the bucket holds it; else count it as dropped."""
+        self._refill()
+        if amount <= self._tokens:
+            self._tokens -= amount
             return True
-        self.dropped_s += seconds
+        self.dropped += amount
         return False
+
+    def take(self, amount: float) -> float:
+        """Take ``amount`` even into debt; the seconds to wait before the bucket is out of debt (0: none)."""
+        self._refill()
+        self._tokens -= amount
+        return max(0.0, -self._tokens / self.rate)
 
 
 class Every:

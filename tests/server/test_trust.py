@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -326,3 +327,38 @@ async def test_a_storm_of_abrupt_disconnects_leaves_nothing_behind(guarded):
         await ws.recv()
         await ws.send(json.dumps({"type": "text", "text": "Hello?"}))
         await events_until(ws, lambda e: isinstance(e, protocol.TurnDone))
+
+
+async def healthz_while_flooding(base: str, seconds: float, frame: bytes) -> list[float]:
+    """/healthz latencies (ms) while one client sends ``frame`` as fast as it can for ``seconds``."""
+    latencies: list[float] = []
+    async with httpx.AsyncClient(timeout=30) as client, connect(base) as ws:
+        await client.get(base + "/healthz")  # the probe's connection is made before the flood
+        await ws.recv()
+        stop = time.monotonic() + seconds
+
+        async def flood() -> None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while time.monotonic() < stop:
+                    await ws.send(frame)
+                    await asyncio.sleep(0)  # the probes share this event loop
+
+        flooding = asyncio.create_task(flood())
+        while time.monotonic() < stop:
+            started = time.perf_counter()
+            assert (await client.get(base + "/healthz")).status_code == 200
+            latencies.append((time.perf_counter() - started) * 1000)
+            await asyncio.sleep(0.05)
+        await flooding
+    return latencies
+
+
+async def test_health_checks_stay_fast_while_one_client_floods_small_frames(guarded):
+    _, base = guarded
+    # 20 ms frames, the size a browser sends: the most frames for the bytes, so the costliest flood
+    latencies = await healthz_while_flooding(base, 3.0, bytes(640))
+    assert float(np.percentile(latencies, 95)) < 300, (len(latencies), sorted(latencies)[-5:])
+    started = time.monotonic()
+    while server_sessions(base) > 0:  # the flooder's backlog is left unread, and it is closed before long
+        assert time.monotonic() - started < 30, "the flooding session still holds its slot"
+        await asyncio.sleep(0.5)

@@ -7,8 +7,8 @@ import pytest
 from app import protocol
 from app.config import Settings
 from app.server.access import AccessPolicy
-from app.server.admission import Admission, LatencyBreaker
-from app.server.limits import AudioBudget, Every
+from app.server.admission import Admission, LatencyBreaker, default_max_sessions
+from app.server.limits import Every, TokenBucket
 
 
 class Clock:
@@ -90,7 +90,7 @@ def test_binding_beyond_loopback_without_a_key_warns():
 
 def test_audio_budget_admits_real_time_and_cuts_a_flood():
     clock = Clock()
-    budget = AudioBudget(rate=2.0, burst_s=2.0, clock=clock)
+    budget = TokenBucket(rate=2.0, burst=2.0, clock=clock)
     for _ in range(500):  # 10 s of real-time audio in 20 ms frames
         clock.t += 0.02
         assert budget.admit(0.02)
@@ -99,7 +99,17 @@ def test_audio_budget_admits_real_time_and_cuts_a_flood():
     clock.t += 1.0
     refilled = sum(budget.admit(0.02) for _ in range(1000))
     assert 98 <= refilled <= 100  # refilled at 2x real time
-    assert budget.dropped_s == pytest.approx((2000 - admitted - refilled) * 0.02)
+    assert budget.dropped == pytest.approx((2000 - admitted - refilled) * 0.02)
+
+
+def test_taking_past_the_burst_says_how_long_to_wait():
+    clock = Clock()
+    pace = TokenBucket(rate=100.0, burst=10.0, clock=clock)
+    assert [pace.take(1.0) for _ in range(10)] == [0.0] * 10
+    assert pace.take(1.0) == pytest.approx(0.01)  # one frame into debt: 10 ms at 100 a second
+    assert pace.take(1.0) == pytest.approx(0.02)
+    clock.t += 0.02
+    assert pace.take(1.0) == pytest.approx(0.01)
 
 
 def test_every_limits_repeats():
@@ -125,44 +135,76 @@ def test_breaker_opens_on_slow_turns_and_closes_as_they_age_out():
     assert breaker.open()  # p95 of five is the slowest
 
 
+def test_the_breaker_says_when_it_will_close_not_when_its_first_slow_figure_ages_out():
+    clock = Clock()
+    breaker = LatencyBreaker(threshold_ms=1000, window_s=30, min_samples=5, clock=clock)
+    for _ in range(10):  # ten slow turns, one a second
+        breaker.observe(3000)
+        clock.t += 1
+    # six must age out before too few are left to judge (5): the sixth was seen 5 s ago
+    assert breaker.open() and breaker.retry_after_s() == pytest.approx(30 - 5)
+    clock.t += breaker.retry_after_s() - 0.01
+    assert breaker.open()
+    clock.t += 0.02
+    assert not breaker.open()
+
+
+def admission(clock=None, **settings) -> Admission:
+    return Admission(
+        Settings(**settings),
+        clock=clock or Clock(),
+        memory=lambda: 0.1,
+        gpu_memory=lambda: None,
+        headroom=lambda red_line: 8 << 30,
+    )
+
+
 def test_admission_gates_and_their_retry_hints():
     clock = Clock()
     memory = {"used": 0.5}
     released = []
-    admission = Admission(
+    gates = Admission(
         Settings(max_sessions=2, breaker_voice_to_voice_ms=1000, memory_red_line=0.9),
         clock=clock,
         memory=lambda: memory["used"],
         gpu_memory=lambda: None,
         on_memory_pressure=lambda: released.append(1),
     )
-    assert admission.refuse_reason(1) is None
-    full = admission.refuse_reason(2)
-    assert full.code == "overloaded" and full.fatal and full.retry_after_s
+    assert gates.check(1) is None
+    full = gates.check(2)
+    assert full.reason == "sessions" and full.retry_after_s == 5
+    error = gates.refuse(full)
+    assert error.code == "overloaded" and error.fatal and error.retry_after_s == 5
+    assert "all 2 sessions are in use" in error.message
     for _ in range(5):
-        admission.observe(protocol.TurnMetrics(voice_to_voice_ms=2500, llm_ttft_ms=50))
-    slow = admission.refuse_reason(0)
-    assert "voice-to-voice p95 2500 ms" in slow.message and slow.retry_after_s >= 29
+        gates.observe(protocol.TurnMetrics(voice_to_voice_ms=2500, llm_ttft_ms=50))
+    slow = gates.check(0)
+    assert "voice-to-voice p95 2500 ms" in slow.message and 29 <= slow.retry_after_s <= 30
+    gates.refuse(slow)
     clock.t += 31
-    assert admission.refuse_reason(0) is None
+    assert gates.check(0) is None
     memory["used"] = 0.95
-    assert "memory 95%" in admission.refuse_reason(0).message and released == [1]
-    assert admission.refused == {"sessions": 1, "latency": 1, "memory": 1}
+    high = gates.check(0)
+    assert "memory 95%" in high.message and high.retry_after_s == 10
+    assert released == []  # looking (/healthz) is not refusing
+    gates.refuse(high)
+    assert released == [1]
+    assert gates.refused == {"sessions": 1, "latency": 1, "memory": 1}
 
 
-def test_the_default_session_cap_scales_the_measured_real_time_users_with_the_cores():
-    from app.server.admission import MEASURED_CORES, REAL_TIME_SESSIONS_MEASURED, default_max_sessions
-
-    assert default_max_sessions(MEASURED_CORES) == REAL_TIME_SESSIONS_MEASURED
-    assert default_max_sessions(4 * MEASURED_CORES) == 4 * REAL_TIME_SESSIONS_MEASURED
-    assert default_max_sessions(1) >= 1  # a machine smaller than the measured one still serves someone
-    assert Admission(Settings(), memory=lambda: 0.1).max_sessions == default_max_sessions()
-    assert Admission(Settings(max_sessions=7), memory=lambda: 0.1).max_sessions == 7
+def test_the_default_session_cap_is_per_core_as_far_as_memory_goes():
+    assert default_max_sessions(cores=2) == 4  # lets a 2nd, 3rd and 4th user in on the 2-core VM
+    assert default_max_sessions(cores=8) == 16
+    assert default_max_sessions(cores=2, free_bytes=100 << 20) == 3  # 32 MiB a session
+    assert default_max_sessions(cores=2, free_bytes=0) == 1  # past the red line: the memory gate refuses
+    assert admission(max_sessions=7).max_sessions == 7
+    sized = Admission(Settings(), memory=lambda: 0.1, headroom=lambda red_line: 64 << 20)
+    assert sized.max_sessions == 2
 
 
 def test_interrupted_turns_do_not_feed_the_breaker():
     clock = Clock()
-    admission = Admission(Settings(breaker_voice_to_voice_ms=1000), clock=clock, memory=lambda: 0.1)
+    gates = admission(clock, breaker_voice_to_voice_ms=1000)
     for _ in range(10):
-        admission.observe(protocol.TurnMetrics(voice_to_voice_ms=5000, barge_in=True))
-    assert admission.refuse_reason(0) is None
+        gates.observe(protocol.TurnMetrics(voice_to_voice_ms=5000, barge_in=True))
+    assert gates.check(0) is None
