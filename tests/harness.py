@@ -188,7 +188,7 @@ def assert_barged_in(events: list[dict]) -> None:
 # The latency circuit breaker is tested with a fake clock (tests/unit/server); a test server must
 # not refuse sessions because a loaded test machine answers slowly.
 NO_BREAKER = ["--breaker-voice-to-voice-ms", "600000", "--breaker-llm-ttft-ms", "600000"]
-# Nor because the default cap (the real-time users of this machine's cores: 1 on 2 cores) is
+# Nor because the default cap (two sessions a core, fewer where memory is short: 4 on 2 cores) is
 # below the sessions a test opens at once; the cap itself is tested on its own.
 TEST_MAX_SESSIONS = ["--max-sessions", "16"]
 

@@ -10,8 +10,9 @@ served. Reported:
 * users served in real time: every reply produced faster than it plays (RTF >= 1) and the
   user's p95 voice-to-voice (heard at the client) under the breaker's threshold;
 * the real-time capacity: the most users at once for which the turns answered while exactly
-  that many were connected (and every smaller number) met both conditions. This is how the
-  default ``max_sessions`` was measured (``app.server.admission.default_max_sessions``);
+  that many were connected (and every smaller number) met both conditions. The default
+  ``max_sessions`` (``app.server.admission.default_max_sessions``) protects memory; this figure
+  is where latency, guarded by the breaker, gives out;
 * failed turns among admitted users (errors, or no reply): this must be 0.
 """
 
