@@ -9,10 +9,10 @@ from collections import deque
 import pytest
 
 from app import protocol
-from app.bench import quality
-from app.bench.quality import (
+from app.bench import quality, quality_score
+from app.bench.quality import TypedUser
+from app.bench.quality_score import (
     TurnRecord,
-    TypedUser,
     answers_earlier,
     is_short,
     mentions,
@@ -165,10 +165,10 @@ def test_a_goodbye_may_be_short_but_not_a_copy():
 
 def test_each_turn_is_described_on_one_line_with_what_is_wrong_with_it():
     records = scored_conversation()
-    assert quality.describe(records[3]) == (
+    assert quality_score.describe(records[3]) == (
         "c1 t4  follow_up And what about Spain? -> 'The capital of Italy is Rome.'  [WRONG, copies t3, answers t3, repeat]"
     )
-    assert quality.describe(TurnRecord(None, 0, ITALY, "Rome.", right=True)).startswith("alone t1  fact")
+    assert quality_score.describe(TurnRecord(None, 0, ITALY, "Rome.", right=True)).startswith("alone t1  fact")
 
 
 def test_a_conversation_without_defects_has_none():
@@ -212,7 +212,7 @@ def test_the_summary_counts_each_figure_in_conversation_and_alone():
     # the cancelled reply is no reply's length: 7 5 6 6 4 1 11 1 words
     assert summary["words_per_reply_median_in_conversation"] == 5.5
     json.dumps(summary)
-    quality.print_table(summary)
+    quality_score.print_table(summary)
 
 
 # ------------------------------------------------------------------ the question set
