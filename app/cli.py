@@ -81,6 +81,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.load import main as bench_load
 
         return bench_load(args.rest)
+    if args.what == "quality":
+        from app.bench.quality import main as bench_quality
+
+        return bench_quality(args.rest)
     from app.bench.voice import main as bench_voice
 
     return bench_voice(args.rest)
@@ -111,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("rest", nargs=argparse.REMAINDER)
     engine.set_defaults(func=_engine)
 
-    bench = commands.add_parser("bench", help="benchmarks: `parley bench engine|voice|load --help`")
-    bench.add_argument("what", choices=["engine", "voice", "load"])
+    bench = commands.add_parser("bench", help="benchmarks: `parley bench engine|voice|load|quality --help`")
+    bench.add_argument("what", choices=["engine", "voice", "load", "quality"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 

@@ -201,6 +201,11 @@ class TurnMetrics(BaseModel):
     )
     speculative: bool = Field(False, description="the reply was started before the endpoint and released")
     barge_in: bool = Field(False, description="the user interrupted the reply")
+    # The reply guards (``app.voice.reply``): how often each cut this turn's reply short. Absent when none did.
+    guard_repeat: int | None = Field(
+        None, description="times the reply was ended where a piece of 3 or more words was said again"
+    )
+    guard_loop: int | None = Field(None, description="times the reply was cut at a few words said again and again")
 
     def present(self) -> dict[str, float]:
         """The figures this turn has, as plain numbers (for logs, tables and histograms)."""
@@ -208,6 +213,7 @@ class TurnMetrics(BaseModel):
 
 
 LATENCY_FIELDS = tuple(name for name in TurnMetrics.model_fields if name.endswith("_ms"))
+GUARD_FIELDS = tuple(name for name in TurnMetrics.model_fields if name.startswith("guard_"))
 
 
 class TurnDone(_Message):

@@ -215,6 +215,7 @@ class Reply:
                 pieces.put_nowait(rest)
             if repeated or looping:
                 self.text_parts = [" ".join(said)]  # what is spoken (the page and the history get it)
+                self._count_guards(repeated=repeated, looping=looping)
             pieces.put_nowait(None)
             await speaker
             self._produced_at = self._clock.now()
@@ -231,6 +232,13 @@ class Reply:
             await self._emit(protocol.Error(code="turn_failed", message=f"could not answer: {exc}"))
         finally:
             await cancel_task(speaker)
+
+    def _count_guards(self, *, repeated: bool, looping: bool) -> None:
+        """Which guard cut the reply, as per-turn counts (``TurnMetrics.guard_*``): how often the LLM needed one."""
+        if repeated:
+            self.metrics.guard_repeat = (self.metrics.guard_repeat or 0) + 1
+        if looping:
+            self.metrics.guard_loop = (self.metrics.guard_loop or 0) + 1
 
     async def _speak(self, pieces: asyncio.Queue[str | None]) -> None:
         sample_rate = self._tts.sample_rate

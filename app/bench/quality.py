@@ -1,0 +1,194 @@
+"""`parley bench quality`: do the answers hold up over a conversation? Typed turns to a real server.
+
+Four conversations of 20 typed turns (``app.bench.quality_set``) go through ``/ws`` as a user
+would type them, each after a ``reset``; then every fact question (and every follow-up, in full)
+is asked alone, after a ``reset`` of its own. Each turn waits for its ``turn_done`` and reports its
+reply as heard in full (``playback``), so the next question does not cut it short; one turn per
+conversation is cancelled once its first reply audio arrives. Nothing is timed: the figures are
+counts, so a busy machine changes none of them (with the default greedy sampling a run repeats,
+but for the few words of the cancelled reply that had played, which the history keeps).
+
+Scored (``app.bench.quality_score``):
+* facts right, in a conversation and alone (the same questions), and which way they differ;
+* user facts recalled ("My name is Maya." ... "What is my name?"), follow-ups right ("And Spain?");
+* copied replies: equal or near-equal to an earlier reply of the conversation (``near_copy``);
+* answers to an earlier question: a reply without the right answer that gives an earlier one's;
+* replies under three words (but to a thanks or goodbye), words per reply;
+* after a cancelled reply, whether the next reply says it again;
+* how often each reply guard cut a reply (``protocol.GUARD_FIELDS``, summed from ``turn_done``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app import protocol
+from app.bench.launcher import ServerProcess
+from app.bench.quality_score import TurnRecord, describe, print_table, score_in_conversation, score_turn, summarize
+from app.bench.quality_set import CONVERSATIONS, Ask, alone_questions
+from app.clients.core import Connection, open_connection
+
+TURN_TIMEOUT_S = 180.0
+CANCEL_WAIT_S = 15.0  # for the interrupted turn_done after a cancel (none comes if the reply had ended)
+
+
+# ------------------------------------------------------------------ the typed user
+@dataclass
+class Answer:
+    """What the server sent for one typed turn."""
+
+    turn_id: int | None = None
+    written: list[str] = field(default_factory=list)
+    reply: str = ""
+    audio_samples: int = 0
+    metrics: protocol.TurnMetrics | None = None
+    interrupted: bool = False
+    error: str | None = None
+    done: bool = False
+
+
+class TypedUser:
+    """Types turns on one ``/ws`` connection and reads the events of each until its ``turn_done``."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    async def _read(self, answer: Answer, until: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            item = await self.connection.recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(item, bytes):
+                answer.audio_samples += len(item) // 2
+            elif isinstance(item, protocol.Transcript) and item.final and answer.turn_id is None:
+                answer.turn_id = item.turn_id
+            elif isinstance(item, protocol.AssistantText) and item.turn_id == answer.turn_id:
+                answer.written.append(item.delta)
+            elif isinstance(item, protocol.TurnDone) and item.turn_id == answer.turn_id:
+                answer.reply, answer.metrics, answer.done = item.text, item.metrics, True
+                answer.interrupted = item.interrupted
+            elif isinstance(item, protocol.Error):
+                if item.fatal:
+                    raise OSError(f"the server ended the session: {item.message}")
+                answer.error, answer.done = item.message, True
+
+    async def ask(self, text: str) -> Answer:
+        """Type ``text``, read its whole reply, and say it was heard in full (so the next turn does not cut it)."""
+        answer = Answer()
+        await self.connection.send_text(text)
+        await self._read(answer, lambda: answer.done, TURN_TIMEOUT_S)
+        if answer.turn_id is not None and answer.audio_samples:
+            played_ms = 1000 * answer.audio_samples / self.connection.output_sample_rate
+            await self.connection.send(protocol.Playback(turn_id=answer.turn_id, played_ms=played_ms))
+        return answer
+
+    async def ask_and_cancel(self, text: str) -> Answer:
+        """Type ``text`` and ``cancel`` its reply once its first audio arrives (or it ends, if it has none)."""
+        answer = Answer()
+        await self.connection.send_text(text)
+        await self._read(answer, lambda: answer.audio_samples > 0 or answer.done, TURN_TIMEOUT_S)
+        await self.connection.send(protocol.Cancel())
+        try:  # the cut reply's turn_done; a reply that had ended and played by then is not cut
+            await self._read(answer, lambda: answer.interrupted or answer.error is not None, CANCEL_WAIT_S)
+        except TimeoutError:
+            pass
+        return answer
+
+    async def reset(self) -> None:
+        await self.connection.send(protocol.Reset())
+
+
+async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) -> TurnRecord:
+    answer = await (user.ask_and_cancel(ask.text) if ask.kind == "interrupt" else user.ask(ask.text))
+    guards = {}
+    if answer.metrics is not None:
+        guards = {name: getattr(answer.metrics, name) or 0 for name in protocol.GUARD_FIELDS}
+    return TurnRecord(
+        conversation,
+        turn,
+        ask,
+        reply=answer.reply,
+        written="".join(answer.written).strip(),
+        interrupted=answer.interrupted,
+        guards=guards,
+        error=answer.error,
+    )
+
+
+async def run(
+    url: str, conversations: tuple[tuple[Ask, ...], ...], seed: int, say: Callable[[str], None] = print
+) -> tuple[list[list[TurnRecord]], list[TurnRecord]]:
+    """Every conversation, then its questions alone (in an order ``seed`` shuffles), on one connection."""
+    connection = await open_connection(url)
+    user = TypedUser(connection)
+    try:
+        talks = []
+        for number, asks in enumerate(conversations):
+            await user.reset()
+            records = []
+            for index, ask in enumerate(asks):
+                record = await _turn(user, number, index, ask)
+                score_in_conversation(record, records)
+                records.append(record)
+                say(describe(record))
+            talks.append(records)
+        questions = alone_questions(conversations)
+        random.Random(seed).shuffle(questions)
+        alone = []
+        for index, ask in enumerate(questions):
+            await user.reset()
+            record = await _turn(user, None, index, ask)
+            score_turn(record)
+            alone.append(record)
+            say(describe(record))
+    finally:
+        await connection.close()
+    return talks, alone
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="parley bench quality", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="ws://HOST:PORT/ws of a running server (default: start one)")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra `parley serve` flag (repeatable)")
+    parser.add_argument("--seed", type=int, default=0, help="the order of the questions asked alone")
+    parser.add_argument(
+        "--conversations", type=int, default=len(CONVERSATIONS), help="how many of the conversations (a smoke run: 1)"
+    )
+    parser.add_argument("--out", default="bench-output", help="folder for the server log")
+    parser.add_argument("--json", dest="json_path", help="write the summary and every turn here")
+    args = parser.parse_args(argv)
+    if not 1 <= args.conversations <= len(CONVERSATIONS):
+        parser.error(f"--conversations: 1 to {len(CONVERSATIONS)}")
+    chosen = CONVERSATIONS[: args.conversations]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    server, url = None, args.url
+    if url is None:
+        print("starting parley serve ...", flush=True)
+        server = ServerProcess(["serve", *args.server_arg], out / "quality-server.log")
+        url = server.base_url.replace("http://", "ws://") + "/ws"
+    try:
+        print(f"typing {sum(map(len, chosen))} conversation turns, then their questions alone, to {url} ...")
+        conversations, alone = asyncio.run(run(url, chosen, args.seed, say=lambda line: print(line, flush=True)))
+    finally:
+        if server is not None:
+            server.stop()
+    summary = summarize(conversations, alone)
+    print_table(summary)
+    if args.json_path:
+        report = {
+            "summary": summary,
+            "seed": args.seed,
+            "server_args": args.server_arg,
+            "conversations": [[record.to_json() for record in records] for records in conversations],
+            "alone": [record.to_json() for record in alone],
+        }
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
