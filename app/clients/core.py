@@ -31,7 +31,7 @@ MAX_MESSAGE_BYTES = 1 << 22  # reply audio arrives in chunks far below this
 READY_TIMEOUT_S = 10.0
 
 Received = protocol.ServerMessage | bytes  # a typed event, or reply audio (PCM16 LE)
-ClientMessage = protocol.Start | protocol.UserText | protocol.Reset | protocol.Playback
+ClientMessage = protocol.ClientMessageType
 Event = TypeVar("Event", bound=protocol.ServerMessage)
 
 # Short labels of the stages on voice-to-voice's critical path, in order (console and tables).
