@@ -200,6 +200,30 @@ def token_exact(path: Path, device: str, cuda_graphs: bool = True, family: str |
     return same == len(prompts), f"{same}/{len(prompts)} prompts token-exact ({new} tokens each{note})"
 
 
+def quantized_perplexity_ratios(path: Path, device: str) -> dict[str, float]:
+    """int8 and int4 perplexity over fp32's on a tiny family model's own greedy text (a broken quantized
+    layer shows there; random text is near uniform for every precision)."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (8,), generator=g).tolist() for _ in range(3)]
+    fp32 = LLMEngine(EngineConfig(model=str(path), dtype="float32", device=device, num_blocks=32))
+    text = fp32.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    ids = [t for p, out in zip(prompts, text, strict=True) for t in p + out]
+    reference = fp32.perplexity(ids)
+    ratios = {}
+    for quantization in ("int8", "int4"):
+        eng = LLMEngine(
+            EngineConfig(model=str(path), dtype="bfloat16", quantization=quantization, device=device, num_blocks=32)
+        )
+        ratios[quantization] = eng.perplexity(ids) / reference
+    return ratios
+
+
 def int8_perplexity(device: str, method: str, ppl_source: tuple[Path, list[int]], fp32_ppl: float) -> dict:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -412,6 +436,18 @@ def run(args: argparse.Namespace) -> int:
 
                 ok = rep.test(f"{family} tiny model token-exact vs transformers (fp32)", device, family_check)
                 families.setdefault(device, {})[family] = bool(ok)
+
+                def family_quantized(device=device, family=family):
+                    ratios = quantized_perplexity_ratios(build_family_model(root, family), device)
+                    # the bounds tests/engine/test_families.py holds every family to (random weights quantize worse)
+                    ok = abs(math.log(ratios["int8"])) < math.log(1.02) and abs(math.log(ratios["int4"])) < math.log(
+                        1.15
+                    )
+                    detail = ", ".join(f"{q} {r:.4f}" for q, r in ratios.items())
+                    return ok, f"perplexity / fp32's: {detail}", {q: round(r, 4) for q, r in ratios.items()}
+
+                ratios = rep.test(f"{family} tiny model int8/int4 perplexity ratio", device, family_quantized)
+                rep.data.setdefault("family_perplexity_ratios", {}).setdefault(device, {})[family] = ratios
 
             def ref_ppl(device=device):
                 from engine.model import LlamaModel

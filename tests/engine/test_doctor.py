@@ -47,6 +47,9 @@ def test_parley_doctor_json_on_cpu(tmp_path):
     assert "Gemma3ForCausalLM" in report["supported_architectures"] and all(
         report["families_token_exact"]["cpu"].values()
     )
+    ratios = report["family_perplexity_ratios"]["cpu"]
+    assert set(ratios) == set(report["families_token_exact"]["cpu"])
+    assert all(0.5 < r["int8"] < 1.5 and 0.5 < r["int4"] < 1.5 for r in ratios.values())
     assert "cpu:int8pack" in report["int8_methods"]
     assert "cpu:bitsandbytes" in report["int8_methods"]  # the test extra installs it
     assert 0.9 < report["int8_bitsandbytes_perplexity_ratio"] <= 1.03
