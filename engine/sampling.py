@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import TokenLogprobs
-from engine.tools.grammar import GrammarState, allowed_tokens
+from engine.tools.grammar import GrammarState, grammar_bias
 
 # Below this a positive temperature overflows the scaled logits (1e-40 made every row inf, and
 # the multinomial draw then failed inside the engine loop); 0 is the way to ask for greedy.
@@ -275,12 +275,11 @@ def _apply_grammars(x: torch.Tensor, rows: list[SamplerRow]) -> None:
     at = [j for j, r in enumerate(rows) if r.grammar is not None]
     if not at:
         return
-    banned = ~allowed_tokens([rows[j].grammar for j in at], x.shape[1]).to(x.device)
+    bias = grammar_bias([rows[j].grammar for j in at], x.shape[1]).to(x.device)
     if len(at) == x.shape[0]:
-        x.masked_fill_(banned, float("-inf"))
+        x.add_(bias)
     else:
-        index = torch.tensor(at, device=x.device)
-        x[index] = x[index].masked_fill(banned, float("-inf"))
+        x.index_add_(0, torch.tensor(at, device=x.device), bias)
 
 
 def _hold_back_stops(x: torch.Tensor, rows: list[SamplerRow]) -> None:

@@ -5,7 +5,7 @@ fills a mask in microseconds; xgrammar needs triton and compiles each new schema
 magnitude slower (the README has the figures). A grammar is the
 serialized llguidance grammar (a string: ``SamplingParams.grammar`` stays hashable); the
 engine builds one matcher per request from it (``GrammarCompiler.matcher``, a copy of a
-cached one), and the sampler fills the rows' masks at once (``allowed_tokens``).
+cached one), and the sampler adds the rows' masks as biases at once (``grammar_bias``).
 
 JSON is written as ``json.dumps`` writes it (``", "`` and ``": "``, no other whitespace):
 the shape models saw in training, and no room for a small model to pad with endless blanks.
@@ -16,6 +16,7 @@ reads to the model as one it wrote itself and to ``engine.tools.parser`` as any 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -141,9 +142,15 @@ class GrammarState:
 _executor: llguidance.LLExecutor | None = None
 
 
-def allowed_tokens(states: Sequence[GrammarState], vocab: int) -> torch.Tensor:
-    """The rows' allowed tokens as a bool tensor [rows, vocab] (llguidance fills 32-token words, rows in
-    parallel); tokens past the grammar's vocabulary are not allowed."""
+# one byte of a bitmask -> the bias of its 8 tokens (bit k is token k: 0 when allowed, -inf when not)
+_BYTE_BIAS = torch.tensor([[0.0 if b >> k & 1 else float("-inf") for k in range(8)] for b in range(256)])
+
+
+def grammar_bias(states: Sequence[GrammarState], vocab: int) -> torch.Tensor:
+    """[rows, vocab] float32: 0 for the tokens the rows' grammars allow, -inf for the others and for tokens past
+    the grammar's vocabulary. llguidance fills one bit per token (rows in parallel); each mask byte becomes
+    its 8 biases by one table lookup, which the sampler adds to the logits (a vectorized add, where a
+    boolean masked_fill runs a scalar loop)."""
     global _executor
     words = (states[0].vocab_size + 31) // 32
     bits = torch.zeros((len(states), words), dtype=torch.int32)
@@ -155,8 +162,8 @@ def allowed_tokens(states: Sequence[GrammarState], vocab: int) -> torch.Tensor:
         _executor.unsafe_compute_mask_ptr(
             [(s.matcher, i) for i, s in enumerate(states)], bits.data_ptr(), words * 4, len(states)
         )
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(len(states), words * 32)[:, :vocab]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    return allowed
+    assert sys.byteorder == "little"  # a word's first byte holds its first 8 tokens
+    bias = torch.index_select(_BYTE_BIAS, 0, bits.view(torch.uint8).view(-1).int()).view(len(states), words * 32)
+    if bias.shape[1] >= vocab:
+        return bias[:, :vocab]
+    return torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
