@@ -96,7 +96,7 @@ def test_rows_without_a_grammar_never_compute_a_mask(tokenizer, monkeypatch):
     def boom(*_):
         raise AssertionError("a mask was computed")
 
-    monkeypatch.setattr(sampling_mod, "allowed_tokens", boom)
+    monkeypatch.setattr(sampling_mod, "grammar_bias", boom)
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [EOS])
     logits = torch.randn(3, len(tokenizer))
     tokens, errors = sample(logits, _rows(tokenizer, 3, {}, compiler))
@@ -142,3 +142,14 @@ def test_an_invalid_grammar_fails_its_request_only(engine, prompts):
     with pytest.raises(ValueError, match="strin"):
         engine.check_grammar(bad)
 
+
+def test_the_grammar_cost_benchmark_reports_both_ratios(engine):
+    from engine.benchmarks.grammar import decode_grammar_cost, report_lines, sampler_grammar_cost
+
+    r = sampler_grammar_cost(engine.tokenizer, len(engine.tokenizer), batch_sizes=(1, 2), reps=2)
+    r |= decode_grammar_cost(engine, reps=1, max_tokens=24)
+    for key in ("grammar_sampler_ratio_all_bs1", "grammar_sampler_ratio_one_bs2", "grammar_decode_ratio"):
+        assert r[key] > 0, key
+    assert r["grammar_decode_tokens"] > 1
+    text = "\n".join(report_lines(r))
+    assert "every row with one" in text and "per decoded token" in text
