@@ -206,8 +206,6 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             plan = plan_chat(req, tool_format, tokenizer)
         except PlanError as e:
             raise APIError(str(e), param=e.param) from e
-        except ValueError as e:  # a grammar llguidance cannot even express
-            raise APIError(f"cannot build a grammar: {e}", param="tools") from e
         try:
             prompt = engine.apply_chat_template(plan.messages, tools=plan.tools)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)

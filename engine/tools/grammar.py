@@ -115,14 +115,14 @@ class GrammarCompiler:
             if compiled is not None:
                 self._compiled.move_to_end(grammar)
                 return compiled.deep_copy()
-        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # unlocked: it may take a while
         if compiled.is_error():
             raise ValueError(compiled.get_error())
         with self._lock:
             self._compiled[grammar] = compiled
             while len(self._compiled) > _CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+            return compiled.deep_copy()
 
 
 class GrammarState:
