@@ -17,6 +17,13 @@ request may use whatever room the context leaves). Chat messages are tokenized b
 (``engine/chat.py``). A request that fails inside the engine (its step's forward, its
 sampling) ends with a 500 (or an error event in a stream); ``/healthz`` answers 503 with
 the reason while the engine loop is down.
+
+Tools: the chat template names the model's call format (``engine/tools/formats.py``, logged at
+start); ``engine/tools/plan.py`` turns a request's ``tools`` / ``tool_choice`` /
+``response_format`` into the prompt, a grammar and a parser, and a reply with calls comes back
+as ``message.tool_calls`` (streamed: ``delta.tool_calls``, the first with index, id, type and
+name, then argument fragments) with ``finish_reason: "tool_calls"``. A grammar is compiled
+off the event loop before the request reaches the engine; one that cannot be built is a 400.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ from engine.protocol import (
     validation_error,
 )
 from engine.sampling import SamplingParams
+from engine.tools.formats import ToolFormat, detect_format
+from engine.tools.parser import CallDelta, ParsedDelta, ToolCallParser, parse_reply
+from engine.tools.plan import PlanError, plan_chat
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +102,8 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     if defaults:
         log.info("unset request fields default to the model's generation_config.json: %s", defaults)
     token_text = functools.lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
+    tool_format = detect_format(tokenizer)
+    log.info("tool calls: the chat template speaks the %r format", tool_format.name)
     if api_key:
         # plain ASGI, not @app.middleware: BaseHTTPMiddleware wraps `receive`, and the endpoints' client
         # disconnect detection (which aborts the engine request) would no longer see the disconnect
@@ -128,7 +140,9 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             message, param = validation_error(e)
             raise APIError(message, param=param) from None
 
-    def sampling_params(req: SamplingRequest, prompt_len: int) -> SamplingParams:
+    def sampling_params(
+        req: SamplingRequest, prompt_len: int, grammar: str | None = None, skip_special_tokens: bool = True
+    ) -> SamplingParams:
         max_len = getattr(engine.engine, "max_model_len", None)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_len is not None and prompt_len >= max_len:
@@ -146,9 +160,17 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
                 param=field,
             )
         try:
-            return req.to_sampling_params(prompt_len, context_limit(), defaults)
+            return req.to_sampling_params(prompt_len, context_limit(), defaults, grammar, skip_special_tokens)
         except ValueError as e:
             raise APIError(str(e)) from e
+
+    async def check_grammar(grammar: str | None, param: str | None) -> None:
+        if grammar is None:
+            return
+        try:
+            await engine.check_grammar(grammar)
+        except ValueError as e:
+            raise APIError(f"cannot build a grammar from '{param}': {e}", param=param) from e
 
     # --- informational endpoints -------------------------------------------------------------
     @app.get("/healthz")
@@ -181,26 +203,43 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     async def chat_completions(request: Request):
         req = await read_body(request, ChatCompletionRequest, {"vocab_size": len(tokenizer)})
         try:
-            prompt = engine.apply_chat_template(req.chat())
+            plan = plan_chat(req, tool_format, tokenizer)
+        except PlanError as e:
+            raise APIError(str(e), param=e.param) from e
+        try:
+            prompt = engine.apply_chat_template(plan.messages, tools=plan.tools)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
-        params = sampling_params(req, len(prompt))
-        return await _generate(request, "chat", prompt, params, req)
+        await check_grammar(plan.grammar, plan.grammar_param)
+        params = sampling_params(req, len(prompt), plan.grammar, plan.skip_special_tokens)
+        return await _generate(request, "chat", prompt, params, req, plan.tool_format)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read_body(request, CompletionRequest, {"vocab_size": len(tokenizer)})
         prompt = req.prompt
         ids = list(tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
-        params = sampling_params(req, len(ids))
+        grammar = req.response_format.grammar() if req.response_format is not None else None
+        await check_grammar(grammar, "response_format")
+        params = sampling_params(req, len(ids), grammar)
         return await _generate(request, "text", ids, params, req)
 
-    async def _generate(request: Request, kind: str, prompt: list[int], params: SamplingParams, req: SamplingRequest):
+    async def _generate(
+        request: Request,
+        kind: str,
+        prompt: list[int],
+        params: SamplingParams,
+        req: SamplingRequest,
+        tool_format: ToolFormat | None = None,
+    ):
         """Run the request's ``n`` choices, each an engine request of its own (the later ones find the
-        prompt's blocks in the prefix cache), and answer with all of them, streamed or not."""
+        prompt's blocks in the prefix cache), and answer with all of them, streamed or not. With a
+        ``tool_format`` each choice's reply is parsed for calls."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        fmt = _Formatter(kind, request_id, model_name, int(time.time()), token_text, params.logprobs is not None)
+        fmt = _Formatter(
+            kind, request_id, model_name, int(time.time()), token_text, params.logprobs is not None, tool_format
+        )
         n = req.num_choices
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         gens = [engine.generate(prompt, choice_params(params, i), request_id=rid) for i, rid in enumerate(ids)]
@@ -397,12 +436,21 @@ class _Formatter:
     With logprobs, a chat choice carries ``logprobs.content``: per token its text, logprob, UTF-8
     bytes and ``top_logprobs``; a text choice the legacy ``tokens`` / ``token_logprobs`` /
     ``top_logprobs`` / ``text_offset`` lists. A token's text is its own decoding, as vLLM does.
+    With a ``tool_format``, a chat reply is split into content and ``tool_calls``.
     """
 
     def __init__(
-        self, kind: str, request_id: str, model: str, created: int, token_text: Callable[[int], str], logprobs: bool
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        created: int,
+        token_text: Callable[[int], str],
+        logprobs: bool,
+        tool_format: ToolFormat | None = None,
     ) -> None:
         self.kind = kind
+        self.tool_format = tool_format
         self.id = request_id
         self.model = model
         self.created = created
@@ -441,20 +489,25 @@ class _Formatter:
 
         return one(e.token_id, e.logprob) | {"top_logprobs": [one(t, v) for t, v in e.top]}
 
+    def _chat_choice(self, c: _Choice) -> dict:
+        message: dict = {"role": "assistant", "content": c.text}
+        reason = c.reason
+        if self.tool_format is not None:
+            reply = parse_reply(self.tool_format, c.text)
+            message["content"] = reply.content
+            if reply.calls:
+                message["tool_calls"] = [call.as_openai() for call in reply.calls]
+                reason = _with_calls(reason)
+        return {
+            "index": c.index,
+            "message": message,
+            "logprobs": self.logprobs(c.index, c.logprobs),
+            "finish_reason": reason,
+        }
+
     def full(self, choices: list[_Choice], usage: _Usage) -> dict:
         if self.kind == "chat":
-            body = self._envelope(
-                "chat.completion",
-                [
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": self.logprobs(c.index, c.logprobs),
-                        "finish_reason": c.reason,
-                    }
-                    for c in choices
-                ],
-            )
+            body = self._envelope("chat.completion", [self._chat_choice(c) for c in choices])
         else:
             body = self._envelope(
                 "text_completion",
@@ -478,14 +531,17 @@ class _Formatter:
         reason: str | None,
         role: bool = False,
         logprobs: Sequence[TokenLogprobs] = (),
+        calls: Sequence[CallDelta] = (),
     ) -> dict:
         lp = self.logprobs(index, logprobs) if logprobs else None
         if self.kind == "chat":
-            delta: dict[str, str] = {}
+            delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [_call_delta(c) for c in calls]
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope(
@@ -497,6 +553,38 @@ class _Formatter:
         body = self._envelope(obj, [])
         body["usage"] = usage.as_dict()
         return body
+
+
+def _with_calls(reason: str | None) -> str | None:
+    """A reply that made calls and stopped by itself finishes with ``tool_calls`` (as OpenAI and vLLM)."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+def _call_delta(d: CallDelta) -> dict:
+    if d.name is None:
+        return {"index": d.index, "function": {"arguments": d.arguments}}
+    return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
+
+
+class _ReplyStream:
+    """One streamed choice's reply: its text deltas as content, or content and call deltas with a tool format."""
+
+    def __init__(self, tool_format: ToolFormat | None) -> None:
+        self.parser = ToolCallParser(tool_format) if tool_format is not None else None
+
+    def delta(self, out: RequestOutput) -> ParsedDelta:
+        if self.parser is None:
+            return ParsedDelta(out.text_delta)
+        delta = self.parser.feed(out.text_delta)
+        if out.finished:
+            rest = self.parser.finish()
+            delta.content += rest.content
+            delta.calls += rest.calls
+        return delta
+
+    def finish_reason(self, out: RequestOutput) -> str | None:
+        reason = _finish_reason(out)
+        return _with_calls(reason) if self.parser is not None and self.parser.num_calls else reason
 
 
 def _data(obj: dict | str) -> bytes:
@@ -520,6 +608,7 @@ async def _sse(
     reaches the ``finally`` below, which aborts the engine requests.
     """
     usage = _Usage()
+    replies = [_ReplyStream(fmt.tool_format) for _ in range(n)]
     try:
         if fmt.kind == "chat":
             for i in range(n):
@@ -527,15 +616,19 @@ async def _sse(
         async for i, out in outputs:
             usage.add(out, first_choice=i == 0)
             logprobs = out.logprobs or ()
+            delta = replies[i].delta(out)
             if out.finished and out.finish_reason == "error":
-                if out.text_delta or logprobs:
-                    yield _data(fmt.chunk(i, out.text_delta, None, logprobs=logprobs))
+                if delta or logprobs:
+                    yield _data(fmt.chunk(i, delta.content, None, logprobs=logprobs, calls=delta.calls))
                 yield _data(APIError(out.error or "generation failed", 500).body())
                 break
-            if out.finished:
-                yield _data(fmt.chunk(i, out.text_delta, _finish_reason(out), logprobs=logprobs))
-            elif out.text_delta or logprobs:
-                yield _data(fmt.chunk(i, out.text_delta, None, logprobs=logprobs))
+            if out.finished and delta.calls:  # the last fragments, then the finish alone
+                yield _data(fmt.chunk(i, delta.content, None, logprobs=logprobs, calls=delta.calls))
+                yield _data(fmt.chunk(i, None, replies[i].finish_reason(out)))
+            elif out.finished:
+                yield _data(fmt.chunk(i, delta.content, replies[i].finish_reason(out), logprobs=logprobs))
+            elif delta or logprobs:
+                yield _data(fmt.chunk(i, delta.content, None, logprobs=logprobs, calls=delta.calls))
         if include_usage:
             yield _data(fmt.usage_chunk(usage))
         yield _data("[DONE]")

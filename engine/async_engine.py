@@ -79,11 +79,18 @@ class AsyncLLMEngine:
             self._built.set()  # the loop thread, already running, may start stepping
 
     # --- public API ------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of a chat (list of {"role", "content"}) in the model's own template, each message's
         content tokenized as plain text: ``<|im_start|>`` typed into a message stays text (engine/chat.py
-        says what is and is not filtered)."""
-        return self.engine.apply_chat_template(messages, add_generation_prompt)
+        says what is and is not filtered). ``tools``: OpenAI tool definitions, for a template that renders them."""
+        return self.engine.apply_chat_template(messages, add_generation_prompt, tools)
+
+    async def check_grammar(self, grammar: str) -> None:
+        """Compile a request's grammar on a worker thread (cached for the request); ValueError if it is
+        invalid. The first one also builds the grammar library's view of the vocabulary (a second or so)."""
+        await asyncio.to_thread(self.engine.check_grammar, grammar)
 
     async def generate(
         self,

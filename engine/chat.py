@@ -25,19 +25,26 @@ What is filtered and what is not:
   which the voice app and ``parley engine serve``'s ``/v1/chat/completions`` both use;
 * not filtered: ``/v1/completions`` with a raw prompt (a raw prompt is the caller's own
   template: special-token text in it is meant as special tokens), token-id prompts, the
-  role names (the API accepts only system/developer/user/assistant), and remote
+  role names (the API accepts only system/developer/user/assistant/tool), and remote
   OpenAI-compatible backends (``llm_backend=openai``: vLLM, TGI, ... apply the template
   on their own server, so their own sanitizing applies), and the voice app's
   ``transformers`` reference backend, which calls the tokenizer's template directly.
 
-A template that changes a content before printing it (``| trim`` in Llama 3's) is
-detected by comparing with the normal rendering; stripped content is then used, and any
-other transformation falls back to the content as sent (still plain text), with a
-warning logged once.
+A template that changes a content before printing it (``| trim`` in Llama 3's, ``| tojson``
+for a tool result in Llama 3.1's) is detected by comparing with the normal rendering; each
+content is then used as printed (stripped, JSON-escaped, or both), and any other
+transformation falls back to the content as sent (still plain text), with a warning logged
+once. The placeholders are letters and digits only, so that such filters print them
+unchanged.
+
+With tools (``engine/tools/plan.py``): a ``tool`` message's content is a content like any
+other; the tool definitions and earlier calls' arguments are rendered by the template as
+JSON, outside any content, so the tools plan breaks special-token text in them first.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import secrets
@@ -65,12 +72,15 @@ def check_split_special_tokens(tokenizer) -> None:
         raise RuntimeError(f"{type(tokenizer).__name__} does not support split_special_tokens; cannot sanitize chats")
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The template's text for ``messages`` (what the tokenizer's own template renders)."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    """The template's text for ``messages`` (what the tokenizer's own template renders, with ``tools``)."""
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
 
 
-def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_token_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
     """Token ids of ``messages`` in the model's chat template, every content tokenized as plain text.
 
     When no content holds an added token's text and the normal tokenization has exactly the
@@ -79,24 +89,31 @@ def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool 
     sanitized one (``sanitized_chat_token_ids``).
     """
     contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
-    added = _added_token_texts(tokenizer)
+    added = added_token_texts(tokenizer)
     if not any(t in c for c in contents for t in added):
-        normal = _ids(tokenizer(render(tokenizer, messages, add_generation_prompt), add_special_tokens=False))
-        template_only = sanitized_chat_token_ids(tokenizer, messages, add_generation_prompt, _template_ids_only=True)
+        normal = _ids(tokenizer(render(tokenizer, messages, add_generation_prompt, tools), add_special_tokens=False))
+        template_only = sanitized_chat_token_ids(
+            tokenizer, messages, add_generation_prompt, tools, _template_ids_only=True
+        )
         added_ids = set(added.values())
         if sorted(i for i in normal if i in added_ids) == sorted(template_only):
             return normal
-    return sanitized_chat_token_ids(tokenizer, messages, add_generation_prompt)
+    return sanitized_chat_token_ids(tokenizer, messages, add_generation_prompt, tools)
 
 
-def _added_token_texts(tokenizer) -> dict[str, int]:
+def added_token_texts(tokenizer) -> dict[str, int]:
     """Every added token (special or not) the tokenizer matches in raw text, as {text: id}."""
     encoder = getattr(tokenizer, "added_tokens_encoder", None) or {}
     return {t: int(i) for t, i in encoder.items() if t}
 
 
 def sanitized_chat_token_ids(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, *, _template_ids_only: bool = False
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    *,
+    _template_ids_only: bool = False,
 ) -> list[int]:
     """The template rendered around placeholders; template pieces tokenized normally, contents as plain text.
 
@@ -113,21 +130,21 @@ def sanitized_chat_token_ids(
         content = m.get("content")
         m2 = dict(m)
         if isinstance(content, str) and content:  # empty content: nothing to sanitize, and templates test it
-            mark = f"\x00parley-content-{nonce}-{i}\x00"
+            mark = f"PARLEYCONTENT{nonce}N{i}E"
             marks[mark] = content
             m2["content"] = mark
         shadow.append(m2)
-    rendered = render(tokenizer, shadow, add_generation_prompt)
+    rendered = render(tokenizer, shadow, add_generation_prompt, tools)
     if marks:
         pattern = re.compile("|".join(re.escape(k) for k in marks))
         parts = pattern.split(rendered)
         contents = _as_template_prints(
-            tokenizer, messages, add_generation_prompt, parts, [marks[k] for k in pattern.findall(rendered)]
+            tokenizer, messages, add_generation_prompt, tools, parts, [marks[k] for k in pattern.findall(rendered)]
         )
     else:
         parts, contents = [rendered], []
     if _template_ids_only:
-        added = set(_added_token_texts(tokenizer).values())
+        added = set(added_token_texts(tokenizer).values())
         return [i for p in parts if p for i in _ids(tokenizer(p, add_special_tokens=False)) if i in added]
     pieces = _fix_seams(parts, contents)
     ids: list[int] = []
@@ -160,19 +177,30 @@ def _fix_seams(parts: list[str], contents: list[str]) -> list[tuple[str, bool]]:
 
 
 def _as_template_prints(
-    tokenizer, messages: list[dict], add_generation_prompt: bool, parts: list[str], contents: list[str]
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    parts: list[str],
+    contents: list[str],
 ) -> list[str]:
-    """The contents as the template prints them: as sent, or stripped (``| trim``); else as sent, with a warning."""
-    normal = render(tokenizer, messages, add_generation_prompt)
-
-    def joined(cs: list[str]) -> str:
-        return "".join(p + (cs[i] if i < len(cs) else "") for i, p in enumerate(parts))
-
-    if joined(contents) == normal:
-        return contents
-    stripped = [c.strip() for c in contents]
-    if joined(stripped) == normal:
-        return stripped
+    """The contents as the template prints them, each as sent, stripped (``| trim``), JSON-escaped (``| tojson``)
+    or both; else all as sent, with a warning."""
+    normal = render(tokenizer, messages, add_generation_prompt, tools)
+    printed: list[str] = []
+    at = 0
+    for i, content in enumerate(contents):
+        if not normal.startswith(parts[i], at):
+            break
+        at += len(parts[i])
+        after = parts[i + 1] if i + 1 < len(parts) else ""
+        form = next((f for f in _printed_forms(content) if normal.startswith(f + after, at)), None)
+        if form is None:
+            break
+        printed.append(form)
+        at += len(form)
+    if len(printed) == len(contents) and "".join(p + c for p, c in zip(parts, [*printed, ""], strict=True)) == normal:
+        return printed
     key = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if key not in _warned:
         _warned.add(key)
@@ -182,3 +210,9 @@ def _as_template_prints(
             key,
         )
     return contents
+
+
+def _printed_forms(content: str) -> list[str]:
+    forms = [content, content.strip()]
+    forms += [json.dumps(f, ensure_ascii=False)[1:-1] for f in forms]
+    return list(dict.fromkeys(forms))

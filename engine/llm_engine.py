@@ -33,6 +33,7 @@ from engine.outputs import RequestOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplerRow, SamplingParams, make_generator, sample, token_logprobs
 from engine.scheduler import RequestRejected, Scheduler
+from engine.tools.grammar import GrammarCompiler, GrammarState
 from engine.weights import generation_defaults, resolve_model
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class LLMEngine:
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         # the model's generation_config.json sampling values: what the API uses for fields a request leaves unset
         self.generation_defaults = generation_defaults(path)
+        # requests with a grammar (tool calls, response_format): the llguidance tokenizer is built on first use
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.model.args.vocab_size, self.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._token_texts: list[str] | None = None  # each token's own text, decoded once (DRY breakers)
         self._breaker_ids: dict[tuple[str, ...], frozenset[int]] = {}
@@ -148,10 +151,18 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     # --- requests --------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of a chat in the model's own template, each message's content tokenized as plain
-        text (special-token text in a message never becomes a special token; see engine/chat.py)."""
-        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+        text (special-token text in a message never becomes a special token; see engine/chat.py).
+        ``tools``: OpenAI tool definitions, for a template that renders them."""
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
+
+    def check_grammar(self, grammar: str) -> None:
+        """Compile ``grammar`` now (it is cached for the requests that use it); ValueError says what is wrong.
+        Thread-safe: the API calls it off the engine's thread, so a new grammar never stalls a step."""
+        self.grammars.matcher(grammar)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -177,6 +188,7 @@ class LLMEngine:
                 raise RequestRejected(
                     f"token id {bad} (stop_token_ids, logit_bias) is outside the vocabulary [0, {vocab})"
                 )
+            grammar = self._grammar_state(params.grammar)
             self.scheduler.add_request(req)
         except RequestRejected as e:
             self._pending.append(self._final(req, "error", str(e), error_type="invalid_request"))
@@ -190,10 +202,20 @@ class LLMEngine:
             req.output_token_ids,
             stop_token_ids=tuple(dict.fromkeys(stops)),
             dry_breakers=self._dry_breakers(params.dry_sequence_breakers) if params.dry else frozenset(),
+            grammar=grammar,
         )
-        self._states[request_id] = _RequestState(req, IncrementalDetokenizer(self.tokenizer, params.stop), row)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        self._states[request_id] = _RequestState(req, detok, row)
         self.prompt_tokens_total += req.num_prompt_tokens
         return request_id
+
+    def _grammar_state(self, grammar: str | None) -> GrammarState | None:
+        if grammar is None:
+            return None
+        try:
+            return self.grammars.state(grammar)
+        except ValueError as e:
+            raise RequestRejected(f"invalid grammar: {e}") from e
 
     def _dry_breakers(self, breakers: tuple[str, ...]) -> frozenset[int]:
         """Ids of the tokens whose text holds one of ``breakers`` (DRY does not match across them).
@@ -313,7 +335,10 @@ class LLMEngine:
     ) -> RequestOutput:
         """Detokenize a request's new tokens, apply its stop strings, and build its output."""
         req = state.request
-        text, stopped = state.detok.add(new_token_ids, finished)
+        shown = new_token_ids
+        if finished and shown and not req.params.skip_special_tokens and shown[-1] in state.row.stop_token_ids:
+            shown = shown[:-1]  # the stop token ends the text; kept special tokens would show it
+        text, stopped = state.detok.add(shown, finished)
         if stopped and not finished:
             self.scheduler.finish_request(req.request_id, "stop")
             finished = True
@@ -365,9 +390,11 @@ class LLMEngine:
                     tokens.append(-1)
                     errs.append(f"sampling failed: {type(e).__name__}: {e}")
         vocab = self.runner.model.args.vocab_size
-        for rid, tok, err in zip(sample_ids, tokens, errs, strict=True):
+        for rid, row, tok, err in zip(sample_ids, rows, tokens, errs, strict=True):
             if err is None and not 0 <= tok < vocab:
                 err = f"sampled token id {tok} is outside the vocabulary [0, {vocab})"
+            if err is None and row.grammar is not None:
+                err = row.grammar.accept(tok)
             if err is None:
                 sampled[rid] = int(tok)
             else:

@@ -11,14 +11,19 @@ tokens, ``logit_bias``) must lie in the vocabulary (``context={"vocab_size": n}`
 
 Sampling fields a request leaves unset take the model's ``generation_config.json`` values
 (``sampling_defaults``; vLLM's ``--generation-config auto``), then neutral ones (temperature 1).
+
+Tools (chat only) and ``response_format`` are checked here for their shape (names, a named
+``tool_choice`` that names a tool, a ``tool`` message's ``tool_call_id``); what they do to the
+prompt, the grammar and the reply is ``engine/tools/``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -31,6 +36,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from engine.sampling import (
@@ -46,10 +52,11 @@ from engine.sampling import (
     MIN_TEMPERATURE,
     SamplingParams,
 )
+from engine.tools.grammar import schema_grammar
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 200
@@ -59,6 +66,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 8  # n: each choice is an engine request of its own
 MAX_DRY_BREAKERS = 16
 MAX_DRY_BREAKER_CHARS = 20
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_TOOL_CALLS = 128  # in one assistant message of the history
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_sequence_breakers")  # unset: the engine's
 # the request fields that take the model's generation_config.json values when unset, and their neutral values
 DEFAULTED_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -71,6 +81,35 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (a value matching ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("'json_schema' needs a 'json_schema' object with its 'schema'")
+        return self
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar the reply must follow (None: plain text)."""
+        if self.type == "json_object":
+            return schema_grammar({"type": "object"})
+        if self.type == "json_schema" and self.json_schema is not None:
+            return schema_grammar(self.json_schema.schema_ or {})
+        return None
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -103,11 +142,10 @@ class SamplingRequest(OpenAIBaseModel):
     dry_base: StrictFloat | None = Field(default=None, gt=1.0, le=MAX_DRY_BASE)
     dry_allowed_length: StrictInt | None = Field(default=None, ge=1, le=MAX_DRY_ALLOWED_LENGTH)
     dry_sequence_breakers: list[StrictStr] | None = Field(default=None, max_length=MAX_DRY_BREAKERS)
+    response_format: ResponseFormat | None = None
     # accepted at their neutral value only
     best_of: StrictInt | None = None
-    tools: Any = None
-    functions: Any = None
-    response_format: Any = None
+    functions: Any = None  # the deprecated form of tools
 
     @field_validator("temperature")
     @classmethod
@@ -168,18 +206,11 @@ class SamplingRequest(OpenAIBaseModel):
             raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v: Any) -> Any:
+    def _no_functions(cls, v: Any) -> Any:
         if v:
-            raise ValueError("is not supported (no tools / function calling)")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
-            raise ValueError("must be {'type': 'text'} (only text responses are supported)")
+            raise ValueError("is not supported (send 'tools')")
         return v
 
     @property
@@ -196,11 +227,17 @@ class SamplingRequest(OpenAIBaseModel):
         return None
 
     def to_sampling_params(
-        self, prompt_len: int, context_limit: int, defaults: Mapping[str, float | int] | None = None
+        self,
+        prompt_len: int,
+        context_limit: int,
+        defaults: Mapping[str, float | int] | None = None,
+        grammar: str | None = None,
+        skip_special_tokens: bool = True,
     ) -> SamplingParams:
         """The engine's parameters; without a max_tokens, whatever room the context leaves (the KV
         blocks are taken lazily, so this reserves nothing). Unset ``DEFAULTED_FIELDS`` take
-        ``defaults`` (see ``sampling_defaults``), then their neutral values. Raises ValueError if
+        ``defaults`` (see ``sampling_defaults``), then their neutral values. ``grammar`` and
+        ``skip_special_tokens`` are the tool plan's (``engine.tools.plan``). Raises ValueError if
         the engine refuses them."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:
@@ -227,6 +264,8 @@ class SamplingRequest(OpenAIBaseModel):
             stop=tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            grammar=grammar,
+            skip_special_tokens=skip_special_tokens,
         )
 
 
@@ -261,10 +300,58 @@ def _check_token_ids(ids: list[int], info: ValidationInfo) -> None:
         raise ValueError(f"token ids must be in [0, {vocab})" if vocab is not None else "token ids must be >= 0")
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: no arguments)
+    strict: StrictBool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOOL_NAME.fullmatch(v):
+            raise ValueError("must be 1 to 64 letters, digits, underscores or dashes")
+        return v
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class ToolDefinition(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class ToolCallMessage(OpenAIBaseModel):
+    """A call an earlier assistant turn made (sent back in the history)."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: StrictStr
     # text, or OpenAI content parts of type "text" (joined); None only for an assistant turn
     content: str | None = Field(default=None, validate_default=True)
+    tool_calls: list[ToolCallMessage] | None = Field(default=None, max_length=MAX_TOOL_CALLS)  # assistant
+    tool_call_id: StrictStr | None = None  # tool: the call this message answers
+    name: StrictStr | None = None
 
     @field_validator("role")
     @classmethod
@@ -288,11 +375,55 @@ class ChatMessage(OpenAIBaseModel):
             raise ValueError(f"may be at most {MAX_CONTENT_CHARS} characters")
         return v
 
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("role") != "tool":
+            raise ValueError("belongs to a 'tool' message")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs the 'tool_call_id' of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an 'assistant' message carries 'tool_calls'")
+        return self
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; default: auto with tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [t.function.name for t in v or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("must have distinct function names")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"names the function {v.function.name!r}, which is not among 'tools'")
+        if v == "required" and not names:
+            raise ValueError("'required' needs 'tools'")
+        return v
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: ``auto`` when tools are given, else ``none``."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
 
     @field_validator("top_logprobs")
     @classmethod
@@ -314,12 +445,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"may hold at most {MAX_MESSAGES} messages")
         return v
 
-    def chat(self) -> list[dict[str, str]]:
-        """The conversation for the chat template (``developer`` is the template's ``system``)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""} for m in self.messages
-        ]
-
 
 class CompletionRequest(SamplingRequest):
     """``prompt``: a string or one list of token ids (a batch of one is unwrapped; larger batches are
@@ -329,6 +454,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     echo: Any = None
     suffix: Any = None
+    tools: Any = None  # a chat feature
 
     @property
     def num_logprobs(self) -> int | None:
@@ -352,7 +478,7 @@ class CompletionRequest(SamplingRequest):
             return v
         raise ValueError("must be a string or one list of token ids (batches are not supported)")
 
-    @field_validator("echo", "suffix")
+    @field_validator("echo", "suffix", "tools")
     @classmethod
     def _unsupported(cls, v: Any) -> Any:
         if v:

@@ -1,6 +1,7 @@
 """Per-request sampling: parameters, and one batched sampler that turns logits into tokens.
 
-The order is vLLM's: logprobs come from the raw logits (``token_logprobs``); then stop tokens
+The order is vLLM's: logprobs come from the raw logits (``token_logprobs``); then a request's
+grammar (the tokens it does not allow get -inf: ``engine.tools.grammar``), stop tokens
 held back until ``min_tokens``, ``logit_bias``, the repetition / frequency / presence
 penalties; greedy rows take the argmax there; sampled rows go on through temperature,
 ``min_p``, top-k / top-p and the draw. Each step is one batched operation over the rows
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import TokenLogprobs
+from engine.tools.grammar import GrammarState, grammar_bias
 
 # Below this a positive temperature overflows the scaled logits (1e-40 made every row inf, and
 # the multinomial draw then failed inside the engine loop); 0 is the way to ask for greedy.
@@ -50,7 +52,9 @@ class SamplingParams:
     sampled before that many tokens. ``logprobs``: with each token, report its log-probability
     and that of the ``logprobs`` most likely tokens (0: its own only), from the raw logits.
     ``dry_*``: llama.cpp's DRY ("don't repeat yourself") penalty, off while ``dry_multiplier`` is 0
-    (see ``_apply_dry``).
+    (see ``_apply_dry``). ``grammar``: an llguidance grammar the tokens must follow
+    (``engine.tools.grammar``). ``skip_special_tokens``: leave special tokens out of the text (a
+    tool-call marker that is one, Mistral's ``[TOOL_CALLS]``, must stay in).
     """
 
     max_tokens: int = 128
@@ -72,6 +76,8 @@ class SamplingParams:
     dry_base: float = 1.75
     dry_allowed_length: int = 2
     dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
+    grammar: str | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples so the record stays hashable/immutable.
@@ -147,7 +153,8 @@ class SamplerRow:
     ``prompt_token_ids`` / ``output_token_ids`` are the request's own lists (the penalties read
     them each step); ``stop_token_ids`` are the ids ``min_tokens`` holds back (its EOS ids
     unless ``ignore_eos``, and ``params.stop_token_ids``); ``dry_breakers`` the ids of the tokens
-    whose text holds one of ``params.dry_sequence_breakers``.
+    whose text holds one of ``params.dry_sequence_breakers``; ``grammar`` the request's matcher
+    when its params have a grammar (the engine advances it past each token).
     """
 
     params: SamplingParams
@@ -156,6 +163,7 @@ class SamplerRow:
     output_token_ids: Sequence[int] = ()
     stop_token_ids: tuple[int, ...] = ()
     dry_breakers: frozenset[int] = frozenset()
+    grammar: GrammarState | None = None
     _prompt_ids: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -166,7 +174,14 @@ class SamplerRow:
     def plain_greedy(self) -> bool:
         """Greedy with nothing to change the logits first: the argmax of the raw logits is its token."""
         p = self.params
-        return p.greedy and not p.penalized and not p.dry and not p.logit_bias and not self.holds_back_stops
+        return (
+            p.greedy
+            and not p.penalized
+            and not p.dry
+            and not p.logit_bias
+            and not self.holds_back_stops
+            and self.grammar is None
+        )
 
     def prompt_ids(self, vocab: int) -> torch.Tensor:
         """The prompt's distinct token ids (a CPU tensor, found once per request)."""
@@ -231,8 +246,9 @@ def _sample_processed(logits: torch.Tensor, index: list[int], rows: list[Sampler
 
 
 def process_logits(x: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-    """In place on float32 ``x`` [rows, vocab]: stop tokens held back by ``min_tokens``, ``logit_bias``,
-    then the penalties and DRY. A greedy row's token is the argmax of the result."""
+    """In place on float32 ``x`` [rows, vocab]: the grammars' masks, stop tokens held back by ``min_tokens``,
+    ``logit_bias``, then the penalties and DRY. A greedy row's token is the argmax of the result."""
+    _apply_grammars(x, rows)
     _hold_back_stops(x, rows)
     _add_logit_bias(x, rows)
     _apply_penalties(x, rows)
@@ -252,6 +268,18 @@ def warp_logits(y: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
 def _subset(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """Rows ``rows`` of ``x``: ``x`` itself when that is all of them, else a copy."""
     return x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]
+
+
+def _apply_grammars(x: torch.Tensor, rows: list[SamplerRow]) -> None:
+    """The tokens a row's grammar does not allow get -inf (the masks of all such rows are filled at once)."""
+    at = [j for j, r in enumerate(rows) if r.grammar is not None]
+    if not at:
+        return
+    bias = grammar_bias([rows[j].grammar for j in at], x.shape[1]).to(x.device)
+    if len(at) == x.shape[0]:
+        x.add_(bias)
+    else:
+        x.index_add_(0, torch.tensor(at, device=x.device), bias)
 
 
 def _hold_back_stops(x: torch.Tensor, rows: list[SamplerRow]) -> None:

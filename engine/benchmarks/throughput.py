@@ -14,6 +14,8 @@ What it measures, in one run (all on the CPU, ``--threads`` torch threads, one d
    weight memory, and perplexity of ``data.txt`` computed with the engine's own forward.
 4. The sampler's cost per step with vLLM's sampling features (penalties, min_p, logit_bias,
    logprobs, ...) as a ratio to plain greedy and temperature sampling (``engine/benchmarks/sampler.py``).
+5. A grammar's cost (forced tool calls, ``response_format``): the sampler step and the decode step with
+   and without one, as ratios (``engine/benchmarks/grammar.py``).
 
 ``--json PATH`` writes every figure as one JSON object; ``--quick`` is a small smoke run.
 """
@@ -44,6 +46,8 @@ from engine.benchmarks.baselines import (
     hf_static,
     load_hf_model,
 )
+from engine.benchmarks.grammar import decode_grammar_cost, sampler_grammar_cost
+from engine.benchmarks.grammar import report_lines as grammar_report_lines
 from engine.benchmarks.sampler import report_lines as sampler_report_lines
 from engine.benchmarks.sampler import sampler_cost
 
@@ -553,6 +557,7 @@ def report(r: dict, runs: dict[str, RunResult | None]) -> str:
             f"perplexity {_fmt(r.get('int4_perplexity_ratio'), '.4f')}x"
         )
     lines += ["", *sampler_report_lines(r)]
+    lines += ["", *grammar_report_lines(r)]
     lines += ["", "targets:", *_target_lines(r), "", f"total bench time {r['bench_wall_s']:.0f} s"]
     other = r.get("other_cpu_cores")
     if other is not None:
@@ -737,7 +742,15 @@ def main(argv: list[str] | None = None) -> int:
     section("engine", engine_run)
     section("prefix", prefix_run)
     section("precision", precision_run)
+
+    def grammar_run() -> None:
+        eng = _engine(args.model, args.dtype, args.threads, shared.get("model"))
+        reps = 5 if quick else 30
+        r.update(sampler_grammar_cost(eng.tokenizer, eng.runner.model.args.vocab_size, tuple(batch_sizes), reps))
+        r.update(decode_grammar_cost(eng, reps=1 if quick else 3, max_tokens=32 if quick else 96))
+
     section("sampler", sampler_run)
+    section("grammar", grammar_run)
     shared.clear()
     gc.collect()
     if not args.skip_hf:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 import time
 
 import httpx
 import pytest
+from api_harness import serve_app
 
 from engine.api_server import create_app
 from engine.async_engine import AsyncLLMEngine
@@ -21,30 +20,12 @@ NUM_BLOCKS = 96  # 1536 tokens: small enough that a long request can never fit
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(fp32_model):
-    import uvicorn
-
     config = EngineConfig(dtype="float32", device="cpu", num_blocks=NUM_BLOCKS, max_num_seqs=8)
     engine = AsyncLLMEngine(engine=LLMEngine(config, model=fp32_model))
-    app = create_app(engine, MODEL)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(10)
+    with serve_app(create_app(engine, MODEL)) as url:
+        yield url
     engine.shutdown()
 
 
@@ -253,8 +234,9 @@ def _chat_body(**kw) -> dict:
         (_chat_body(dry_allowed_length=0), "dry_allowed_length", "greater than or equal to 1"),
         (_chat_body(dry_sequence_breakers=[""]), "dry_sequence_breakers", "1 to 20 characters"),
         (_chat_body(dry_sequence_breakers=["x"] * 17), "dry_sequence_breakers", "at most 16"),
-        (_chat_body(tools=[{"type": "function"}]), "tools", "not supported"),
-        (_chat_body(response_format={"type": "json_object"}), "response_format", "text"),
+        (_chat_body(tools=[{"type": "function"}]), "tools[0].function", "required"),
+        (_chat_body(functions=[{"name": "f"}]), "functions", "send 'tools'"),
+        (_chat_body(response_format={"type": "xml"}), "response_format.type", "json_schema"),
         (_chat_body(stream_options=[1]), "stream_options", "stream_options"),
     ],
 )

@@ -26,6 +26,7 @@ REQUIRED_KEYS = {
     "int8_perplexity_ratio": (float, type(None)),
     "int8_prefill_speedup_burst4x24": (float, type(None)),
     "int8_prefill_speedup_long1x384": (float, type(None)),
+    "grammar_decode_ratio": float,
     "quick": bool,
 }
 
