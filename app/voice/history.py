@@ -1,7 +1,7 @@
 """The conversation's memory, and the prompt built from it each turn.
 
 Bounded twice: what is *sent* is a window of ``max_messages`` whose start moves in jumps
-(``turns.history_window``: the prompt's prefix, cached by the LLM, stays the same for several
+(``history_window``: the prompt's prefix, cached by the LLM, stays the same for several
 turns), fitted to the model's context by tokens (``context.fit_to_context``); what is *kept*
 is at most about twice that, cut in whole window steps so the window does not move.
 """
@@ -10,9 +10,27 @@ from __future__ import annotations
 
 from app.stages.base import ChatLLM, Message
 from app.voice.context import Fitted, estimate_tokens, fit_to_context
-from app.voice.turns import history_window
 
 KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
+
+
+def history_window(history: list[dict], limit: int) -> list[dict]:
+    """The last ``limit`` messages at most, with a window start that moves in jumps.
+
+    Why jumps: a window sliding by one message changes the prompt's first tokens every turn, so
+    the LLM's prefix cache misses and the whole history is prefilled again (README, Settings).
+    Moving the start by half the limit at a time keeps the prefix, and its cached KV, for
+    several turns. The window starts at a user message.
+    """
+    if limit <= 0:
+        return []
+    if len(history) <= limit:
+        return history
+    step = max(2, limit // 2)
+    start = -(-(len(history) - limit) // step) * step
+    while start < len(history) and history[start].get("role") != "user":
+        start += 1
+    return history[start:]
 
 
 class History:

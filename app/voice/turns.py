@@ -62,26 +62,6 @@ def is_filler(text: str) -> bool:
     return all(word in _FILLERS for word in words(text))
 
 
-def history_window(history: list[dict], limit: int) -> list[dict]:
-    """The last ``limit`` messages at most, with a window start that moves in jumps.
-
-    Why jumps: a window sliding by one message changes the prompt's first tokens every turn,
-    so the LLM's prefix cache misses and the whole history is prefilled again (measured: LLM
-    TTFT 2.1-2.4 s on turns 9-11 of a 12-turn conversation). Moving the start by half the
-    limit at a time keeps the prefix, and its cached KV, for several turns. The window
-    starts at a user message.
-    """
-    if limit <= 0:
-        return []
-    if len(history) <= limit:
-        return history
-    step = max(2, limit // 2)
-    start = -(-(len(history) - limit) // step) * step
-    while start < len(history) and history[start].get("role") != "user":
-        start += 1
-    return history[start:]
-
-
 class PartialStabilizer:
     """Turns successive ASR hypotheses of a growing utterance into monotonically growing text."""
 

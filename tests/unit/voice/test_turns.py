@@ -2,11 +2,11 @@
 
 import pytest
 
+from app.voice.history import history_window
 from app.voice.playback import ReplyPlayback
 from app.voice.turns import (
     Endpointer,
     PartialStabilizer,
-    history_window,
     is_backchannel,
     is_filler,
     looks_unfinished,
