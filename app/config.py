@@ -15,8 +15,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-# Measured on the bundled SmolLM2-135M: longer "voice style" instructions made it answer in
-# broken French; this short prompt near its training prompt answers plain questions best.
+# Short and near the bundled SmolLM2-135M's training prompt: longer "voice style" instructions made it
+# answer in broken French.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named Parley. Keep your answers short."
 
 
@@ -63,8 +63,7 @@ class Settings(BaseSettings):
     )
     llm_cuda_graphs: bool = Field(True, description="CUDA: capture decode steps as CUDA graphs (off: eager)")
     llm_device: str = "cpu"
-    # Measured with `parley bench voice` on 2 cores: one thread each for the engine and Piper
-    # (ASR keeps 2) gave p50 762 ms vs 1067 ms with every library on all cores.
+    # One thread each for the engine's decode and Piper (ASR keeps 2): libraries on every core fight (README).
     llm_threads: int | None = Field(1, ge=1, description="engine CPU threads (empty: torch's choice)")
     llm_prefill_threads: int | None = Field(
         None, ge=1, description="engine CPU threads for prompt prefill (empty: every core); decode uses llm_threads"

@@ -33,19 +33,16 @@ AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt 
 LEAD_KEEP_MS = 20
 # With first_piece_priority the LLM waits (at most this long) while the first piece is
 # synthesized: nothing can be heard before that audio, and the text is already ahead of it.
-# The session asks for it while the server has one session open (``Settings.solo_speedups``):
-# with four users the paused request also waits for the shared Piper lock (v2v p50 1569 ->
-# 2079-2389 ms, underruns 0 -> 5-6), with one it took p50 from 1094 to 901 ms.
+# The session asks for it while the server has one session open (``Settings.solo_speedups``): with
+# several users the paused request would also wait for the shared Piper lock (README).
 FIRST_PIECE_PAUSE_MAX_S = 2.0
 # A reply's text runs far ahead of its speech (120 tokens written in a few seconds are 20 s of
 # audio), and with several users each of its decode steps slows a reply whose listener hears
 # nothing yet (a bigger batch, and cores shared with ASR and Piper). So once a reply has more than
 # ``yield_ahead_s`` (the setting ``llm_yield_ahead_s``) of audio still to play, its LLM request
 # yields to the others for the excess: it is stepped only when no other request needs a step. That
-# leaves this much audio for its next piece to be written and synthesized in, with four users on 2 cores.
-# Four users x 10 turns on a 2-core Xeon, interleaved runs (with the shorter second piece): heard
-# p50 / p95 585 / 952 ms and 1 underrun (0.04 s) in 200 turns, against 573 / 1043 ms and 8 (2.19 s)
-# in 320 before both changes, and 637 / 1155 ms and 3 (0.43 s) in 240 with the second piece alone.
+# leaves this much audio for its next piece to be written and synthesized in, with four users on 2 cores
+# (figures: README, How a turn flows).
 YIELD_AHEAD_S = 3.0
 # A piece of at least this many words said again word for word ends the reply: the bundled
 # SmolLM2-135M loops ("I'm not today. I'm not today.", or a 120-token run-on that repeats one

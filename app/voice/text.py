@@ -14,27 +14,13 @@ _JOINING_WORDS = frozenset(
     "and but or so that which who because when while with where if than as to "
     "for from about in on at by into like after before during through".split()
 )
-# The first piece is what the user waits for: the LLM writes it and TTS speaks it before any
-# audio starts, at ~60 ms a word on the 2-core CPU (~25 ms of decode and ~35 ms of Piper).
-# `parley bench voice --clients 1 --turns 20`, back to back with the earlier 10-word cap (and
-# the engine's thread changes): the first piece took 335 ms to write and 301 ms to speak,
-# against 442 and 415; voice-to-voice p50 1412 -> 1200 ms. Then 6 -> 4 words, on a 2-core Xeon
-# (`--snr-db 20 --rates 0.9,1,1.15`, alternated): one user's heard p50 730, 729 -> 615, 611 ms,
-# four users' 838, 736 -> 635, 679 ms. The price: a short first sentence is said in two pieces
-# ("The capital of France | is Paris."), and the second piece has the first one's shorter audio
-# to be ready in (four users: underruns 0.11 and 0.41 s in 48 turns, against one of 0.17 s).
-# The cap is the setting ``first_piece_words``; a joining word ends the piece from two words
-# before it (at least 3).
+# The first piece is what the user waits for: the LLM writes it and TTS speaks it before any audio
+# starts, so it is short (the setting ``first_piece_words``); the price is a short first sentence said
+# in two pieces. A joining word ends the piece from two words before it (at least 3). Figures: README.
 FIRST_PHRASE_MAX_WORDS = 4
-# The second piece is written and spoken while the first one plays, and a 3-4 word first piece
-# is only about a second of audio: with four users on 2 cores a 13-word second piece ("Today is a
-# day | of celebration, a day of new beginnings, and a day of hope.") was not ready in it (an
-# underrun of 0.41 s). So pieces grow: the second ends at a clause break once SECOND_PHRASE_CLAUSE_WORDS
-# long, before a joining word after first_piece_words, and anywhere at twice first_piece_words.
-# Four users x 10 turns on a 2-core Xeon, 6 runs each, interleaved: underruns 7 (2.15 s in all) ->
-# 3 (0.43 s); heard p50 590 -> 637 ms, which the same runs do not explain (the first piece is
-# unchanged) and which the LLM's yielding (``Reply``, ``llm_yield_ahead_s``) took back: 585 ms,
-# 1 underrun (0.04 s) in 200 turns.
+# The second piece is written and spoken while the first one plays (about a second of audio), so it
+# is at most twice the first: it ends at a clause break once SECOND_PHRASE_CLAUSE_WORDS long, before a
+# joining word after first_piece_words, and anywhere at twice first_piece_words (README: underruns).
 SECOND_PHRASE_CLAUSE_WORDS = 3
 # Later pieces end at sentences, but a run-on sentence (small LLMs write 100-word ones) is cut
 # too: speaking it whole would leave the listener in silence while it is written and
@@ -185,8 +171,7 @@ def _loop_cut(text: str, word_ends: list[int]) -> int:
 # Whisper's runaway on a short or padded clip: "Yes. Yes. Yes. Yes. Yes.", "Why is the sky blue? Why is
 # the sky blue? Why" (decoded until its token cap). A transcript that *ends* in a unit said again
 # (twice; a single word LOOP_TIMES_ONE_WORD times), perhaps with a cut-off start of it once more, is
-# kept up to the unit's first time. Measured on 186 noisy benchmark clips (questions, paused
-# questions, backchannels), Whisper tiny.en with a 10 s window: 7 such transcripts, right ones 120 -> 127.
+# kept up to the unit's first time (README, Settings: asr_window_s).
 TRANSCRIPT_LOOP_TIMES = 2
 # The token cap can also end the runaway's *second* time: "What is the capital look, France? What is
 # the capital look," (a one-user benchmark turn: that trailing comma held the endpoint for the
