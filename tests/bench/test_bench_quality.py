@@ -38,7 +38,7 @@ from app.bench.quality_set import (
     tell,
 )
 from app.config import Settings
-from app.voice.turns import history_window
+from app.voice.history import history_window
 
 
 # ------------------------------------------------------------------ matching
