@@ -208,6 +208,7 @@ def _plan(tokenizer, **kw):
     return plan_chat(req, detect_format(tokenizer), tokenizer)
 
 
+@pytest.mark.models  # the bundled tokenizer and its chat template
 @pytest.mark.parametrize("family", ["hermes", "llama3", "mistral"])
 def test_earlier_calls_and_results_reach_the_template_and_results_stay_plain_text(tokenizers, family):
     tok = tokenizers[family]
@@ -225,6 +226,7 @@ def test_earlier_calls_and_results_reach_the_template_and_results_stay_plain_tex
     assert "im_end|> now" in text  # the description's marker, broken by a zero-width space
 
 
+@pytest.mark.models  # the bundled tokenizer and its chat template
 def test_without_template_tools_calls_are_written_into_the_history_and_the_tools_described(bundled_tokenizer):
     tokenizer = bundled_tokenizer
     plan = _plan(tokenizer, tool_choice="required")
@@ -235,11 +237,13 @@ def test_without_template_tools_calls_are_written_into_the_history_and_the_tools
     assert auto.tool_format is None and auto.grammar is None and auto.messages[0]["content"] == "Be brief."
 
 
+@pytest.mark.models  # the bundled tokenizer and its chat template
 def test_tool_choice_none_shows_no_tools_and_parses_nothing(tokenizers):
     plan = _plan(tokenizers["hermes"], tool_choice="none")
     assert plan.tools is None and plan.tool_format is None and plan.grammar is None
 
 
+@pytest.mark.models  # the bundled tokenizer and its chat template
 def test_special_markers_keep_special_tokens_in_the_text(tokenizers):
     assert _plan(tokenizers["mistral"]).skip_special_tokens is False  # [TOOL_CALLS] is a special token
     assert _plan(tokenizers["hermes"]).skip_special_tokens is True  # <tool_call> is an ordinary added token
