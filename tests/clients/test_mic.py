@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness import ScriptedServer
+from heard import heard_as
 
 from app import protocol
 from app.audio import float_to_pcm16
@@ -82,7 +83,7 @@ def test_parley_mic_answers_a_spoken_question(live_server, speech, tmp_path, out
     lines = run.stdout.splitlines()
     assert f"at {rate} Hz (sent at 16000 Hz)" in lines[0]
     heard = [line.removeprefix("you: ") for line in lines if line.startswith("you: ")]
-    assert [words(text) for text in heard] == [words(QUESTION)], run.stdout
+    assert len(heard) == 1 and heard_as(heard[0], QUESTION), run.stdout
     replies = [line.removeprefix("parley: ") for line in lines if line.startswith("parley: ")]
     assert len(replies) == 1 and words(replies[0]), run.stdout
     assert any(line.startswith("  [turn ") and "voice-to-voice" in line for line in lines), run.stdout
