@@ -37,7 +37,7 @@ from app.audio import ASR_SAMPLE_RATE
 from app.stages.base import SpeechRecognizer, Transcription, TurnDetector, VoiceActivity
 from app.voice.clock import ArrivalClock, Clock, RunBlocking
 from app.voice.text import text_after, without_trailing_loop
-from app.voice.turns import Endpointer, PartialStabilizer, is_filler
+from app.voice.turns import Endpointer, PartialStabilizer, is_filler, looks_unfinished
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class Committed:
     asr_compute_ms: float
     turn_probability: float | None = None  # the end-of-turn model's verdict at the last pause
     turn_detect_ms: float | None = None  # what that verdict cost
+    turn_text_probability: float | None = None  # the LLM's P that the words end there (None: not asked)
     language: str | None = None  # the language the words were heard in
 
     def figures(self) -> dict[str, float | None]:
@@ -122,6 +123,7 @@ class Committed:
             "asr_compute_ms": self.asr_compute_ms,
             "turn_detect_ms": self.turn_detect_ms,
             "turn_probability": self.turn_probability,
+            "turn_text_probability": self.turn_text_probability,
         }
 
 
@@ -135,6 +137,8 @@ class Dropped:
 
 UtteranceEvent = SpeechStarted | Resumed | Paused | Speaking | Partial | TailText | Committed | Dropped
 Emit = Callable[[UtteranceEvent], Awaitable[None]]
+TextTurnEnd = Callable[[str], Awaitable[float | None]]
+"""P(the user's words end here) from their text (the LLM's, ``listening.TextTurnEnd``); None when it cannot say."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,8 @@ class _Utterance:
     tail_text: str | None = None  # its result, once done
     turn_probability: float | None = None  # the end-of-turn model's verdict at this pause
     turn_ms: float | None = None
-    verdict_pending: bool = False  # the tail's words are in, the end-of-turn model's verdict is not yet
+    text_probability: float | None = None  # the LLM's P that the words end at this pause
+    verdict_pending: bool = False  # the tail's words are in, a signal's verdict is not yet
     language: str | None = None  # what ASR heard the tail in
     asr_ms: float = 0.0
     partial_task: asyncio.Task | None = None
@@ -209,12 +214,14 @@ class UtteranceTracker:
         run_blocking: RunBlocking,
         options: TrackerOptions | None = None,
         turn_detector: TurnDetector | None = None,
+        text_turn_end: TextTurnEnd | None = None,
         language: Callable[[], str | None] = lambda: None,
         early_tail: Callable[[], bool] = lambda: True,
     ) -> None:
         self._vad = vad
         self._asr = asr
         self._turn_detector = turn_detector
+        self._text_turn_end = text_turn_end
         self._language = language  # read at each call, so a session's config applies to the next words
         self._early_tail = early_tail  # read at each quiet window: tail_start_ms applies, or the pause
         self._emit = emit
@@ -326,7 +333,7 @@ class UtteranceTracker:
         if utterance.tail_task is not None and not utterance.tail_task.done():
             utterance.tail_task.cancel()  # its transcription, or the end-of-turn model after it
         utterance.pause, utterance.tail_task, utterance.tail_text = None, None, None
-        utterance.turn_probability = utterance.turn_ms = None
+        utterance.turn_probability = utterance.turn_ms = utterance.text_probability = None
         utterance.verdict_pending = False
         await self._emit(Resumed(utterance.turn_id))
 
@@ -390,6 +397,18 @@ class UtteranceTracker:
             probability = None
         return probability, (self._clock.now() - started) * 1000
 
+    async def _text_ends_turn(self, text: str, language: str | None) -> float | None:
+        """The LLM's P that the words end the turn; None without it, where the words' own cue already waits
+        (``looks_unfinished``: no need to ask), or when it failed."""
+        judge = self._text_turn_end
+        if judge is None or not text.strip() or is_filler(text) or looks_unfinished(text, language):
+            return None
+        try:
+            return await judge(text)
+        except Exception:  # the sound and the words' cue still decide
+            log.warning("the LLM's end-of-turn probability failed; using the other cues", exc_info=True)
+            return None
+
     async def _transcribe_tail(self, audio: np.ndarray, context: str) -> tuple[Transcription | None, float]:
         started = self._clock.now()
         result = await self._transcribe(audio, context=context)
@@ -397,14 +416,17 @@ class UtteranceTracker:
 
     async def _finish_tail(self, utterance: _Utterance, job: _TailJob, whole: np.ndarray) -> None:
         """At the pause: ask the end-of-turn model (beside ASR, on another core); once the tail is
-        heard, tell the session (it may speculate); once the model has answered too, see if the
-        turn ends.
+        heard, ask the LLM whether the words end the turn and tell the session (it may speculate);
+        once both signals have answered too, see if the turn ends.
 
         The words are told without waiting for the model: a speculative reply needs only them, and
         the model, started later (at the pause) and slowed by the transcription beside it, often
         answered after them (``turn_detect`` ~110-280 ms with one user, ``asr_compute`` ~170-270).
+        The LLM is asked just before the session speculates, so both requests' short prefills of the
+        words (the rest of the prompt is in the prefix cache) share the engine's next step.
         """
         turn_end = asyncio.ensure_future(self._detect_turn_end(whole))
+        text_end: asyncio.Future[float | None] | None = None
         try:
             result, asr_ms = await job.task
             if utterance.pause is None:
@@ -413,13 +435,17 @@ class UtteranceTracker:
             utterance.language = result.language if result is not None and result.language else None
             utterance.asr_ms = asr_ms
             utterance.verdict_pending = True
+            text_end = asyncio.ensure_future(self._text_ends_turn(utterance.text(), utterance.language))
             if utterance is self._utterance:  # (else already being committed; _commit reads tail_text)
                 speech_end = self._arrivals.time_of(utterance.pause)
                 await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
             utterance.turn_probability, utterance.turn_ms = await turn_end
+            utterance.text_probability = await text_end
         finally:  # when this one is cancelled (the user went on), so are its jobs
             job.task.cancel()
             turn_end.cancel()
+            if text_end is not None:
+                text_end.cancel()
         utterance.verdict_pending = False
         await self._maybe_commit(utterance)
 
@@ -450,7 +476,9 @@ class UtteranceTracker:
             if silence_ms >= endpointer.unfinished_silence_ms:
                 await self._commit(utterance)  # ASR or the end-of-turn model is late: commit and wait for it
             return
-        required = endpointer.required_silence_ms(utterance.text(), utterance.turn_probability, utterance.language)
+        required = endpointer.required_silence_ms(
+            utterance.text(), utterance.turn_probability, utterance.language, utterance.text_probability
+        )
         if silence_ms >= required:
             await self._commit(utterance)
 
@@ -482,6 +510,7 @@ class UtteranceTracker:
                 asr_compute_ms=utterance.asr_ms,
                 turn_probability=utterance.turn_probability,
                 turn_detect_ms=utterance.turn_ms,
+                turn_text_probability=utterance.text_probability,
                 language=utterance.language,
             )
         )
