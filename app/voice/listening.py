@@ -55,6 +55,17 @@ class TextTurnEnd:
         return await scheduling.end_of_turn_probability(conversation, said["content"])
 
 
+def endpointer(settings: Settings) -> Endpointer:
+    """The endpoint's rule as the settings tune it."""
+    return Endpointer(
+        settings.endpoint_silence_ms,
+        settings.endpoint_unfinished_silence_ms,
+        settings.endpoint_complete_silence_ms,
+        settings.turn_complete_threshold,
+        settings.turn_incomplete_threshold,
+    )
+
+
 def listen(
     models: VoiceStages,
     settings: Settings,
@@ -88,13 +99,7 @@ def listen(
         language=language,
         early_tail=lambda: models.solo,  # several sessions share Whisper: no transcriptions wasted on gaps
         options=TrackerOptions(
-            endpointer=Endpointer(
-                settings.endpoint_silence_ms,
-                settings.endpoint_unfinished_silence_ms,
-                settings.endpoint_complete_silence_ms,
-                settings.turn_complete_threshold,
-                settings.turn_incomplete_threshold,
-            ),
+            endpointer=endpointer(settings),
             partial_interval_ms=settings.partial_interval_ms,
             max_utterance_s=settings.max_utterance_s,
             tail_start_ms=settings.tail_start_ms,

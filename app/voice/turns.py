@@ -128,9 +128,9 @@ class SignalWeights:
     Smart Turn, so the fit leans on the text (accuracies: README, "How a turn flows").
     """
 
-    bias: float = 2.41
-    audio: float = 0.12
-    text: float = 1.35
+    bias: float = 2.49
+    audio: float = 0.16
+    text: float = 1.34
     text_floor: float = 1e-6
 
 
