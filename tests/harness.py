@@ -43,6 +43,8 @@ class ScriptedLLM:
         self.cores_lent = 0  # how many core_lent() blocks are open now
         self.text_turn_probability = None  # what end_of_turn_probability says (None: no text signal; or raises it)
         self.turn_end_asked: list[tuple[list[dict], str]] = []  # (conversation, words) of each end-of-turn ask
+        self.text_turn_gate: asyncio.Event | None = None  # (if set) the end-of-turn verdict waits for it
+        self.turn_end_cancelled = 0
         self.gate_was_open_early = False
 
     def count_tokens(self, messages):
@@ -95,6 +97,12 @@ class ScriptedLLM:
 
     async def end_of_turn_probability(self, messages, user_text):
         self.turn_end_asked.append((([dict(m) for m in messages]), user_text))
+        if self.text_turn_gate is not None:
+            try:
+                await self.text_turn_gate.wait()
+            except asyncio.CancelledError:
+                self.turn_end_cancelled += 1
+                raise
         if isinstance(self.text_turn_probability, Exception):
             raise self.text_turn_probability
         return self.text_turn_probability

@@ -103,5 +103,6 @@ def listen(
             partial_interval_ms=settings.partial_interval_ms,
             max_utterance_s=settings.max_utterance_s,
             tail_start_ms=settings.tail_start_ms,
+            text_wait_ms=settings.turn_text_wait_ms,
         ),
     )

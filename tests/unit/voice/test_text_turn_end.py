@@ -3,13 +3,15 @@ mid-clause pauses still wait, and without the LLM's signal the endpoint is what 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from app import protocol
 from app.voice.turns import Endpointer, combined_probability
 
 ENDPOINT_MS, COMPLETE_MS, UNFINISHED_MS = 400, 200, 1200
-FRAME_MS, VAD_WINDOW_MS = 20, 32
+FRAME_MS, VAD_WINDOW_MS, PAUSE_MS = 20, 32, 96
 COMMAND = "Set a timer for ten minutes."
 SOUND_MISJUDGES = 0.05  # what Smart Turn said of commands and statements in the benchmark
 
@@ -102,3 +104,27 @@ async def test_words_that_end_mid_clause_are_not_asked_about(conversation):
     await conv.speak(1.0, "Set a timer for")
     await conv.silence_until(committed(conv))
     assert conv.llm.turn_end_asked == []
+
+
+async def test_a_late_llm_leaves_the_endpoint_to_the_other_cues_after_a_short_wait(conversation):
+    conv = conversation(turn_probability=0.95, text_probability=1e-9, turn_text_wait_ms=300)
+    conv.llm.text_turn_gate = asyncio.Event()  # the engine is busy: no verdict comes
+    await conv.speak(1.0, COMMAND)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    # the words are in at the pause (the VAD's pause_ms after the silence began); then 300 ms for the LLM
+    assert 300 <= waited_ms <= 300 + PAUSE_MS + VAD_WINDOW_MS + 2 * FRAME_MS
+    assert conv.llm.turn_end_cancelled == 1  # its request is aborted at the commit
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].metrics.turn_text_probability is None
+
+
+async def test_a_verdict_within_the_wait_still_holds_a_mid_clause_pause(conversation):
+    conv = conversation(turn_probability=0.95, text_probability=1e-9, turn_text_wait_ms=300)
+    conv.llm.text_turn_gate = gate = asyncio.Event()
+    await conv.speak(1.0, "Read me the latest")  # sounds finished; the LLM reads it as not
+    await conv.silence(0.3)
+    gate.set()
+    await conv.silence(0.6)
+    assert not conv.finals()
+    waited_ms = 900 + await conv.silence_until(committed(conv)) * 1000
+    assert UNFINISHED_MS <= waited_ms <= UNFINISHED_MS + VAD_WINDOW_MS + FRAME_MS
