@@ -77,6 +77,10 @@ def _bench(args: argparse.Namespace) -> int:
         from engine.benchmarks.throughput import main as bench_engine
 
         return bench_engine(args.rest)
+    if args.what == "turn-end":
+        from app.bench.turn_end import main as bench_turn_end
+
+        return bench_turn_end(args.rest)
     if args.what == "load":
         from app.bench.load import main as bench_load
 
@@ -115,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("rest", nargs=argparse.REMAINDER)
     engine.set_defaults(func=_engine)
 
-    bench = commands.add_parser("bench", help="benchmarks: `parley bench engine|voice|load|quality --help`")
-    bench.add_argument("what", choices=["engine", "voice", "load", "quality"])
+    bench = commands.add_parser("bench", help="benchmarks: `parley bench engine|voice|load|quality|turn-end --help`")
+    bench.add_argument("what", choices=["engine", "voice", "load", "quality", "turn-end"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 

@@ -127,6 +127,18 @@ class Settings(BaseSettings):
     endpoint_complete_silence_ms: int = Field(
         200, ge=50, le=3000, description="silence that ends a turn the end-of-turn model is sure is complete"
     )
+    turn_text_signal: bool = Field(
+        True,
+        description="at each pause, ask the LLM how likely the words end the turn and combine it with the "
+        "end-of-turn model's P (in-process engine only)",
+    )
+    turn_text_wait_ms: int = Field(
+        300,
+        ge=0,
+        le=2000,
+        description="how long the endpoint waits for that verdict once the words are transcribed (later: the "
+        "other cues decide)",
+    )
     turn_complete_threshold: float = Field(0.5, ge=0, le=1, description="P(complete) at or above which a turn is over")
     turn_incomplete_threshold: float = Field(
         0.2, ge=0, le=1, description="P(complete) below which the endpoint waits as long as mid-clause"

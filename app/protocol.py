@@ -189,6 +189,8 @@ class TurnMetrics(BaseModel):
     asr_compute_ms: float | None = Field(None, description="Whisper time for the final transcript")
     turn_detect_ms: float | None = Field(None, description="end-of-turn model time at the last pause")
     turn_probability: float | None = Field(None, description="the end-of-turn model's P(turn complete)")
+    turn_text_probability: float | None = Field(None, description="the LLM's P(the user's words end there)")
+    turn_text_ms: float | None = Field(None, description="what the LLM's end-of-turn verdict took")
     llm_ttft_ms: float | None = Field(None, description="LLM request to first token")
     llm_first_piece_ms: float | None = Field(None, description="LLM request to the first spoken piece written")
     tts_first_audio_ms: float | None = Field(None, description="first clause to its audio")

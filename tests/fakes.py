@@ -163,12 +163,14 @@ class Conversation:
         asr_text: str = "",
         llm_pieces: list[str] | None = None,
         turn_probability=None,
+        text_probability=None,
         llm_scheduling: bool = True,
         **settings,
     ) -> None:
         self.clock = ManualClock()
         self.asr = ScriptedASR(asr_text)
         self.llm = ScriptedLLM(llm_pieces if llm_pieces is not None else ["Paris is the capital of France."])
+        self.llm.text_turn_probability = text_probability
         self.events: list[protocol.ServerMessage] = []
         self.audio_s = 0.0
         self.metrics: list[protocol.TurnMetrics] = []

@@ -41,6 +41,10 @@ class ScriptedLLM:
         self.pauses: list[tuple[str, str]] = []  # ("pause" | "resume", request id), in order
         self.yields: list[tuple[str, float]] = []  # (request id, max seconds), in order
         self.cores_lent = 0  # how many core_lent() blocks are open now
+        self.text_turn_probability = None  # what end_of_turn_probability says (None: no text signal; or raises it)
+        self.turn_end_asked: list[tuple[list[dict], str]] = []  # (conversation, words) of each end-of-turn ask
+        self.text_turn_gate: asyncio.Event | None = None  # (if set) the end-of-turn verdict waits for it
+        self.turn_end_cancelled = 0
         self.gate_was_open_early = False
 
     def count_tokens(self, messages):
@@ -90,6 +94,18 @@ class ScriptedLLM:
 
     async def warm(self, messages):
         self.warmed.append([dict(m) for m in messages])
+
+    async def end_of_turn_probability(self, messages, user_text):
+        self.turn_end_asked.append((([dict(m) for m in messages]), user_text))
+        if self.text_turn_gate is not None:
+            try:
+                await self.text_turn_gate.wait()
+            except asyncio.CancelledError:
+                self.turn_end_cancelled += 1
+                raise
+        if isinstance(self.text_turn_probability, Exception):
+            raise self.text_turn_probability
+        return self.text_turn_probability
 
     async def health(self):
         return True, "scripted"

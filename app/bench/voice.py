@@ -12,6 +12,9 @@ per-turn metrics.
 
 Sets (``--set``):
 * ``plain``: whole questions;
+* ``commands``: requests said as commands and statements ("Remind me to ...", "I would like to hear ..."),
+  with no question mark and often a falling, finished-sounding end that the end-of-turn model misjudges;
+  reports how many turns waited the mid-clause silence (an endpoint of a second or more);
 * ``pauses``: questions with a pause in the middle of the sentence (``--pause-s``), which a
   good endpoint does not take for the end of the turn; reports how many were split in two
   (answered as two turns), how many were continued (committed at the pause, then the reply
@@ -50,6 +53,15 @@ QUESTIONS = [
     "Why is the sky blue?",
     "Can you recommend a good book?",
 ]
+COMMANDS = [
+    "Please say hello to my friend Tom.",
+    "I would like to hear a joke about computers.",
+    "Remind me to water the plants tonight.",
+    "Set a timer for fifteen minutes.",
+    "Tell me something interesting about whales.",
+    "I want to know more about the moon.",
+]
+LONG_ENDPOINT_MS = 1000  # an endpoint this long waited the mid-clause silence (endpoint_unfinished_silence_ms)
 # Said whole, with a pause stretched into the middle (at the comma, where the voice breathes).
 PAUSED_QUESTIONS = [
     "I want to visit Paris, and London next summer.",
@@ -115,14 +127,14 @@ class TurnRecord:
 class Workload:
     """What the simulated users say, and how."""
 
-    kind: str = "plain"  # plain | pauses | backchannels
+    kind: str = "plain"  # plain | commands | pauses | backchannels
     questions: tuple[tuple[str, np.ndarray], ...] = ()
     over_reply: tuple[tuple[str, np.ndarray], ...] = ()  # backchannels, then the interruption last
     noise_rms: float = 0.0
 
 
 def build_workload(kind: str, snr_db: float | None, rates: list[float], pause_s: float) -> Workload:
-    texts = PAUSED_QUESTIONS if kind == "pauses" else QUESTIONS
+    texts = {"pauses": PAUSED_QUESTIONS, "commands": COMMANDS}.get(kind, QUESTIONS)
     questions = []
     for index, text in enumerate(texts):
         rate = rates[index % len(rates)]
@@ -230,8 +242,8 @@ def figures(records: list[TurnRecord], name: str, *, server: bool = False) -> li
 
 
 def summarize(records: list[TurnRecord], clients: int) -> dict:
-    """p50/p95 of every latency (``<field>_p50``; voice-to-voice as heard at the client, its server-side
-    figure as ``server_voice_to_voice_ms_p50``), RTF, ASR speed, underruns, transcript accuracy."""
+    """p50/p90/p95/max of every latency (``<field>_p50``; voice-to-voice as heard at the client, its
+    server-side figure as ``server_voice_to_voice_ms_p50``), RTF, ASR speed, underruns, transcript accuracy."""
     rtf = [r.server.rtf for r in records if r.server.rtf is not None]
     asr_speed = [r.speech_s / (r.server.asr_compute_ms / 1000) for r in records if r.server.asr_compute_ms]
     summary: dict = {
@@ -248,6 +260,7 @@ def summarize(records: list[TurnRecord], clients: int) -> dict:
         "asr_speed_min": min(asr_speed) if asr_speed else None,
         "transcripts_correct": sum(r.transcript_correct for r in records),
         "speculative_turns": sum(r.server.speculative for r in records),
+        "long_endpoints": sum((r.server.endpoint_ms or 0.0) >= LONG_ENDPOINT_MS for r in records),
         "split_questions": sum(r.split for r in records),
         "continued_questions": sum(r.continued for r in records),
         "talked_over_questions": sum(r.talked_over for r in records),
@@ -257,13 +270,23 @@ def summarize(records: list[TurnRecord], clients: int) -> dict:
         "interruptions_caught": sum(r.spoken_over == "interruption" and r.reply_stopped for r in records),
     }
     for name in protocol.LATENCY_FIELDS:
-        values = figures(records, name)
-        summary[f"{name}_p50"], summary[f"{name}_p95"] = percentile(values, 50), percentile(values, 95)
+        summary.update(_spread(name, figures(records, name)))
         if name in CLIENT_MEASURED:
-            values = figures(records, name, server=True)
-            summary[f"server_{name}_p50"] = percentile(values, 50)
-            summary[f"server_{name}_p95"] = percentile(values, 95)
+            summary.update(_spread(f"server_{name}", figures(records, name, server=True)))
     return summary
+
+
+SPREAD = ("p50", "p90", "p95", "max")
+
+
+def _spread(key: str, values: list[float]) -> dict[str, float | None]:
+    """``<key>_p50``, ``_p90``, ``_p95`` and ``_max`` of ``values`` (None when there are none)."""
+    return {
+        f"{key}_p50": percentile(values, 50),
+        f"{key}_p90": percentile(values, 90),
+        f"{key}_p95": percentile(values, 95),
+        f"{key}_max": max(values) if values else None,
+    }
 
 
 def print_table(summary: dict) -> None:
@@ -271,13 +294,13 @@ def print_table(summary: dict) -> None:
         return "-" if value is None else f"{value:.0f}" if abs(value) >= 10 else f"{value:.2f}"
 
     print(f"\nclients {summary['clients']}, turns {summary['turns']} ({summary['turns_with_audio']} with audio)")
-    print(f"{'figure':<28}{'p50':>10}{'p95':>10}")
+    print(f"{'figure':<28}" + "".join(f"{column:>10}" for column in SPREAD))
     for name in sorted(protocol.LATENCY_FIELDS, key=lambda name: name not in CLIENT_MEASURED):  # headline first
         rows = [(name, name.removesuffix("_ms"))]
         if name in CLIENT_MEASURED:
             rows = [(name, f"{name.removesuffix('_ms')}, heard"), (f"server_{name}", "  at the server")]
         for key, label in rows:
-            print(f"{label + ' (ms)':<28}{fmt(summary[f'{key}_p50']):>10}{fmt(summary[f'{key}_p95']):>10}")
+            print(f"{label + ' (ms)':<28}" + "".join(f"{fmt(summary[f'{key}_{column}']):>10}" for column in SPREAD))
     print(f"{'RTF':<28}{'min ' + fmt(summary['rtf_min']):>10}{'p50 ' + fmt(summary['rtf_p50']):>10}")
     print(
         f"{'ASR speed (x real time)':<28}{'min ' + fmt(summary['asr_speed_min']):>10}{'p50 ' + fmt(summary['asr_speed_p50']):>10}"
@@ -285,7 +308,8 @@ def print_table(summary: dict) -> None:
     print(
         f"underruns {summary['underruns']} ({summary['underrun_s']:.2f} s of silence in all, "
         f"{summary['underrun_s_max']:.2f} s at most in one reply), transcripts correct {summary['transcripts_correct']}/{summary['turns']}, "
-        f"speculative replies used {summary['speculative_turns']}, questions split in two {summary['split_questions']}"
+        f"speculative replies used {summary['speculative_turns']}, questions split in two {summary['split_questions']}, "
+        f"endpoints of {LONG_ENDPOINT_MS} ms or more (the mid-clause wait) {summary['long_endpoints']}"
     )
     if summary["continued_questions"] or summary["talked_over_questions"]:
         print(
@@ -360,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-output", help="folder for per-turn JSON and the PNG chart")
     parser.add_argument("--json", dest="json_path", help="write the summary as one JSON object here")
     parser.add_argument("--server-arg", action="append", default=[], help="extra `parley serve` flag (repeatable)")
-    parser.add_argument("--set", dest="kind", choices=["plain", "pauses", "backchannels"], default="plain")
+    parser.add_argument("--set", dest="kind", choices=["plain", "commands", "pauses", "backchannels"], default="plain")
     parser.add_argument("--snr-db", type=float, help="background noise this many dB under the speech (default: none)")
     parser.add_argument("--rates", default="1", help="speaking rates (Piper length scales) to cycle, e.g. 0.85,1,1.2")
     parser.add_argument("--pause-s", type=float, default=0.7, help="the mid-sentence pause of --set pauses")

@@ -156,6 +156,14 @@ class LocalScheduling(Protocol):
         """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache)."""
         ...
 
+    async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:
+        """How likely the user's turn ends right after ``user_text`` (said after ``messages``): the probability
+        the LLM gives its chat template's end-of-turn token there. None when the template has no such token.
+
+        One short prefill: the prompt is the reply's, but for its last few tokens (the prefix cache holds the rest).
+        """
+        ...
+
 
 def scheduling_of(llm: ChatLLM) -> LocalScheduling | None:
     """The LLM's ``LocalScheduling``, or None where it has none (the caller then skips the work)."""

@@ -8,6 +8,9 @@ generation and frees its resources.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import math
 import threading
 import time
 import uuid
@@ -18,8 +21,15 @@ from app.stages.base import ChatLLM, GenerationSettings, Message
 from engine.config import EngineConfig
 
 HEALTH_TTL_S = 5.0
+SENTENCE_ENDS = frozenset(".?!。？！…")
 
 __all__ = ["ChatLLM", "EngineChatLLM", "GenerationSettings", "Message", "OpenAIChatLLM", "TransformersChatLLM"]
+
+
+def _ends_a_sentence(token_text: str) -> bool:
+    """A token that is only a sentence's final punctuation ("." "?" "!" "。", with or without spaces)."""
+    stripped = token_text.strip()
+    return bool(stripped) and all(char in SENTENCE_ENDS for char in stripped)
 
 
 class TransformersChatLLM:
@@ -144,13 +154,18 @@ class EngineChatLLM:
 
     async def _text(self, prompt: list[int], params, request_id: str) -> AsyncIterator[str]:
         """The request's text deltas; an engine error raises, and closing aborts the request."""
+        async for output in self._outputs(prompt, params, request_id):
+            if output.text_delta:
+                yield output.text_delta
+
+    async def _outputs(self, prompt: list[int], params, request_id: str) -> AsyncIterator:
+        """The request's outputs; an engine error raises, and closing aborts the request."""
         outputs = self.engine.generate(prompt, params, request_id=request_id)
         try:
             async for output in outputs:
                 if output.error:
                     raise RuntimeError(f"LLM engine: {output.error}")
-                if output.text_delta:
-                    yield output.text_delta
+                yield output
         finally:
             await outputs.aclose()  # aborts the request (and frees its KV blocks) if unfinished
 
@@ -181,6 +196,62 @@ class EngineChatLLM:
         prompt = self.engine.apply_chat_template(messages, add_generation_prompt=False)
         async for _ in self._text(prompt, SamplingParams(max_tokens=1), f"warm-{uuid.uuid4().hex}"):
             pass
+
+    async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:
+        """How likely the user's words end here: P(the template's end-of-turn token) + P(a sentence's end), after
+        ``user_text`` without its final punctuation (LiveKit's text turn detector asks the first, of bare words).
+
+        The punctuation goes because Whisper puts it on cut-off audio too ("Turn off." took P(end of turn) from
+        2e-7 to 0.5 on the bundled model; "What is the capital of?"); the sentence's end is added because bare
+        words that finish a sentence are followed by its punctuation, rarely by the end-of-turn token at once.
+        The prompt is the conversation with the user's message left open (the reply's prompt but for its last
+        few tokens, so the prefix cache holds nearly all of it); one step reads the log-probabilities from the
+        raw logits. The end-of-turn token is forced (a logit bias, which applies after the log-probabilities
+        are read) so its own is reported whatever its rank; a sentence's end counts among the 20 likeliest.
+        """
+        from engine import SamplingParams
+        from engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+
+        text = user_text.strip().rstrip(".?!…。？！ ")
+        if self._turn_end is None or not text:
+            return None
+        token, after = self._turn_end
+        ids = self.engine.apply_chat_template(
+            [*messages, {"role": "user", "content": text}], add_generation_prompt=False
+        )
+        cut = len(ids) - after
+        if cut <= 0 or ids[cut] != token:
+            return None
+        params = SamplingParams(max_tokens=1, logprobs=MAX_LOGPROBS, logit_bias={token: MAX_LOGIT_BIAS})
+        first = None
+        async with contextlib.aclosing(self._outputs(ids[:cut], params, f"turn-end-{uuid.uuid4().hex}")) as outputs:
+            async for output in outputs:
+                first = first or (output.logprobs[0] if output.logprobs else None)
+        if first is None:
+            return None
+        decode = self.engine.tokenizer.decode
+        ends = [lp for t, lp in first.top if t != token and _ends_a_sentence(decode([t]))]
+        return min(1.0, math.exp(first.logprob) + sum(math.exp(lp) for lp in ends))
+
+    @functools.cached_property
+    def _turn_end(self) -> tuple[int, int] | None:
+        """The chat template's end-of-turn token (``<|im_end|>`` in ChatML), and how many tokens the template
+        puts after a user message counting from it; None when it ends a user message with no special token.
+
+        Found as the first special token of what the template appends to any user message alike.
+        """
+        special = {int(i) for i in self.engine.tokenizer.added_tokens_encoder.values()}
+        renderings = [
+            self.engine.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=False)
+            for text in ("Hello", "What time is it")
+        ]
+        suffix = []
+        for a, b in zip(reversed(renderings[0]), reversed(renderings[1]), strict=False):
+            if a != b:
+                break
+            suffix.insert(0, a)
+        firsts = [index for index, token in enumerate(suffix) if token in special]
+        return (suffix[firsts[0]], len(suffix) - firsts[0]) if firsts else None
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.config import Settings
-from app.stages.base import ChatLLM, TurnDetector, VadConfig, VoiceStages, scheduling_of
+from app.stages.base import ChatLLM, Message, TurnDetector, VadConfig, VoiceStages, scheduling_of
 from app.voice.clock import Clock, RunBlocking
 from app.voice.turns import Endpointer
 from app.voice.utterance import Emit, TrackerOptions, UtteranceTracker
@@ -37,6 +37,35 @@ class BesideTheLLM:
             return self.detector.complete_probability(audio)
 
 
+@dataclass(frozen=True)
+class TextTurnEnd:
+    """The LLM's P that the user's words end their turn, asked with the conversation their reply will be
+    asked with (``prompt``: the reply's messages for these words), so the prefix cache holds the prompt.
+
+    None where the LLM has no ``LocalScheduling`` (it runs elsewhere): then the sound and the words' cue decide.
+    """
+
+    llm: ChatLLM
+    prompt: Callable[[str], list[Message]]
+
+    async def __call__(self, text: str) -> float | None:
+        if (scheduling := scheduling_of(self.llm)) is None:
+            return None
+        *conversation, said = self.prompt(text)
+        return await scheduling.end_of_turn_probability(conversation, said["content"])
+
+
+def endpointer(settings: Settings) -> Endpointer:
+    """The endpoint's rule as the settings tune it."""
+    return Endpointer(
+        settings.endpoint_silence_ms,
+        settings.endpoint_unfinished_silence_ms,
+        settings.endpoint_complete_silence_ms,
+        settings.turn_complete_threshold,
+        settings.turn_incomplete_threshold,
+    )
+
+
 def listen(
     models: VoiceStages,
     settings: Settings,
@@ -46,8 +75,10 @@ def listen(
     clock: Clock,
     run_blocking: RunBlocking,
     language: Callable[[], str | None],
+    prompt: Callable[[str], list[Message]] | None = None,
 ) -> UtteranceTracker:
-    """A tracker of the user's utterances as ``settings`` tune it; ``language``: the one to transcribe in, now."""
+    """A tracker of the user's utterances as ``settings`` tune it; ``language``: the one to transcribe in, now;
+    ``prompt``: the reply's messages for some words (the LLM's end-of-turn signal is asked with them)."""
     vad = models.vad_stream(
         VadConfig(
             threshold=settings.vad_threshold,
@@ -64,18 +95,14 @@ def listen(
         clock=clock,
         run_blocking=run_blocking,
         turn_detector=None if models.turn is None else BesideTheLLM(models.turn, models.llm),
+        text_turn_end=TextTurnEnd(models.llm, prompt) if prompt is not None and settings.turn_text_signal else None,
         language=language,
         early_tail=lambda: models.solo,  # several sessions share Whisper: no transcriptions wasted on gaps
         options=TrackerOptions(
-            endpointer=Endpointer(
-                settings.endpoint_silence_ms,
-                settings.endpoint_unfinished_silence_ms,
-                settings.endpoint_complete_silence_ms,
-                settings.turn_complete_threshold,
-                settings.turn_incomplete_threshold,
-            ),
+            endpointer=endpointer(settings),
             partial_interval_ms=settings.partial_interval_ms,
             max_utterance_s=settings.max_utterance_s,
             tail_start_ms=settings.tail_start_ms,
+            text_wait_ms=settings.turn_text_wait_ms,
         ),
     )

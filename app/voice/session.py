@@ -113,6 +113,7 @@ class VoiceSession:
             clock=self._clock,
             run_blocking=self._run,
             language=lambda: self.prefs.language,
+            prompt=lambda text: self._replies.prompt(text, self._turn_language).messages,
         )
 
     async def start(self) -> None:

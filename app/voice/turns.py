@@ -3,11 +3,13 @@
 * ``PartialStabilizer``: partial transcripts that only grow (LocalAgreement: words two
   hypotheses agree on are fixed, so the page never sees text jump backwards).
 * ``looks_unfinished``: the transcript's own cue that the user is mid-sentence.
-* ``Endpointer``: how much silence commits a turn, given that cue.
+* ``Endpointer``: how much silence commits a turn, given that cue and the end-of-turn signals
+  (the sound: Smart Turn; the words: the LLM's P of its end-of-turn token), combined.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from app.voice.text import words
@@ -96,15 +98,47 @@ def _prefix_matches(tokens: list[str], prefix: list[str]) -> bool:
 
 
 @dataclass(frozen=True)
-class Endpointer:
-    """Silence needed to commit a turn, from two cues: the words, and the sound of the turn's end.
+class SignalWeights:
+    """How the two end-of-turn signals combine: P(complete) = sigmoid(bias + audio * logit(audio P)
+    + text * log10(text P)), fitted on the labelled set of ``parley bench turn-end --fit``.
 
-    The words: ending mid-clause ("... and") always waits ``unfinished_silence_ms``. The sound:
-    an end-of-turn model's probability that the turn is complete (``complete_probability``,
-    None without a model). Confident it is over (>= ``complete_threshold``): commit after
-    ``complete_silence_ms``; confident it is not (< ``incomplete_threshold``): wait as long as
-    mid-clause, which also catches an "and" that Whisper heard as "then." (but not after a
-    question mark); in between, or without a model: ``silence_ms``.
+    The audio P is Smart Turn's; the text P the LLM's (``LocalScheduling.end_of_turn_probability``),
+    floored at ``text_floor`` (below it the words are as unfinished as words get). On that set the words
+    say far more than the sound: cut out of fluent speech, a mid-clause pause often sounds finished to
+    Smart Turn, so the fit leans on the text (accuracies: README, "How a turn flows").
+    """
+
+    bias: float = 2.49
+    audio: float = 0.16
+    text: float = 1.34
+    text_floor: float = 1e-6
+
+
+def combined_probability(
+    audio: float | None, text: float | None, weights: SignalWeights = SignalWeights()
+) -> float | None:
+    """P(the turn is complete) from both signals; the audio P alone without the text's (an LLM elsewhere)."""
+    if text is None:
+        return audio
+    z = weights.bias + weights.text * math.log10(max(text, weights.text_floor))
+    if audio is not None:
+        clipped = min(max(audio, 1e-3), 1 - 1e-3)
+        z += weights.audio * math.log(clipped / (1 - clipped))
+    return 1 / (1 + math.exp(-z))
+
+
+@dataclass(frozen=True)
+class Endpointer:
+    """Silence needed to commit a turn, from three cues: the words, the sound of the turn's end, and what the
+    LLM expects after the words.
+
+    The words: ending mid-clause ("... and") always waits ``unfinished_silence_ms``. The signals: an
+    end-of-turn model's probability that the turn is complete (``complete_probability``, None without a
+    model) and the LLM's that the words end there (``text_probability``, None where the LLM runs
+    elsewhere), combined (``combined_probability``). Confident it is over (>= ``complete_threshold``):
+    commit after ``complete_silence_ms``; confident it is not (< ``incomplete_threshold``): wait as long
+    as mid-clause, which also catches an "and" that Whisper heard as "then." (with the sound alone, not
+    after a question mark); in between, or with neither signal: ``silence_ms``.
     """
 
     silence_ms: int = 400
@@ -112,18 +146,25 @@ class Endpointer:
     complete_silence_ms: int = 200
     complete_threshold: float = 0.5
     incomplete_threshold: float = 0.2
+    weights: SignalWeights = SignalWeights()
 
     def required_silence_ms(
-        self, text: str | None, complete_probability: float | None = None, language: str | None = None
+        self,
+        text: str | None,
+        complete_probability: float | None = None,
+        language: str | None = None,
+        text_probability: float | None = None,
     ) -> int:
         if text is not None and looks_unfinished(text, language):
             return self.unfinished_silence_ms
-        if complete_probability is None:
+        probability = combined_probability(complete_probability, text_probability, self.weights)
+        if probability is None:
             return self.silence_ms
-        if complete_probability >= self.complete_threshold:
+        if probability >= self.complete_threshold:
             return self.complete_silence_ms
-        if complete_probability < self.incomplete_threshold and not (text or "").rstrip().endswith("?"):
-            # (a question mark is Whisper hearing a finished question; the model misjudged
-            # "Can you recommend a good book?" at P 0.02-0.04 in the benchmark)
-            return self.unfinished_silence_ms
+        if probability < self.incomplete_threshold:
+            # (the sound alone: a question mark is Whisper hearing a finished question; the model misjudged
+            # "Can you recommend a good book?" at P 0.02-0.04 in the benchmark. The LLM reads the question.)
+            if text_probability is not None or not (text or "").rstrip().endswith("?"):
+                return self.unfinished_silence_ms
         return self.silence_ms

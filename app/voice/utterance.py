@@ -37,7 +37,7 @@ from app.audio import ASR_SAMPLE_RATE
 from app.stages.base import SpeechRecognizer, Transcription, TurnDetector, VoiceActivity
 from app.voice.clock import ArrivalClock, Clock, RunBlocking
 from app.voice.text import text_after, without_trailing_loop
-from app.voice.turns import Endpointer, PartialStabilizer, is_filler
+from app.voice.turns import Endpointer, PartialStabilizer, is_filler, looks_unfinished
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ class Committed:
     asr_compute_ms: float
     turn_probability: float | None = None  # the end-of-turn model's verdict at the last pause
     turn_detect_ms: float | None = None  # what that verdict cost
+    turn_text_probability: float | None = None  # the LLM's P that the words end there (None: not asked, or late)
+    turn_text_ms: float | None = None  # what that verdict cost
     language: str | None = None  # the language the words were heard in
 
     def figures(self) -> dict[str, float | None]:
@@ -122,6 +124,8 @@ class Committed:
             "asr_compute_ms": self.asr_compute_ms,
             "turn_detect_ms": self.turn_detect_ms,
             "turn_probability": self.turn_probability,
+            "turn_text_probability": self.turn_text_probability,
+            "turn_text_ms": self.turn_text_ms,
         }
 
 
@@ -135,6 +139,8 @@ class Dropped:
 
 UtteranceEvent = SpeechStarted | Resumed | Paused | Speaking | Partial | TailText | Committed | Dropped
 Emit = Callable[[UtteranceEvent], Awaitable[None]]
+TextTurnEnd = Callable[[str], Awaitable[float | None]]
+"""P(the user's words end here) from their text (the LLM's, ``listening.TextTurnEnd``); None when it cannot say."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,7 @@ class TrackerOptions:
     partial_interval_ms: int = 400
     max_utterance_s: float = 30.0
     tail_start_ms: int = 32  # quiet after which the tail's transcription starts (at most the VAD's pause)
+    text_wait_ms: int = 300  # how long the endpoint waits for the LLM's verdict once the words are in
 
 
 @dataclass
@@ -169,6 +176,10 @@ class _Utterance:
     tail_text: str | None = None  # its result, once done
     turn_probability: float | None = None  # the end-of-turn model's verdict at this pause
     turn_ms: float | None = None
+    text_probability: float | None = None  # the LLM's P that the words end at this pause
+    text_ms: float | None = None
+    text_asked_at: float | None = None  # when the LLM was asked, while its verdict is awaited
+    text_task: asyncio.Task | None = None
     verdict_pending: bool = False  # the tail's words are in, the end-of-turn model's verdict is not yet
     language: str | None = None  # what ASR heard the tail in
     asr_ms: float = 0.0
@@ -187,7 +198,7 @@ class _Utterance:
 
     def cancel_jobs(self) -> None:
         self.forget_early_tail()
-        for task in (self.tail_task, self.partial_task):
+        for task in (self.tail_task, self.partial_task, self.text_task):
             if task is not None:
                 task.cancel()
 
@@ -209,12 +220,14 @@ class UtteranceTracker:
         run_blocking: RunBlocking,
         options: TrackerOptions | None = None,
         turn_detector: TurnDetector | None = None,
+        text_turn_end: TextTurnEnd | None = None,
         language: Callable[[], str | None] = lambda: None,
         early_tail: Callable[[], bool] = lambda: True,
     ) -> None:
         self._vad = vad
         self._asr = asr
         self._turn_detector = turn_detector
+        self._text_turn_end = text_turn_end
         self._language = language  # read at each call, so a session's config applies to the next words
         self._early_tail = early_tail  # read at each quiet window: tail_start_ms applies, or the pause
         self._emit = emit
@@ -323,10 +336,12 @@ class UtteranceTracker:
             # Long utterance: freeze the text so far, decode only what follows (with it as context).
             utterance.stable_text = utterance.text()
             utterance.stable_until = utterance.pause + TAIL_PAD_MS * SAMPLES_PER_MS
-        if utterance.tail_task is not None and not utterance.tail_task.done():
-            utterance.tail_task.cancel()  # its transcription, or the end-of-turn model after it
+        for task in (utterance.tail_task, utterance.text_task):
+            if task is not None and not task.done():
+                task.cancel()  # its transcription, the end-of-turn model after it, the LLM's verdict
         utterance.pause, utterance.tail_task, utterance.tail_text = None, None, None
         utterance.turn_probability = utterance.turn_ms = None
+        utterance.text_probability = utterance.text_ms = utterance.text_asked_at = utterance.text_task = None
         utterance.verdict_pending = False
         await self._emit(Resumed(utterance.turn_id))
 
@@ -390,6 +405,29 @@ class UtteranceTracker:
             probability = None
         return probability, (self._clock.now() - started) * 1000
 
+    def _ask_the_llm(self, utterance: _Utterance) -> None:
+        """Ask the LLM whether the words end the turn (not where the words' own cue already waits).
+
+        Apart from the tail's task: a commit never waits for this verdict (``_commit`` waits for the
+        words), and the endpoint waits for it only ``text_wait_ms`` (``_maybe_commit``).
+        """
+        judge, text = self._text_turn_end, utterance.text()
+        if judge is None or not text.strip() or is_filler(text) or looks_unfinished(text, utterance.language):
+            return
+        utterance.text_asked_at = self._clock.now()
+        utterance.text_task = asyncio.create_task(self._llm_verdict(utterance, judge, text), name="llm-turn-end")
+
+    async def _llm_verdict(self, utterance: _Utterance, judge: TextTurnEnd, text: str) -> None:
+        started = self._clock.now()
+        try:
+            probability = await judge(text)
+        except Exception:  # the sound and the words' cue still decide
+            log.warning("the LLM's end-of-turn probability failed; using the other cues", exc_info=True)
+            probability = None
+        utterance.text_probability, utterance.text_asked_at = probability, None
+        utterance.text_ms = (self._clock.now() - started) * 1000
+        await self._maybe_commit(utterance)
+
     async def _transcribe_tail(self, audio: np.ndarray, context: str) -> tuple[Transcription | None, float]:
         started = self._clock.now()
         result = await self._transcribe(audio, context=context)
@@ -397,12 +435,14 @@ class UtteranceTracker:
 
     async def _finish_tail(self, utterance: _Utterance, job: _TailJob, whole: np.ndarray) -> None:
         """At the pause: ask the end-of-turn model (beside ASR, on another core); once the tail is
-        heard, tell the session (it may speculate); once the model has answered too, see if the
-        turn ends.
+        heard, ask the LLM whether the words end the turn and tell the session (it may speculate);
+        once the model has answered too, see if the turn ends (and again once the LLM has).
 
         The words are told without waiting for the model: a speculative reply needs only them, and
         the model, started later (at the pause) and slowed by the transcription beside it, often
         answered after them (``turn_detect`` ~110-280 ms with one user, ``asr_compute`` ~170-270).
+        The LLM is asked just before the session speculates, so both requests' short prefills of the
+        words (the rest of the prompt is in the prefix cache) share the engine's next step.
         """
         turn_end = asyncio.ensure_future(self._detect_turn_end(whole))
         try:
@@ -413,6 +453,7 @@ class UtteranceTracker:
             utterance.language = result.language if result is not None and result.language else None
             utterance.asr_ms = asr_ms
             utterance.verdict_pending = True
+            self._ask_the_llm(utterance)
             if utterance is self._utterance:  # (else already being committed; _commit reads tail_text)
                 speech_end = self._arrivals.time_of(utterance.pause)
                 await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
@@ -450,15 +491,23 @@ class UtteranceTracker:
             if silence_ms >= endpointer.unfinished_silence_ms:
                 await self._commit(utterance)  # ASR or the end-of-turn model is late: commit and wait for it
             return
-        required = endpointer.required_silence_ms(utterance.text(), utterance.turn_probability, utterance.language)
+        if utterance.text_asked_at is not None:  # the LLM has not answered yet
+            waited_ms = (self._clock.now() - utterance.text_asked_at) * 1000
+            if waited_ms < self.options.text_wait_ms and silence_ms < endpointer.unfinished_silence_ms:
+                return
+            # (past the wait, the other cues decide; a verdict that comes later still counts)
+        required = endpointer.required_silence_ms(
+            utterance.text(), utterance.turn_probability, utterance.language, utterance.text_probability
+        )
         if silence_ms >= required:
             await self._commit(utterance)
 
     async def _commit(self, utterance: _Utterance, forced: bool = False) -> None:
         self._utterance = None
         commit = self._clock.now()
-        if utterance.partial_task is not None:
-            utterance.partial_task.cancel()
+        for task in (utterance.partial_task, utterance.text_task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()  # (an LLM verdict still awaited is no longer needed: its request is aborted)
         tail = utterance.tail_task
         if tail is not None and not tail.done() and tail is not asyncio.current_task():
             with contextlib.suppress(asyncio.CancelledError):
@@ -482,6 +531,8 @@ class UtteranceTracker:
                 asr_compute_ms=utterance.asr_ms,
                 turn_probability=utterance.turn_probability,
                 turn_detect_ms=utterance.turn_ms,
+                turn_text_probability=utterance.text_probability,
+                turn_text_ms=utterance.text_ms,
                 language=utterance.language,
             )
         )

@@ -121,3 +121,15 @@ def _silent_runs(audio, frame=160):
         run = run + 1 if q else 0
         runs.append(run * frame / 16000)
     return runs
+
+
+def test_summary_reports_the_spread_and_the_turns_that_waited_the_mid_clause_silence():
+    waited = record(1, 1, 1900.0, 1850.0)
+    waited.server = waited.server.model_copy(update={"endpoint_ms": 1210.0})
+    summary = summarize([*RECORDS, waited], clients=2)
+    assert summary["long_endpoints"] == 1  # 1210 ms; the others' 300 ms endpoints did not wait
+    assert summary["voice_to_voice_ms_max"] == 1900.0
+    assert (
+        summary["voice_to_voice_ms_p50"] < summary["voice_to_voice_ms_p90"] < summary["voice_to_voice_ms_p95"] < 1900.0
+    )
+    assert summary["endpoint_ms_max"] == 1210.0 and summary["server_voice_to_voice_ms_max"] == 1850.0

@@ -1,0 +1,55 @@
+"""The in-process engine's end-of-turn signal on the bundled model: finished words end a turn more likely
+than the same words cut mid-clause (clear pairs only; the calibration set is `parley bench turn-end`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from app.stages.llm import EngineChatLLM, GenerationSettings
+from engine.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def llm():
+    backend = EngineChatLLM(
+        EngineConfig(dtype="bfloat16", device="cpu", num_threads=1), settings=GenerationSettings(max_tokens=3)
+    )
+    yield backend
+    backend.close()
+
+
+CONVERSATION = [{"role": "system", "content": "You are a helpful AI assistant named Parley. Keep your answers short."}]
+PAIRS = [
+    ("Set a timer for ten minutes.", "Set a timer for"),
+    ("Can you tell me a joke about cats?", "Can you tell"),
+    ("I would like to hear a song by the Beatles.", "I would like to hear"),
+    ("Remind me to call my mother tomorrow.", "Remind me to call"),
+    ("Please say hello to my sister.", "Please say hello to"),
+]
+
+
+def test_the_template_s_end_of_turn_token_is_found(llm):
+    token, after = llm._turn_end
+    assert llm.engine.tokenizer.convert_ids_to_tokens(token) == "<|im_end|>" and after >= 1
+
+
+@pytest.mark.parametrize(("finished", "cut"), PAIRS)
+async def test_finished_words_end_the_turn_far_more_likely_than_words_cut_mid_clause(llm, finished, cut):
+    complete = await llm.end_of_turn_probability(CONVERSATION, finished)
+    paused = await llm.end_of_turn_probability(CONVERSATION, cut)
+    assert 0 <= paused < 1e-3 < 1e-2 < complete <= 1  # apart by orders of magnitude, not a borderline margin
+
+
+async def test_whisper_s_period_on_cut_off_words_changes_nothing(llm):
+    bare = await llm.end_of_turn_probability(CONVERSATION, "Turn off the lights in the")
+    period = await llm.end_of_turn_probability(CONVERSATION, "Turn off the lights in the.")
+    # the same prompt (bfloat16 sums differ a little once its prefix is cached)
+    assert period < 1e-3 and math.log10(period) == pytest.approx(math.log10(bare), abs=0.3)
+
+
+async def test_no_words_no_verdict_and_no_request_left_behind(llm):
+    assert await llm.end_of_turn_probability(CONVERSATION, " . ") is None
+    await llm.end_of_turn_probability(CONVERSATION, "What time is it?")
+    assert llm.engine.engine.stats()["kv_blocks_used"] == 0

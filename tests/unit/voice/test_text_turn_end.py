@@ -1,0 +1,130 @@
+"""The LLM's end-of-turn signal beside the sound's: commands and statements end after the short silence,
+mid-clause pauses still wait, and without the LLM's signal the endpoint is what the sound and the words make it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app import protocol
+from app.voice.turns import Endpointer, combined_probability
+
+ENDPOINT_MS, COMPLETE_MS, UNFINISHED_MS = 400, 200, 1200
+FRAME_MS, VAD_WINDOW_MS, PAUSE_MS = 20, 32, 96
+COMMAND = "Set a timer for ten minutes."
+SOUND_MISJUDGES = 0.05  # what Smart Turn said of commands and statements in the benchmark
+
+
+def committed(conv):
+    return lambda: bool([e for e in conv.of(protocol.Transcript) if e.final])
+
+
+# ------------------------------------------------------------------ the rule
+def test_a_command_the_sound_misjudges_ends_after_the_short_silence_when_the_llm_reads_it_finished():
+    endpointer = Endpointer()
+    assert endpointer.required_silence_ms(COMMAND, SOUND_MISJUDGES, "en", text_probability=0.4) == COMPLETE_MS
+    assert endpointer.required_silence_ms(COMMAND, SOUND_MISJUDGES, "en") == UNFINISHED_MS  # the sound alone
+
+
+@pytest.mark.parametrize("sound", [0.05, 0.97])  # a cut out of fluent speech can sound finished
+def test_words_the_llm_reads_as_unfinished_wait_however_they_sound(sound):
+    endpointer = Endpointer()
+    assert endpointer.required_silence_ms("I would like to hear", sound, "en", text_probability=1e-9) == UNFINISHED_MS
+    # Whisper's question mark on cut-off audio does not overrule the LLM (it did the sound alone)
+    assert endpointer.required_silence_ms("What is the capital of?", sound, "en", 1e-8) == UNFINISHED_MS
+
+
+@pytest.mark.parametrize(
+    ("text", "sound", "expected"),
+    [
+        (COMMAND, 0.6, COMPLETE_MS),
+        (COMMAND, 0.3, ENDPOINT_MS),
+        (COMMAND, SOUND_MISJUDGES, UNFINISHED_MS),
+        ("Can you recommend a good book?", SOUND_MISJUDGES, ENDPOINT_MS),
+        (COMMAND, None, ENDPOINT_MS),
+        ("I would like to visit Paris and", 0.99, UNFINISHED_MS),
+    ],
+)
+def test_without_the_llm_s_signal_the_rule_is_the_sound_s_and_the_words(text, sound, expected):
+    assert Endpointer().required_silence_ms(text, sound, "en", text_probability=None) == expected
+
+
+def test_the_words_own_cue_still_waits_whatever_both_signals_say():
+    assert Endpointer().required_silence_ms("I need to buy milk and", 0.99, "en", 0.9) == UNFINISHED_MS
+
+
+def test_the_combination_grows_with_each_signal_and_is_the_sound_s_alone_without_the_llm():
+    assert combined_probability(0.3, None) == 0.3 and combined_probability(None, None) is None
+    assert combined_probability(0.3, 1e-3) < combined_probability(0.3, 1e-1) < combined_probability(0.3, 0.9)
+    assert combined_probability(0.1, 1e-2) < combined_probability(0.9, 1e-2)
+    assert combined_probability(None, 0.5) > 0.5 > combined_probability(None, 1e-5)
+
+
+# ------------------------------------------------------------------ in a conversation
+async def test_a_command_ends_after_the_short_silence(conversation):
+    conv = conversation(turn_probability=SOUND_MISJUDGES, text_probability=0.4, system_prompt="Be brief.")
+    await conv.speak(1.0, COMMAND)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    assert COMPLETE_MS <= waited_ms <= COMPLETE_MS + VAD_WINDOW_MS + FRAME_MS
+    [(asked_with, words)] = conv.llm.turn_end_asked  # with the conversation its reply is asked with
+    assert words == COMMAND and asked_with[0] == {"role": "system", "content": "Be brief."}
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].metrics.turn_text_probability == 0.4
+
+
+@pytest.mark.parametrize("how", ["remote LLM", "turned off", "failed"])
+async def test_without_the_llm_s_signal_a_command_waits_as_the_sound_says(conversation, how):
+    text_probability = RuntimeError("engine down") if how == "failed" else 0.4
+    conv = conversation(
+        turn_probability=SOUND_MISJUDGES,
+        text_probability=text_probability,
+        llm_scheduling=how != "remote LLM",
+        turn_text_signal=how != "turned off",
+    )
+    await conv.speak(1.0, COMMAND)
+    await conv.silence(0.9)
+    assert not conv.finals()
+    waited_ms = 900 + await conv.silence_until(committed(conv)) * 1000
+    assert UNFINISHED_MS <= waited_ms <= UNFINISHED_MS + VAD_WINDOW_MS + FRAME_MS
+    assert bool(conv.llm.turn_end_asked) == (how == "failed")
+
+
+async def test_a_mid_clause_pause_both_signals_doubt_waits(conversation):
+    conv = conversation(turn_probability=SOUND_MISJUDGES, text_probability=1e-9)
+    await conv.speak(1.0, "I would like to hear")
+    await conv.silence(0.9)
+    assert not conv.finals()
+    waited_ms = 900 + await conv.silence_until(committed(conv)) * 1000
+    assert UNFINISHED_MS <= waited_ms <= UNFINISHED_MS + VAD_WINDOW_MS + FRAME_MS
+
+
+async def test_words_that_end_mid_clause_are_not_asked_about(conversation):
+    conv = conversation(turn_probability=0.9, text_probability=0.9)
+    await conv.speak(1.0, "Set a timer for")
+    await conv.silence_until(committed(conv))
+    assert conv.llm.turn_end_asked == []
+
+
+async def test_a_late_llm_leaves_the_endpoint_to_the_other_cues_after_a_short_wait(conversation):
+    conv = conversation(turn_probability=0.95, text_probability=1e-9, turn_text_wait_ms=300)
+    conv.llm.text_turn_gate = asyncio.Event()  # the engine is busy: no verdict comes
+    await conv.speak(1.0, COMMAND)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    # the words are in at the pause (the VAD's pause_ms after the silence began); then 300 ms for the LLM
+    assert 300 <= waited_ms <= 300 + PAUSE_MS + VAD_WINDOW_MS + 2 * FRAME_MS
+    assert conv.llm.turn_end_cancelled == 1  # its request is aborted at the commit
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].metrics.turn_text_probability is None
+
+
+async def test_a_verdict_within_the_wait_still_holds_a_mid_clause_pause(conversation):
+    conv = conversation(turn_probability=0.95, text_probability=1e-9, turn_text_wait_ms=300)
+    conv.llm.text_turn_gate = gate = asyncio.Event()
+    await conv.speak(1.0, "Read me the latest")  # sounds finished; the LLM reads it as not
+    await conv.silence(0.3)
+    gate.set()
+    await conv.silence(0.6)
+    assert not conv.finals()
+    waited_ms = 900 + await conv.silence_until(committed(conv)) * 1000
+    assert UNFINISHED_MS <= waited_ms <= UNFINISHED_MS + VAD_WINDOW_MS + FRAME_MS
