@@ -266,6 +266,25 @@ def fit_weights(records: list[Judged], floor: float = SignalWeights().text_floor
     )
 
 
+def held_out_accuracy(records: list[Judged], rule: Endpointer, folds: int = 5, seed: int = 0) -> float:
+    """The combination's accuracy on utterances it was not fitted on: ``folds``-fold cross-validation, grouped so
+    an utterance (whole and paused, at every noise level) is never in both the fitting and the judged part."""
+    groups = [records[i].said for i in range(0, len(records) - 1, 2) for _ in (0, 1)]  # (whole, paused) pairs
+    names = sorted(set(groups))
+    np.random.default_rng(seed).shuffle(names)
+    fold_of = {name: index % folds for index, name in enumerate(names)}
+    right = 0
+    for fold in range(folds):
+        fitting = [r for r, g in zip(records, groups, strict=True) if fold_of[g] != fold]
+        judged = [r for r, g in zip(records, groups, strict=True) if fold_of[g] == fold]
+        weights = fit_weights(fitting)
+        right += sum(
+            ((combined_probability(r.audio_p, r.text_p, weights) or 0.0) >= rule.complete_threshold) == r.complete
+            for r in judged
+        )
+    return right / len(records)
+
+
 def _counts(records: list[Judged], says_complete) -> dict:
     """Complete ones judged complete and paused ones judged not, of how many."""
     complete = [r for r in records if r.complete]
@@ -339,6 +358,7 @@ def print_report(summary: dict) -> None:
     if summary.get("fitted"):
         print(
             f"fitted on this set: {summary['fitted']['weights']}, combined accuracy {summary['fitted']['accuracy']:.1%}"
+            f" ({summary['fitted']['held_out_accuracy']:.1%} on utterances left out of the fit, 5-fold)"
         )
     if summary["skipped"]:
         print(f"left out (their pause point was not found): {summary['skipped']}")
@@ -392,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit:
         fitted = fit_weights(records)
         fitted_score = score(records, replace(rule, weights=fitted))["all"]["combined"]
-        summary["fitted"] = {"weights": asdict(fitted), "accuracy": fitted_score["accuracy"]}
+        summary["fitted"] = {
+            "weights": asdict(fitted),
+            "accuracy": fitted_score["accuracy"],
+            "held_out_accuracy": held_out_accuracy(records, rule),
+        }
     print_report(summary)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({**summary, "records": [asdict(r) for r in records]}, indent=1))

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from app.bench.turn_end import UTTERANCES, Judged, fit_weights, score, split_marked
+from app.bench.turn_end import UTTERANCES, Judged, fit_weights, held_out_accuracy, score, split_marked
 from app.voice.turns import Endpointer, looks_unfinished
 
 
@@ -52,3 +52,19 @@ def test_the_fit_separates_what_the_text_separates():
     weights = fit_weights(RECORDS * 5)
     assert weights.text > 0
     assert score(RECORDS, Endpointer(weights=weights))["all"]["combined"]["accuracy"] == 1.0
+
+
+def pair(sentence: str, whole_text_p: float, paused_text_p: float) -> list[Judged]:
+    """One utterance said whole and paused, as the bench records them (whole first)."""
+    return [
+        Judged("command", True, sentence, 1.0, sentence, False, 0.5, whole_text_p),
+        Judged("command", False, sentence[:5], 1.0, sentence[:5], False, 0.5, paused_text_p),
+    ]
+
+
+def test_held_out_accuracy_judges_each_utterance_with_weights_fitted_without_it():
+    telling = [r for n in range(20) for r in pair(f"sentence {n}", 0.5, 1e-8)]
+    assert held_out_accuracy(telling, Endpointer()) == 1.0
+    # when the text says the opposite on half the utterances, weights fitted on the others cannot judge them
+    misleading = [r for n in range(20) for r in pair(f"sentence {n}", *((0.5, 1e-8) if n % 2 else (1e-8, 0.5)))]
+    assert held_out_accuracy(misleading, Endpointer()) <= 0.6
