@@ -133,11 +133,10 @@ class Settings(BaseSettings):
         "end-of-turn model's P (in-process engine only)",
     )
     turn_text_wait_ms: int = Field(
-        300,
+        400,
         ge=0,
-        le=2000,
-        description="how long the endpoint waits for that verdict once the words are transcribed (later: the "
-        "other cues decide)",
+        le=3000,
+        description="the silence up to which the endpoint waits for that verdict (after it: the other cues decide)",
     )
     turn_complete_threshold: float = Field(0.5, ge=0, le=1, description="P(complete) at or above which a turn is over")
     turn_incomplete_threshold: float = Field(

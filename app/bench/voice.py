@@ -383,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="ws://HOST:PORT/ws of a running server (default: start one)")
     parser.add_argument("--out", default="bench-output", help="folder for per-turn JSON and the PNG chart")
     parser.add_argument("--json", dest="json_path", help="write the summary as one JSON object here")
+    parser.add_argument(
+        "--max-sessions", type=int, help="the started server's session cap (default: the server's own default)"
+    )
     parser.add_argument("--server-arg", action="append", default=[], help="extra `parley serve` flag (repeatable)")
     parser.add_argument("--set", dest="kind", choices=["plain", "commands", "pauses", "backchannels"], default="plain")
     parser.add_argument("--snr-db", type=float, help="background noise this many dB under the speech (default: none)")
@@ -405,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         print("starting parley serve ...", flush=True)
         started = time.monotonic()
-        # (this measures latency with N users, not admission: the cap must not be what refuses them)
-        server = ServerProcess(["serve", "--max-sessions", str(args.clients), *args.server_arg], out / "server.log")
+        # default settings, admission included, unless asked (a user refused is counted as a failed turn)
+        cap = ["--max-sessions", str(args.max_sessions)] if args.max_sessions else []
+        server = ServerProcess(["serve", *cap, *args.server_arg], out / "server.log")
         print(f"server ready in {time.monotonic() - started:.1f} s", flush=True)
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:

@@ -149,7 +149,7 @@ class TrackerOptions:
     partial_interval_ms: int = 400
     max_utterance_s: float = 30.0
     tail_start_ms: int = 32  # quiet after which the tail's transcription starts (at most the VAD's pause)
-    text_wait_ms: int = 300  # how long the endpoint waits for the LLM's verdict once the words are in
+    text_wait_ms: int = 400  # the silence up to which the endpoint waits for the LLM's verdict (then: the other cues)
 
 
 @dataclass
@@ -409,7 +409,8 @@ class UtteranceTracker:
         """Ask the LLM whether the words end the turn (not where the words' own cue already waits).
 
         Apart from the tail's task: a commit never waits for this verdict (``_commit`` waits for the
-        words), and the endpoint waits for it only ``text_wait_ms`` (``_maybe_commit``).
+        words), and the endpoint waits for it only until the silence reaches ``text_wait_ms`` (``_maybe_commit``): a
+        busy engine (several users) then costs a confident turn end at most that silence, not the LLM's delay.
         """
         judge, text = self._text_turn_end, utterance.text()
         if judge is None or not text.strip() or is_filler(text) or looks_unfinished(text, utterance.language):
@@ -491,11 +492,8 @@ class UtteranceTracker:
             if silence_ms >= endpointer.unfinished_silence_ms:
                 await self._commit(utterance)  # ASR or the end-of-turn model is late: commit and wait for it
             return
-        if utterance.text_asked_at is not None:  # the LLM has not answered yet
-            waited_ms = (self._clock.now() - utterance.text_asked_at) * 1000
-            if waited_ms < self.options.text_wait_ms and silence_ms < endpointer.unfinished_silence_ms:
-                return
-            # (past the wait, the other cues decide; a verdict that comes later still counts)
+        if utterance.text_asked_at is not None and silence_ms < self.options.text_wait_ms:
+            return  # the LLM has not answered yet: past this silence the other cues decide (a later verdict counts)
         required = endpointer.required_silence_ms(
             utterance.text(), utterance.turn_probability, utterance.language, utterance.text_probability
         )
