@@ -21,15 +21,26 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``parley <args> --host 127.0.0.1 --port <free>``, ready once ``ready_path`` answers 200."""
+    """``parley <args> --host 127.0.0.1 --port <free>``, ready once ``ready_path`` answers 200.
 
-    def __init__(self, args: list[str], log_path: Path, ready_path: str = "/healthz", timeout_s: float = 180) -> None:
+    ``program``: another server's command line instead of ``parley`` (one that takes ``--host`` and ``--port``
+    too, such as ``transformers serve``).
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        ready_path: str = "/healthz",
+        timeout_s: float = 180,
+        program: list[str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            [*(program or [sys.executable, "-m", "app.cli"]), *args, "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
