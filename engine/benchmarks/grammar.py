@@ -37,7 +37,12 @@ QUESTION = "What will the weather be like in Paris for the next three days? I ca
 
 
 def sampler_grammar_cost(
-    tokenizer, vocab: int, batch_sizes: tuple[int, ...] = (1, 8), reps: int = 30, seed: int = 0
+    tokenizer,
+    vocab: int,
+    eos_token_ids: tuple[int, ...],
+    batch_sizes: tuple[int, ...] = (1, 8),
+    reps: int = 30,
+    seed: int = 0,
 ) -> dict:
     """Median ms of a sampler step (greedy rows) with a grammar on every row, on one row, and on none.
 
@@ -45,8 +50,8 @@ def sampler_grammar_cost(
     row whose grammar is done starts again. Keys: ``grammar_sampler_ms_{plain,one,all}_bs<b>``,
     ``grammar_sampler_ratio_{one,all}_bs<b>`` (against plain).
     """
-    eos = tokenizer.eos_token_id
-    compiler = GrammarCompiler(tokenizer, vocab, [eos])
+    eos = eos_token_ids[0]  # the engine's (config and generation_config): a tokenizer may name none
+    compiler = GrammarCompiler(tokenizer, vocab, eos_token_ids)
     grammar = schema_grammar(SCHEMA)
     compiler.matcher(grammar)  # the tokenizer and this grammar are built once, before any timing
     gen = torch.Generator().manual_seed(seed)
@@ -162,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", num_threads=args.threads)
     engine = LLMEngine(config)
-    r = sampler_grammar_cost(engine.tokenizer, engine.runner.model.args.vocab_size, reps=args.reps)
+    r = sampler_grammar_cost(
+        engine.tokenizer, engine.runner.model.args.vocab_size, engine.eos_token_ids, reps=args.reps
+    )
     r.update(decode_grammar_cost(engine))
     print("\n".join(report_lines(r)))
     return 0

@@ -746,7 +746,11 @@ def main(argv: list[str] | None = None) -> int:
     def grammar_run() -> None:
         eng = _engine(args.model, args.dtype, args.threads, shared.get("model"))
         reps = 5 if quick else 30
-        r.update(sampler_grammar_cost(eng.tokenizer, eng.runner.model.args.vocab_size, tuple(batch_sizes), reps))
+        r.update(
+            sampler_grammar_cost(
+                eng.tokenizer, eng.runner.model.args.vocab_size, eng.eos_token_ids, tuple(batch_sizes), reps
+            )
+        )
         r.update(decode_grammar_cost(eng, reps=1 if quick else 3, max_tokens=32 if quick else 96))
 
     section("sampler", sampler_run)

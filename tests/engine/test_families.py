@@ -200,3 +200,17 @@ def test_unsupported_architecture_is_refused_with_the_supported_ones(family_path
     with pytest.raises(ValueError, match="unsupported architecture Lfm2ForCausalLM; supported: .*Gemma3ForCausalLM"):
         LlamaModel(tmp_path, torch.float32, "cpu")
     assert {"Qwen3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM"} <= set(SUPPORTED_ARCHITECTURES)
+
+
+def test_bench_engine_quick_runs_on_a_tiny_qwen3_folder(tmp_path):
+    """`parley bench engine --quick --model <folder>`: every section runs on a family other than the bundled one."""
+    from engine.benchmarks.throughput import main as bench_engine
+    from engine.tiny_models import build_family_model
+
+    folder = build_family_model(tmp_path, "qwen3")
+    out = tmp_path / "bench.json"
+    assert bench_engine(["--quick", "--model", str(folder), "--skip-hf", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["engine_steps"] > 0 and "grammar_error" not in figures
+    assert figures["grammar_sampler_ratio_all_bs1"] > 0
+    assert 0.9 < figures["int8_perplexity_ratio"] < 1.1

@@ -146,7 +146,7 @@ def test_an_invalid_grammar_fails_its_request_only(engine, prompts):
 def test_the_grammar_cost_benchmark_reports_both_ratios(engine):
     from engine.benchmarks.grammar import decode_grammar_cost, report_lines, sampler_grammar_cost
 
-    r = sampler_grammar_cost(engine.tokenizer, len(engine.tokenizer), batch_sizes=(1, 2), reps=2)
+    r = sampler_grammar_cost(engine.tokenizer, len(engine.tokenizer), engine.eos_token_ids, batch_sizes=(1, 2), reps=2)
     r |= decode_grammar_cost(engine, reps=1, max_tokens=24)
     for key in ("grammar_sampler_ratio_all_bs1", "grammar_sampler_ratio_one_bs2", "grammar_decode_ratio"):
         assert r[key] > 0, key
