@@ -139,7 +139,13 @@ async def serve_realtime(websocket: WebSocket, state: State, settings: Settings)
     adapter = RealtimeAdapter(
         send, session_settings, state.models, model=model, on_rate_limited=state.metrics.rate_limited.inc
     )
-    session = VoiceSession(state.models, session_settings, adapter.on_parley, adapter.on_parley_audio)
+    session = VoiceSession(
+        state.models,
+        session_settings,
+        adapter.on_parley,
+        adapter.on_parley_audio,
+        client_tool_results="next_response",  # function_call items end the response; response.create answers
+    )
     adapter.attach(session)
 
     async def on_binary(data: bytes) -> None:
