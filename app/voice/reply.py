@@ -166,11 +166,11 @@ class Reply:
         """Send what a speculation held back, and everything it produces from now on."""
         self.released = True
         self._released.set()
+        if self.finished and self._on_complete:
+            self._on_complete(self)  # recorded before the client hears it is done
         held, self._held = self._held, []
         for item in held:
             await self._emit(item)
-        if self.finished and self._on_complete:
-            self._on_complete(self)
 
     async def cancel(self) -> None:
         if self._task is not None:
@@ -193,8 +193,9 @@ class Reply:
 
     # ------------------------------------------------------------------ production
     async def _emit(self, item: protocol.ServerMessage | bytes) -> None:
-        """Send now if released, else hold it back (speculation)."""
-        if not self.released:
+        """Send now if released, else hold it back (speculation). How a call settled is always sent: its call was
+        (calls run only while the reply is released), and the client waits for it."""
+        if not self.released and not isinstance(item, protocol.ToolDone):
             self._held.append(item)
             return
         if isinstance(item, bytes):
@@ -236,9 +237,9 @@ class Reply:
             await speaker
             self._produced_at = self._clock.now()
             self.finished = True
-            await self._emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
             if self.released and self._on_complete:
-                self._on_complete(self)
+                self._on_complete(self)  # recorded before the client hears it is done (and may answer its calls)
+            await self._emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one failed turn must not end the conversation

@@ -38,7 +38,6 @@ from app.voice.prefs import Preferences, SessionPrefs
 from app.voice.reply import Reply, SendBytes, SendJson
 from app.voice.reply_factory import ReplyFactory
 from app.voice.speculation import Speculation
-from app.voice.text import text_after
 from app.voice.tools import ClientResults, PendingCalls, load_server_tools
 from app.voice.turns import is_filler, looks_unfinished
 from app.voice.warmup import PrefixWarmup, WarmPrefix
@@ -354,7 +353,10 @@ class VoiceSession:
         if producing:
             for message in reply.tool_messages:  # calls made and answered stay made
                 self._history.remember(message)
-        answer_heard = text_after(heard_text, reply.spoken_before_answer) if reply.tool_messages else heard_text
+        answer_heard = heard_text
+        if reply.tool_messages:  # what was said before the calls is kept with them: only the answer's words here
+            before = reply.spoken_before_answer
+            answer_heard = heard_text[len(before) :].strip() if heard_text.startswith(before) else ""
         self._history.keep_only_heard(answer_heard, reply_was_recorded=not producing and bool(reply.answer_text))
         self._warmup.next_prompt()
         if self._closed:
