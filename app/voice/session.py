@@ -347,17 +347,17 @@ class VoiceSession:
         reply, self._reply = self._reply, None
         if reply is None or not reply.active():
             return
-        producing = reply.producing
+        recorded = reply.finished and reply.released  # (``_record_reply`` ran)
         await reply.cancel()  # (the calls it waits for are cancelled: the client is told)
         heard_text = reply.playback.heard_text(self._clock.now())
-        if producing:
+        if not recorded:
             for message in reply.tool_messages:  # calls made and answered stay made
                 self._history.remember(message)
         answer_heard = heard_text
         if reply.tool_messages:  # what was said before the calls is kept with them: only the answer's words here
             before = reply.spoken_before_answer
             answer_heard = heard_text[len(before) :].strip() if heard_text.startswith(before) else ""
-        self._history.keep_only_heard(answer_heard, reply_was_recorded=not producing and bool(reply.answer_text))
+        self._history.keep_only_heard(answer_heard, reply_was_recorded=recorded and bool(reply.answer_text))
         self._warmup.next_prompt()
         if self._closed:
             return
