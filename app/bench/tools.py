@@ -22,5 +22,10 @@ def tools() -> list[dict]:
         await asyncio.sleep(float(os.environ.get(TOOL_MS_VARIABLE, DEFAULT_TOOL_MS)) / 1000)
         return {"topic": arguments.get("topic"), "answer": "It is sunny and 21 degrees, and the shop opens at nine."}
 
-    topic = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 40}}, "required": ["topic"]}
+    topic = {
+        "type": "object",
+        "properties": {"topic": {"type": "string", "maxLength": 40}},
+        "required": ["topic"],
+        "additionalProperties": False,
+    }
     return [{"name": "look_up", "description": "Look up a fact for the user", "parameters": topic, "run": lookup}]

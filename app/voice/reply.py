@@ -352,8 +352,9 @@ class Reply:
             first = self.metrics.tts_first_audio_ms is None
             urgent = first and self._first_piece_priority
             paused = self._scheduling if urgent else None  # the LLM waits while this piece is synthesized
+            request_id = self.request_id  # (the next round of a reply with tools is another request)
             if paused is not None:
-                paused.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
+                paused.pause(request_id, FIRST_PIECE_PAUSE_MAX_S)
             deadline = self._runs_dry_at(tts_started)
             try:
                 audio = await self._run(
@@ -363,7 +364,7 @@ class Reply:
                 )
             finally:
                 if paused is not None:
-                    paused.resume(self.request_id)
+                    paused.resume(request_id)
             if first:
                 if audio:
                     audio[0] = trim_leading_quiet(audio[0], sample_rate, LEAD_KEEP_MS)
