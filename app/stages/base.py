@@ -180,8 +180,9 @@ class LocalScheduling(Protocol):
         """While open, another model (the end-of-turn model) runs on one core: the LLM steps on the others."""
         ...
 
-    async def warm(self, messages: list[Message]) -> None:
-        """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache)."""
+    async def warm(self, messages: list[Message], tools: ToolSpec | None = None) -> None:
+        """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache); ``tools``:
+        the later request's, which change how the prompt is rendered (``ToolCalling``)."""
         ...
 
     async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:

@@ -270,12 +270,17 @@ class EngineChatLLM:
     def core_lent(self) -> AbstractContextManager[None]:
         return self.engine.core_lent()
 
-    async def warm(self, messages: list[Message]) -> None:
+    async def warm(self, messages: list[Message], tools: ToolSpec | None = None) -> None:
         """Prefill ``messages`` (no generation prompt: the next prompt continues them) for one token, so
-        their full KV blocks are in the prefix cache when the next turn's prompt arrives."""
+        their full KV blocks are in the prefix cache when the next turn's prompt arrives; rendered as a request with
+        ``tools`` renders them (the tools in the template or a system note, earlier calls as the format writes them)."""
         from engine import SamplingParams
 
-        prompt = self.engine.apply_chat_template(messages, add_generation_prompt=False)
+        if tools is None:
+            prompt = self.engine.apply_chat_template(messages, add_generation_prompt=False)
+        else:
+            plan = self.tool_plan(messages, tools)
+            prompt = self.engine.apply_chat_template(plan.messages, add_generation_prompt=False, tools=plan.tools)
         async for _ in self._text(prompt, SamplingParams(max_tokens=1), f"warm-{uuid.uuid4().hex}"):
             pass
 

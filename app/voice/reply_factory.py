@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from app import protocol
 from app.config import Settings
-from app.stages.base import VoiceStages
+from app.stages.base import ToolSpec, VoiceStages
 from app.voice.clock import Clock, RunBlocking
 from app.voice.context import Fitted
 from app.voice.history import History
@@ -97,6 +97,10 @@ class ReplyFactory:
         prefs = self._prefs.current
         server = load_server_tools(self._settings().tool_entry_point)
         return SessionTools(prefs.tools, server, prefs.tool_choice, prefs.parallel_tool_calls)
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The tools the next reply's request has (None: the plain text path)."""
+        return self.session_tools().spec(self._history.messages)
 
     def _tools(self, settings: Settings) -> ReplyTools | None:
         """The reply's tools: None without any, in this session or in its history (the plain text path)."""

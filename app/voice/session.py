@@ -18,6 +18,7 @@ all injected: whole conversations run in tests with scripted stand-ins and a man
 
 from __future__ import annotations
 
+import functools
 import itertools
 import uuid
 from collections.abc import Callable
@@ -327,9 +328,13 @@ class VoiceSession:
             self._warmup.next_prompt()
 
     def _llm_prefill(self) -> WarmPrefix | None:
-        """The LLM's prefix-cache prefill, where it has one (read at each use: the LLM may be replaced)."""
+        """The LLM's prefix-cache prefill, where it has one (read at each use: the LLM may be replaced); with tools,
+        the prompt is rendered as the reply's request will render it."""
         scheduling = scheduling_of(self.models.llm)
-        return None if scheduling is None else scheduling.warm
+        if scheduling is None:
+            return None
+        tools = self._replies.tool_spec()
+        return scheduling.warm if tools is None else functools.partial(scheduling.warm, tools=tools)
 
     def _llm_needed(self) -> bool:
         """The tail transcription is about to run, a speculation runs or a reply is written: no prefill now."""

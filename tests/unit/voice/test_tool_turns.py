@@ -283,3 +283,17 @@ async def test_an_answer_interrupted_after_its_calls_keeps_the_calls_and_what_wa
     assert roles[:4] == ["user", "assistant", "tool", "assistant"], roles
     heard = conv.session.history[3]["content"]
     assert heard and "It is 21 degrees in Paris.".startswith(heard) and heard != "It is 21 degrees in Paris."
+
+
+async def test_the_next_prompt_is_warmed_as_the_reply_with_tools_will_render_it():
+    conv = await tool_session()
+    await conv.type("What is the weather in Paris?")
+    await conv.session.handle(protocol.ToolResult(call_id="call_1", output="21"))
+    await until(conv, lambda: done(conv) and conv.llm.warmed)
+    spec = conv.llm.warmed_tools[-1]
+    assert spec is not None and [t["function"]["name"] for t in spec.tools] == ["get_weather"]
+    assert conv.llm.warmed[-1][-1] == {"role": "assistant", "content": "It is 21 degrees in Paris."}
+    plain = Conversation()
+    await plain.type("Hello.")
+    await until(plain, lambda: plain.llm.warmed)
+    assert plain.llm.warmed_tools == [None] * len(plain.llm.warmed)
