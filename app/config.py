@@ -175,6 +175,25 @@ class Settings(BaseSettings):
         "sessions all three slow everyone)",
     )
     asr_window_s: float = Field(6.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
+
+    # Tools (function calling: README, Tools)
+    tool_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="a call with no result this long fails (the LLM reads so) and the reply goes on"
+    )
+    tool_filler: str = Field(
+        "",
+        max_length=200,
+        description="said while a call is pending when the reply has said nothing yet, e.g. 'One moment.' "
+        "(spoken only: the LLM never reads it; empty: silence)",
+    )
+    tool_entry_point: str | None = Field(
+        None,
+        description="server-side tools for sessions that declare none: 'module:function', a function that "
+        "returns the tools (README, Tools)",
+    )
+    tool_choice: Literal["auto", "required", "none"] = Field(
+        "auto", description="how replies use the server-side tools (a session's config sets its own)"
+    )
     min_speech_ms: int = Field(96, ge=0)
     max_utterance_s: float = Field(30.0, gt=0)
 

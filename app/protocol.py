@@ -27,10 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 PROTOCOL_VERSION = 1
 INPUT_SAMPLE_RATE = 16_000
 MAX_AUDIO_FRAME_BYTES = 64 * 1024  # ~2 s of 16 kHz PCM16; a browser sends 20-100 ms
-MAX_TEXT_FRAME_BYTES = 8 * 1024
+MAX_TEXT_FRAME_BYTES = 64 * 1024  # a config with tools' JSON schemas, a tool's result
 MIN_INPUT_SAMPLE_RATE = 8_000
 MAX_INPUT_SAMPLE_RATE = 96_000
 MAX_USER_TEXT_CHARS = 2_000
+MAX_TOOLS = 32
+MAX_TOOL_OUTPUT_CHARS = 4_000  # a tool's result as the LLM reads it; longer ones are cut (``app.voice.tools``)
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
 class _Message(BaseModel):
@@ -72,7 +75,37 @@ class Cancel(_Message):
     type: Literal["cancel"] = "cancel"
 
 
+class ToolResult(_Message):
+    """The result of the call ``call_id`` (a ``tool_call`` event that ran on the client); the reply goes on with it.
+
+    ``output`` is text for the LLM (JSON, say); it is cut to ``MAX_TOOL_OUTPUT_CHARS``.
+    """
+
+    type: Literal["tool_result"] = "tool_result"
+    call_id: str = Field(min_length=1, max_length=64)
+    output: str
+
+
 MAX_SYSTEM_PROMPT_CHARS = 2_000
+
+
+class FunctionTool(_Message):
+    """A function the assistant may call (the Realtime API's shape): ``parameters`` is a JSON schema of its arguments."""
+
+    type: Literal["function"] = "function"
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str = Field("", max_length=1_000)
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class NamedFunction(_Message):
+    """A ``tool_choice`` that forces a call of the function ``name``."""
+
+    type: Literal["function"] = "function"
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedFunction
 
 
 class SessionConfig(_Message):
@@ -80,7 +113,10 @@ class SessionConfig(_Message):
 
     ``language`` is the ASR language ("" = detect it), ``barge_in`` whether speaking over a
     reply interrupts it, ``half_duplex`` whether the microphone is ignored while a reply plays
-    (loudspeakers without echo cancellation).
+    (loudspeakers without echo cancellation). ``tools``: functions the client runs when the
+    assistant calls them (``tool_call`` event, ``tool_result`` message; ``[]`` declares none);
+    ``tool_choice``: ``auto`` (the model decides), ``none``, ``required`` (the reply is a call) or
+    one named function; ``parallel_tool_calls``: several calls in one reply.
     """
 
     type: Literal["config"] = "config"
@@ -89,10 +125,15 @@ class SessionConfig(_Message):
     language: str | None = Field(None, max_length=16, pattern=r"^[a-z]{0,3}(-[A-Za-z]{2,4})?$")
     barge_in: bool | None = None
     half_duplex: bool | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
-ClientMessage = Annotated[Start | UserText | Reset | Playback | Cancel | SessionConfig, Field(discriminator="type")]
-ClientMessageType = Start | UserText | Reset | Playback | Cancel | SessionConfig
+ClientMessage = Annotated[
+    Start | UserText | Reset | Playback | Cancel | SessionConfig | ToolResult, Field(discriminator="type")
+]
+ClientMessageType = Start | UserText | Reset | Playback | Cancel | SessionConfig | ToolResult
 _client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
 
 
@@ -162,6 +203,35 @@ class TurnContinued(_Message):
     turn_id: int
 
 
+class CallTool(_Message):
+    """The assistant calls the function ``name`` with ``arguments`` (JSON text) in its reply to ``turn_id``.
+
+    ``runs_on`` "client": one of the client's tools; answer with a ``tool_result`` naming ``call_id``
+    (the reply waits, at most the server's ``tool_timeout_s``). "server": a tool of the server's own,
+    shown for the transcript; its ``tool_done`` follows.
+    """
+
+    type: Literal["tool_call"] = "tool_call"
+    turn_id: int
+    call_id: str
+    name: str
+    arguments: str
+    runs_on: Literal["client", "server"] = "client"
+
+
+class ToolDone(_Message):
+    """The call ``call_id`` is settled: ``completed`` (``output`` is what the LLM reads), ``timeout`` (no result in
+    time: the LLM reads that it failed, and the reply goes on), ``failed`` (a server tool raised) or ``cancelled``
+    (a barge-in or ``cancel`` stopped the reply; a later ``tool_result`` for it is refused)."""
+
+    type: Literal["tool_done"] = "tool_done"
+    turn_id: int
+    call_id: str
+    name: str
+    status: Literal["completed", "timeout", "failed", "cancelled"]
+    output: str = ""
+
+
 class ConfigApplied(_Message):
     """The session's preferences after a ``config`` message (and what they are by default)."""
 
@@ -171,6 +241,9 @@ class ConfigApplied(_Message):
     language: str
     barge_in: bool
     half_duplex: bool
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = False
 
 
 class TurnMetrics(BaseModel):
@@ -208,6 +281,12 @@ class TurnMetrics(BaseModel):
         None, description="times the reply was ended where a piece of 3 or more words was said again"
     )
     guard_loop: int | None = Field(None, description="times the reply was cut at a few words said again and again")
+    # Tool calls (``app.voice.tools``): absent in a turn that made none.
+    tool_calls: int | None = Field(None, description="function calls the reply made")
+    tool_ms: float | None = Field(None, description="the tools' own time: calls sent to their last result")
+    answer_ms: float | None = Field(
+        None, description="end of speech to the first audio of the answer written after the tools' results"
+    )
 
     def present(self) -> dict[str, float]:
         """The figures this turn has, as plain numbers (for logs, tables and histograms)."""
@@ -260,6 +339,8 @@ ServerMessage = Annotated[
     | Interrupt
     | TurnContinued
     | TurnDone
+    | CallTool
+    | ToolDone
     | ConfigApplied
     | Notice
     | Error,
@@ -276,8 +357,8 @@ class ProtocolError(Exception):
         self.event = Error(code=code, message=message, fatal=fatal)
 
 
-_CLIENT_TYPES = frozenset({"start", "text", "reset", "playback", "cancel", "config"})
-MAX_JSON_DEPTH = 8  # client messages are flat objects; deeper nesting is never valid
+_CLIENT_TYPES = frozenset({"start", "text", "reset", "playback", "cancel", "config", "tool_result"})
+MAX_JSON_DEPTH = 16  # client messages are flat objects but for tools' JSON schemas; deeper nesting is never valid
 MAX_NUMBER_CHARS = 32  # no field needs more digits; Python would parse 4300-digit integers
 
 

@@ -15,7 +15,7 @@ from harness import ScriptedLLM
 
 from app import protocol
 from app.config import Settings
-from app.stages.base import Transcription, VadConfig
+from app.stages.base import ToolCall, Transcription, VadConfig
 from app.stages.vad import VadStream
 from app.voice.session import VoiceSession
 
@@ -117,6 +117,45 @@ class CoreOnlyLLM:
         self.health, self.close = scripted.health, scripted.close
 
 
+class ToolScriptedLLM(ScriptedLLM):
+    """A ``ScriptedLLM`` that also calls tools (``ToolCalling``): each request made through ``stream_tools`` writes the
+    next of ``rounds`` (text pieces and ``ToolCall`` values), the last one again once they run out; ``stream`` (no
+    tools) writes ``pieces``. ``specs`` records each ``stream_tools`` request's ``ToolSpec``; ``calls`` every request's
+    messages, as ``ScriptedLLM`` does."""
+
+    def __init__(self, rounds: list[list[str | ToolCall]], pieces: list[str] | None = None) -> None:
+        super().__init__(pieces or ["Plain text."])
+        self.rounds = rounds
+        self.specs: list = []
+
+    async def stream_tools(self, messages, request_id, tools):
+        self.specs.append(tools)
+        self.calls.append([dict(m) for m in messages])
+        self.request_ids.append(request_id)
+        try:
+            for event in self.rounds[min(len(self.specs), len(self.rounds)) - 1]:
+                await asyncio.sleep(0)
+                yield event
+        finally:
+            self.closed.append(request_id)
+
+
+def server_tools():
+    """Server-side tools as an operator registers them (``tool_entry_point="fakes:server_tools"``)."""
+
+    def weather(arguments):
+        return {"city": arguments.get("city"), "celsius": 21}
+
+    async def broken(arguments):
+        raise RuntimeError("the sensor is offline")
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    return [
+        {"name": "get_weather", "description": "The weather in a city", "parameters": city, "run": weather},
+        {"name": "get_humidity", "run": broken},
+    ]
+
+
 class StandInReply:
     """What the turn-taking units (barge-in, continued turns) see of a ``Reply``; records what they do to it.
 
@@ -151,6 +190,9 @@ class FakeStages:
     def vad_stream(self, config: VadConfig) -> VadStream:
         return VadStream(EnergyVadModel(), config)
 
+    def close(self) -> None:
+        pass
+
 
 class Conversation:
     """One ``VoiceSession`` on fake stages; records every event and the reply audio it sends.
@@ -165,11 +207,13 @@ class Conversation:
         turn_probability=None,
         text_probability=None,
         llm_scheduling: bool = True,
+        llm: ScriptedLLM | None = None,
+        client_tool_results: str = "wait",
         **settings,
     ) -> None:
         self.clock = ManualClock()
         self.asr = ScriptedASR(asr_text)
-        self.llm = ScriptedLLM(llm_pieces if llm_pieces is not None else ["Paris is the capital of France."])
+        self.llm = llm or ScriptedLLM(llm_pieces if llm_pieces is not None else ["Paris is the capital of France."])
         self.llm.text_turn_probability = text_probability
         self.events: list[protocol.ServerMessage] = []
         self.audio_s = 0.0
@@ -185,6 +229,7 @@ class Conversation:
             self._send_bytes,
             clock=self.clock,
             run_blocking=run_inline,
+            client_tool_results=client_tool_results,
         )
         self.session.on_turn_metrics = self.metrics.append
 

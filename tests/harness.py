@@ -38,6 +38,7 @@ class ScriptedLLM:
         self.request_ids: list[str] = []
         self.closed: list[str] = []
         self.warmed: list[list[dict]] = []
+        self.warmed_tools: list = []  # the ToolSpec each warm-up was rendered with (None: none)
         self.pauses: list[tuple[str, str]] = []  # ("pause" | "resume", request id), in order
         self.yields: list[tuple[str, float]] = []  # (request id, max seconds), in order
         self.cores_lent = 0  # how many core_lent() blocks are open now
@@ -92,8 +93,9 @@ class ScriptedLLM:
         finally:
             self.cores_lent -= 1
 
-    async def warm(self, messages):
+    async def warm(self, messages, tools=None):
         self.warmed.append([dict(m) for m in messages])
+        self.warmed_tools.append(tools)
 
     async def end_of_turn_probability(self, messages, user_text):
         self.turn_end_asked.append((([dict(m) for m in messages]), user_text))

@@ -49,6 +49,10 @@ class StubSession:
     async def feed_audio(self, samples) -> None:
         self.calls.append(("feed_audio", samples))
 
+    async def respond(self) -> int:
+        self.calls.append(("respond", {}))
+        return 99
+
     async def tune(self, **changes: float) -> None:
         self.settings = self.settings.model_copy(update=changes)  # as VoiceSession.tune does
         self.calls.append(("tune", changes))

@@ -231,6 +231,15 @@ function handleEvent(msg) {
       state.replyTurn = turn;
       state.thinkingUntil = Date.now() + HARD_THINKING_MS;
       break;
+    case "tool_call":
+      if (state.stoppedTurns.has(turn)) break;
+      ui.toolCall(turn, msg);
+      state.replyTurn = turn;
+      state.thinkingUntil = Date.now() + HARD_THINKING_MS;
+      break;
+    case "tool_done":
+      ui.toolDone(msg);
+      break;
     case "audio_start":
       player.begin(turn, msg.sample_rate);
       if (state.stoppedTurns.has(turn)) player.interrupt(turn); // stopped before its audio came

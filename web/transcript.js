@@ -47,6 +47,7 @@ export function asText(entries, now = new Date()) {
     const flags = [e.interrupted && "interrupted", e.incomplete && "incomplete"].filter(Boolean);
     const tail = flags.length ? ` (${flags.join(", ")})` : "";
     lines.push(`${when ? `[${when}] ` : ""}${WHO[e.role] || e.role}: ${e.text}${tail}`);
+    for (const t of e.tools || []) lines.push(`    called ${t.call} ${t.result}`);
     const rows = metricRows(e.metrics);
     if (rows.length) lines.push(`    ${rows.map(([label, value]) => `${label} ${value}`).join(", ")}`);
   }

@@ -27,9 +27,13 @@ export const METRIC_LABELS = {
   asr_compute_ms: "ASR compute (ms)",
   turn_detect_ms: "turn detection (ms)",
   turn_probability: "turn complete (P)",
+  turn_text_ms: "end-of-turn words (ms)",
   llm_ttft_ms: "LLM first token (ms)",
   llm_first_piece_ms: "LLM first piece (ms)",
   tts_first_audio_ms: "TTS first audio (ms)",
+  tool_calls: "tool calls",
+  tool_ms: "tools' own time (ms)",
+  answer_ms: "voice to answer after tools (ms)",
   reply_audio_s: "reply audio (s)",
   rtf: "RTF",
   underruns: "underruns",
@@ -216,7 +220,7 @@ export class UI {
     this._follow();
   }
 
-  assistantDelta(turn, delta) {
+  _replyBubble(turn) {
     let el = this._bubble("assistant", turn);
     if (!el) {
       el = this._newBubble("assistant", turn);
@@ -224,8 +228,52 @@ export class UI {
       el.setAttribute("aria-busy", "true"); // screen readers wait for the whole reply
       this._append(el);
     }
-    el.querySelector(".text").textContent += delta;
+    return el;
+  }
+
+  assistantDelta(turn, delta) {
+    this._replyBubble(turn).querySelector(".text").textContent += delta;
     this._follow();
+  }
+
+  /** A function the reply calls (`tool_call`), listed in its bubble until `toolDone` says how it went. */
+  toolCall(turn, call) {
+    this._addTool(this._replyBubble(turn), {
+      id: call.call_id,
+      call: `${call.name}(${call.arguments})`,
+      result: "…",
+      status: "pending",
+    });
+    this._follow();
+  }
+
+  toolDone(done) {
+    const item = this.log.querySelector(`.tool[data-call="${CSS.escape(done.call_id)}"]`);
+    if (!item) return;
+    item.dataset.status = done.status;
+    item.querySelector(".result").textContent = done.status === "completed" ? `→ ${done.output}` : `(${done.status})`;
+  }
+
+  _addTool(el, { id = "", call, result, status }) {
+    let list = el.querySelector(".tools");
+    if (!list) {
+      list = document.createElement("ul");
+      list.className = "tools";
+      list.setAttribute("aria-label", "functions called");
+      el.querySelector(".text").after(list);
+    }
+    const item = document.createElement("li");
+    item.className = "tool";
+    item.dataset.call = id;
+    item.dataset.status = status;
+    const name = document.createElement("code");
+    name.className = "call";
+    name.textContent = call;
+    const outcome = document.createElement("span");
+    outcome.className = "result";
+    outcome.textContent = result;
+    item.append(name, " ", outcome);
+    list.append(item);
   }
 
   _settle(el) {
@@ -346,6 +394,12 @@ export class UI {
       if (!text) return;
       const entry = { role: el.classList.contains("user") ? "user" : "assistant", text, time: el.dataset.time || null };
       if (el.classList.contains("interrupted")) entry.interrupted = true;
+      const tools = [...el.querySelectorAll(".tool")].map((t) => ({
+        call: t.querySelector(".call").textContent,
+        result: t.querySelector(".result").textContent,
+        status: t.dataset.status,
+      }));
+      if (tools.length) entry.tools = tools;
       if (el.classList.contains("streaming")) entry.incomplete = true;
       if (el.dataset.metrics) {
         try {
@@ -371,6 +425,9 @@ export class UI {
       const el = this._newBubble(entry.role, `r:${i}`, entry.time || new Date().toISOString());
       el.querySelector(".text").textContent = entry.text;
       this.log.append(el);
+      if (Array.isArray(entry.tools)) {
+        entry.tools.forEach((t) => t && typeof t.call === "string" && this._addTool(el, { ...t, result: String(t.result ?? "") }));
+      }
       if (entry.interrupted) this._markInterrupted(el);
       if (entry.metrics && typeof entry.metrics === "object") {
         el.dataset.metrics = JSON.stringify(entry.metrics);

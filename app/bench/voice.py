@@ -23,7 +23,9 @@ Sets (``--set``):
 * ``backchannels``: while a reply plays, the user says "yeah", "right", "I see", ... (which must not
   stop it) and, every fourth turn, really interrupts (which must).
 ``--snr-db`` adds background noise under everything the users send; ``--rates`` cycles the
-voice's speaking rate (Piper length scales).
+voice's speaking rate (Piper length scales). ``--tools`` makes every reply call a server tool
+first (``app.bench.tools``, ``tool_choice`` required), which takes ``--tool-ms``: voice-to-voice
+is then the answer's, and ``tool_ms`` (the tool's own time) and ``answer_ms`` are reported.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ import numpy as np
 from app import protocol
 from app.bench.launcher import ServerProcess
 from app.bench.samples import synthesize_speech, trim_to_speech, with_pause
+from app.bench.tools import DEFAULT_TOOL_MS, TOOL_MS_VARIABLE
 from app.bench.user import CLIENT_MEASURED, VoiceClient
 from app.voice.text import words
 from engine.metrics import percentile
@@ -391,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--snr-db", type=float, help="background noise this many dB under the speech (default: none)")
     parser.add_argument("--rates", default="1", help="speaking rates (Piper length scales) to cycle, e.g. 0.85,1,1.2")
     parser.add_argument("--pause-s", type=float, default=0.7, help="the mid-sentence pause of --set pauses")
+    parser.add_argument("--tools", action="store_true", help="every reply calls a server tool first (app.bench.tools)")
+    parser.add_argument("--tool-ms", type=float, default=DEFAULT_TOOL_MS, help="how long the --tools tool takes")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.turns < 1:
         parser.error("--clients and --turns must be at least 1")
@@ -409,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         print("starting parley serve ...", flush=True)
         started = time.monotonic()
         # default settings, admission included, unless asked (a user refused is counted as a failed turn)
+        if args.tools:
+            os.environ[TOOL_MS_VARIABLE] = str(args.tool_ms)  # the server inherits it
+            args.server_arg += ["--tool-entry-point", "app.bench.tools:tools", "--tool-choice", "required"]
         cap = ["--max-sessions", str(args.max_sessions)] if args.max_sessions else []
         server = ServerProcess(["serve", *cap, *args.server_arg], out / "server.log")
         print(f"server ready in {time.monotonic() - started:.1f} s", flush=True)
@@ -421,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     summary = summarize(records, args.clients)
-    summary.update(set=args.kind, snr_db=args.snr_db, rates=rates)
+    summary.update(set=args.kind, snr_db=args.snr_db, rates=rates, tools=args.tools)
     print_table(summary)
-    stem = f"voice-{args.kind}-{args.clients}c"
+    stem = f"voice-{args.kind}{'-tools' if args.tools else ''}-{args.clients}c"
     turns_path, chart_path = out / f"{stem}-turns.json", out / f"{stem}.png"
     turns_path.write_text(json.dumps([record.to_json() for record in records], indent=2))
     if args.json_path:

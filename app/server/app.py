@@ -20,6 +20,7 @@ from app.server.metrics import VoiceMetrics
 from app.server.realtime import serve_realtime
 from app.server.ws import serve_voice
 from app.stages.registry import Models, load_models
+from app.voice.tools import load_server_tools
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        server_tools = load_server_tools(settings.tool_entry_point)  # a broken entry point fails the start
+        if server_tools:
+            print(f"server tools: {', '.join(tool.name for tool in server_tools)}", flush=True)
         if app.state.models is None:
             app.state.models = await asyncio.to_thread(load_models, settings, lambda line: print(line, flush=True))
         for warning in app.state.access.startup_warnings():

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
+# one chat message: {"role": ..., "content": ...}; an assistant turn that called tools also carries
+# "tool_calls" (``ToolCall.as_openai`` each), and a tool's result ("role": "tool") its "tool_call_id"
+Message = dict[str, Any]
 
 
 # ---------------------------------------------------------------- VAD
@@ -99,6 +101,32 @@ class GenerationSettings:
     top_p: float = 1.0
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the LLM wrote. ``arguments`` is JSON text as the model wrote it (OpenAI's ``function.arguments``)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """The functions one reply may call, as OpenAI's Chat Completions takes them.
+
+    ``tools``: ``{"type": "function", "function": {"name", "description", "parameters"}}`` each (may be empty:
+    the conversation holds earlier calls, and none may be made now). ``choice``: ``none``, ``auto``,
+    ``required`` or ``{"type": "function", "function": {"name": ...}}``. ``parallel``: several calls in one reply.
+    """
+
+    tools: tuple[dict[str, Any], ...] = ()
+    choice: str | dict[str, Any] = "auto"
+    parallel: bool = False
+
+
 class ChatLLM(Protocol):
     """The one interface the voice app uses to reach an LLM: an async text stream with abort.
 
@@ -152,8 +180,9 @@ class LocalScheduling(Protocol):
         """While open, another model (the end-of-turn model) runs on one core: the LLM steps on the others."""
         ...
 
-    async def warm(self, messages: list[Message]) -> None:
-        """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache)."""
+    async def warm(self, messages: list[Message], tools: ToolSpec | None = None) -> None:
+        """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache); ``tools``:
+        the later request's, which change how the prompt is rendered (``ToolCalling``)."""
         ...
 
     async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:
@@ -168,6 +197,22 @@ class LocalScheduling(Protocol):
 def scheduling_of(llm: ChatLLM) -> LocalScheduling | None:
     """The LLM's ``LocalScheduling``, or None where it has none (the caller then skips the work)."""
     return llm if isinstance(llm, LocalScheduling) else None
+
+
+@runtime_checkable
+class ToolCalling(Protocol):
+    """An LLM whose replies may call functions (the in-process engine, an OpenAI-compatible server). A capability
+    apart from ``ChatLLM.stream``, so a reply without tools takes the plain text path, unchanged."""
+
+    def stream_tools(self, messages: list[Message], request_id: str, tools: ToolSpec) -> AsyncIterator[str | ToolCall]:
+        """Yield the reply's text piece by piece, then each call it made (a ``ToolCall``, its arguments whole);
+        ``messages`` may hold earlier calls and their results. Closing the iterator aborts the request."""
+        ...
+
+
+def tool_calling_of(llm: ChatLLM) -> ToolCalling | None:
+    """The LLM's ``ToolCalling``, or None where its replies are text only."""
+    return llm if isinstance(llm, ToolCalling) else None
 
 
 # ---------------------------------------------------------------- TTS

@@ -3,6 +3,11 @@
 Backends: the in-process Parley engine (default), plain transformers ``generate`` (a
 reference), and any OpenAI-compatible server. Stopping iteration (or ``abort``) ends the
 generation and frees its resources.
+
+Tools (``ToolCalling.stream_tools``): the engine plans the request as its OpenAI API does
+(``engine.tools.plan``: the template's tools, a grammar for forced calls, the family's call
+parser); a remote server gets ``tools`` and ``tool_choice`` and its streamed ``tool_calls``
+are put back together. Transformers replies are text only.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
+import logging
 import math
 import threading
 import time
@@ -17,11 +24,15 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 
-from app.stages.base import ChatLLM, GenerationSettings, Message
+from app.stages.base import ChatLLM, GenerationSettings, Message, ToolCall, ToolSpec
 from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 HEALTH_TTL_S = 5.0
 SENTENCE_ENDS = frozenset(".?!。？！…")
+# A forced call (a grammar) may need more tokens than a spoken reply: its JSON is cut short at the reply's cap.
+FORCED_CALL_MIN_TOKENS = 256
 
 __all__ = ["ChatLLM", "EngineChatLLM", "GenerationSettings", "Message", "OpenAIChatLLM", "TransformersChatLLM"]
 
@@ -30,6 +41,14 @@ def _ends_a_sentence(token_text: str) -> bool:
     """A token that is only a sentence's final punctuation ("." "?" "!" "。", with or without spaces)."""
     stripped = token_text.strip()
     return bool(stripped) and all(char in SENTENCE_ENDS for char in stripped)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 class TransformersChatLLM:
@@ -152,6 +171,69 @@ class EngineChatLLM:
         async for delta in self._text(self.engine.apply_chat_template(messages), params, request_id):
             yield delta
 
+    async def stream_tools(
+        self, messages: list[Message], request_id: str, tools: ToolSpec
+    ) -> AsyncIterator[str | ToolCall]:
+        """The reply's text, then its calls: planned, decoded (under a grammar for a forced call) and parsed as
+        ``parley engine serve`` does (``engine.tools``); a call whose arguments are not JSON is dropped (logged)."""
+        from engine import SamplingParams
+        from engine.tools.parser import ParsedDelta, ReplyAssembler, ToolCallParser
+
+        plan = self.tool_plan(messages, tools)
+        prompt = self.engine.apply_chat_template(plan.messages, tools=plan.tools)
+        max_tokens = self.settings.max_tokens
+        if plan.grammar is not None:
+            await self.engine.check_grammar(plan.grammar)
+            max_tokens = max(max_tokens, FORCED_CALL_MIN_TOKENS)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.settings.temperature,
+            top_p=self.settings.top_p,
+            grammar=plan.grammar,
+            skip_special_tokens=plan.skip_special_tokens,
+        )
+        parser = ToolCallParser(plan.tool_format) if plan.tool_format is not None else None
+        calls = ReplyAssembler()
+        async for output in self._outputs(prompt, params, request_id):
+            if parser is None:
+                delta = ParsedDelta(output.text_delta)
+            else:
+                delta = parser.feed(output.text_delta)
+                if output.finished:
+                    rest = parser.finish()
+                    delta = ParsedDelta(delta.content + rest.content, delta.calls + rest.calls)
+            if delta.content:
+                yield delta.content
+            calls.add(ParsedDelta(calls=delta.calls))
+        for call in calls.reply().calls:
+            if _is_json(call.arguments):
+                yield ToolCall(call.id, call.name, call.arguments)
+            else:
+                log.warning("the LLM called %s with arguments that are not JSON; the call is dropped", call.name)
+
+    def tool_plan(self, messages: list[Message], tools: ToolSpec):
+        """What a request with ``tools`` needs (``engine.tools.plan.ChatPlan``): the template's conversation and
+        tools, the grammar, the call format. ValueError for a conversation or tools the engine's API would refuse."""
+        from pydantic import ValidationError
+
+        from engine.protocol import ChatCompletionRequest, validation_error
+        from engine.tools.plan import plan_chat
+
+        body = {"messages": messages, "tools": list(tools.tools) or None, "parallel_tool_calls": tools.parallel}
+        if tools.tools:
+            body["tool_choice"] = tools.choice
+        try:
+            request = ChatCompletionRequest.model_validate(body, context={"vocab_size": len(self.engine.tokenizer)})
+        except ValidationError as e:
+            raise ValueError(validation_error(e)[0]) from None
+        return plan_chat(request, self._tool_format, self.engine.tokenizer)
+
+    @functools.cached_property
+    def _tool_format(self):
+        from engine.tools.formats import detect_format
+
+        return detect_format(self.engine.tokenizer)
+
     async def _text(self, prompt: list[int], params, request_id: str) -> AsyncIterator[str]:
         """The request's text deltas; an engine error raises, and closing aborts the request."""
         async for output in self._outputs(prompt, params, request_id):
@@ -188,12 +270,17 @@ class EngineChatLLM:
     def core_lent(self) -> AbstractContextManager[None]:
         return self.engine.core_lent()
 
-    async def warm(self, messages: list[Message]) -> None:
+    async def warm(self, messages: list[Message], tools: ToolSpec | None = None) -> None:
         """Prefill ``messages`` (no generation prompt: the next prompt continues them) for one token, so
-        their full KV blocks are in the prefix cache when the next turn's prompt arrives."""
+        their full KV blocks are in the prefix cache when the next turn's prompt arrives; rendered as a request with
+        ``tools`` renders them (the tools in the template or a system note, earlier calls as the format writes them)."""
         from engine import SamplingParams
 
-        prompt = self.engine.apply_chat_template(messages, add_generation_prompt=False)
+        if tools is None:
+            prompt = self.engine.apply_chat_template(messages, add_generation_prompt=False)
+        else:
+            plan = self.tool_plan(messages, tools)
+            prompt = self.engine.apply_chat_template(plan.messages, add_generation_prompt=False, tools=plan.tools)
         async for _ in self._text(prompt, SamplingParams(max_tokens=1), f"warm-{uuid.uuid4().hex}"):
             pass
 
@@ -302,8 +389,35 @@ class OpenAIChatLLM:
         return None  # no tokenizer here: the session estimates
 
     async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
-        import json
+        async for delta in self._deltas(messages, request_id, {}):
+            content = delta.get("content")
+            if content:
+                yield content
 
+    async def stream_tools(
+        self, messages: list[Message], request_id: str, tools: ToolSpec
+    ) -> AsyncIterator[str | ToolCall]:
+        """The server's text deltas, then its ``tool_calls`` put together (each call's first delta has its index, id
+        and name, the next ones fragments of its arguments)."""
+        extra: dict = {}
+        if tools.tools:
+            extra = {"tools": list(tools.tools), "tool_choice": tools.choice, "parallel_tool_calls": tools.parallel}
+        calls: dict[int, dict[str, str]] = {}
+        async for delta in self._deltas(messages, request_id, extra):
+            if delta.get("content"):
+                yield delta["content"]
+            for piece in delta.get("tool_calls") or ():
+                call = calls.setdefault(int(piece.get("index", len(calls))), {"id": "", "name": "", "arguments": ""})
+                function = piece.get("function") or {}
+                call["id"] = piece.get("id") or call["id"]
+                call["name"] = function.get("name") or call["name"]
+                call["arguments"] += function.get("arguments") or ""
+        for index in sorted(calls):
+            call = calls[index]
+            yield ToolCall(call["id"] or f"call_{uuid.uuid4().hex[:24]}", call["name"], call["arguments"] or "{}")
+
+    async def _deltas(self, messages: list[Message], request_id: str, extra: dict) -> AsyncIterator[dict]:
+        """The ``delta`` of each streamed choice (``extra``: more request fields); an error answer raises."""
         body = {
             "model": await self._model_name(),
             "messages": messages,
@@ -311,6 +425,7 @@ class OpenAIChatLLM:
             "max_tokens": self.settings.max_tokens,
             "temperature": self.settings.temperature,
             "top_p": self.settings.top_p,
+            **extra,
         }
         async with self._client.stream(
             "POST", self.base_url + "/chat/completions", json=body, headers={"X-Request-Id": request_id}
@@ -328,9 +443,7 @@ class OpenAIChatLLM:
                 if "error" in chunk:
                     raise RuntimeError(f"LLM server error: {chunk['error']}")
                 for choice in chunk.get("choices", []):
-                    delta = (choice.get("delta") or {}).get("content")
-                    if delta:
-                        yield delta
+                    yield choice.get("delta") or {}
 
     def abort(self, request_id: str) -> None:
         pass  # closing the stream (the session does) is the abort

@@ -44,10 +44,12 @@ class History:
         return [{"role": "system", "content": system_prompt}, *window]
 
     def prompt(
-        self, system_prompt: str, user_text: str, llm: ChatLLM, *, context_tokens: int | None, reply_tokens: int
+        self, system_prompt: str, user_text: str | None, llm: ChatLLM, *, context_tokens: int | None, reply_tokens: int
     ) -> Fitted:
-        """The next turn's messages, fitted by tokens into what the LLM can take with its reply."""
-        messages = self.window(system_prompt, [*self.messages, {"role": "user", "content": user_text}])
+        """The next turn's messages, fitted by tokens into what the LLM can take with its reply (``user_text`` None:
+        the history alone, which ends with what the reply answers: the results of the assistant's calls)."""
+        said = [] if user_text is None else [{"role": "user", "content": user_text}]
+        messages = self.window(system_prompt, [*self.messages, *said])
         limits = [n for n in (llm.context_tokens, context_tokens) if n]
         if not limits:
             return Fitted(messages)  # a remote server of unknown size: it will say if it is too long

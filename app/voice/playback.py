@@ -38,7 +38,7 @@ class ReplyPlayback:
         self.sent_s += samples / self.sample_rate
 
     def add_piece(self, text: str) -> None:
-        """Text whose audio ends at the current ``sent_s`` (call after sending it)."""
+        """Text whose audio ends at the current ``sent_s`` (call after sending it); "" for audio that says no text."""
         self.pieces.append((text, self.sent_s))
 
     def report(self, played_s: float, now: float) -> None:
@@ -72,7 +72,7 @@ class ReplyPlayback:
         start = 0.0
         for text, end in self.pieces:
             if end <= played + 1e-6:
-                heard.append(text)
+                heard.append(text)  # (a filler phrase is a piece with no text: heard, never written)
             else:
                 share = (played - start) / max(1e-6, end - start)
                 spoken = text.split()
@@ -81,4 +81,4 @@ class ReplyPlayback:
                     heard.append(" ".join(spoken[:cut]))
                 break
             start = end
-        return " ".join(heard)
+        return " ".join(text for text in heard if text)

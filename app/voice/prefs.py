@@ -16,17 +16,31 @@ class SessionPrefs:
     language: str  # "" = detect it per utterance
     barge_in: bool = True
     half_duplex: bool = False
+    tools: tuple[protocol.FunctionTool, ...] = ()  # the client's own (it runs them); none: the server's, if any
+    tool_choice: protocol.ToolChoice = "auto"
+    parallel_tool_calls: bool = False
 
 
 class Preferences:
     """The session's preferences, checked against what this server has, and the voice for each turn."""
 
-    def __init__(self, system_prompt: str, asr: SpeechRecognizer, tts: Synthesizer) -> None:
+    def __init__(
+        self,
+        system_prompt: str,
+        asr: SpeechRecognizer,
+        tts: Synthesizer,
+        *,
+        tool_choice: protocol.ToolChoice = "auto",
+        server_tools: tuple[str, ...] = (),
+    ) -> None:
+        """``server_tools``: the names of the server's tools, which a session that declares none may call."""
         self._asr, self._tts = asr, tts
+        self._server_tools = server_tools
         self.current = SessionPrefs(
             system_prompt=system_prompt,
             voice=tts.voices[0] if tts.voices else "default",
             language=asr.languages[0] if asr.languages else "en",
+            tool_choice=tool_choice,
         )
         self._voice_chosen = False  # the client named a voice: it answers whatever the language
         self._voiceless_told: set[str] = set()
@@ -41,10 +55,27 @@ class Preferences:
                 code="bad_config",
                 message=f"the speech model does not take language {message.language!r}; it takes {languages}",
             )
-        changes = message.model_dump(exclude_none=True, exclude={"type"})
+        changes = {name: getattr(message, name) for name in message.model_fields_set - {"type"}}
+        changes = {name: value for name, value in changes.items() if value is not None}
+        if "tools" in changes:
+            changes["tools"] = tuple(changes["tools"])
+        wanted = replace(self.current, **changes)
+        refused = self._tool_choice_refusal(wanted)
+        if refused is not None:
+            return protocol.Error(code="bad_config", message=refused)
         self._voice_chosen = self._voice_chosen or "voice" in changes
-        self.current = replace(self.current, **changes)
+        self.current = wanted
         return protocol.ConfigApplied(**asdict(self.current))
+
+    def _tool_choice_refusal(self, prefs: SessionPrefs) -> str | None:
+        """Why ``prefs.tool_choice`` cannot be served with the tools there are (the client's, else the server's)."""
+        names = [tool.name for tool in prefs.tools] or list(self._server_tools)
+        choice = prefs.tool_choice
+        if choice == "required" and not names:
+            return "tool_choice 'required' needs tools: declare them in 'tools'"
+        if isinstance(choice, protocol.NamedFunction) and choice.name not in names:
+            return f"tool_choice names {choice.name!r}, which is not among the tools {names}"
+        return None
 
     @property
     def fixed_language(self) -> str | None:

@@ -6,6 +6,11 @@ rest. A reply can be *speculative*: produced before the user's turn is committed
 everything it would send held back until ``release()``; if the user goes on speaking the
 session cancels it and nothing was ever sent. Cancelling closes the LLM stream, which
 aborts the request and frees its KV cache.
+
+With tools (``app.voice.tools``) a reply is written in rounds: the LLM's text is spoken as it
+comes, its calls are run (never while the reply is held back: the turn may not be this one),
+and their results go back to the LLM, which writes the answer, spoken in the same reply. A
+filler phrase may fill the wait; it is spoken only, never part of the reply's text.
 """
 
 from __future__ import annotations
@@ -13,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from app import protocol
 from app.audio import float_to_pcm16, trim_leading_quiet
-from app.stages.base import ChatLLM, Message, Synthesizer, scheduling_of
+from app.stages.base import ChatLLM, Message, Synthesizer, ToolCall, ToolSpec, scheduling_of, tool_calling_of
 from app.voice.clock import Clock, RunBlocking
 from app.voice.playback import ReplyPlayback
 from app.voice.text import FIRST_PHRASE_MAX_WORDS, SentenceSplitter, loop_end, speakable, words
+from app.voice.tools import ToolRunner, calls_message, next_round
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,25 @@ SendJson = Callable[[protocol.ServerMessage], Awaitable[None]]
 SendBytes = Callable[[bytes], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Text to speak. ``filler``: said while a tool runs, never written (not the reply's text, nor what was heard).
+    ``answer``: written after the tools' results (its first audio is the answer's, ``TurnMetrics.answer_ms``)."""
+
+    text: str
+    filler: bool = False
+    answer: bool = False
+
+
+@dataclass(frozen=True)
+class ReplyTools:
+    """What a reply may call (``spec``), who runs the calls (``runner``), and what fills the wait (``filler``)."""
+
+    spec: ToolSpec
+    runner: ToolRunner | None = None  # None: earlier calls are in the prompt, no new one can be made
+    filler: str = ""
+
+
 class Reply:
     def __init__(
         self,
@@ -72,6 +98,7 @@ class Reply:
         first_piece_priority: bool = False,
         yield_ahead_s: float = YIELD_AHEAD_S,
         voice: str | None = None,
+        tools: ReplyTools | None = None,
         on_complete: Callable[[Reply], None] | None = None,
         on_failed: Callable[[Reply], None] | None = None,
         on_metrics: Callable[[protocol.TurnMetrics], None] | None = None,
@@ -84,6 +111,8 @@ class Reply:
         self.released = False
         self.finished = False  # produced to the end (not cancelled, not failed)
         self.text_parts: list[str] = []
+        self.tool_messages: list[Message] = []  # each round of calls and its results, for the history
+        self.spoken_before_answer = ""  # the pieces said before the answer (by the rounds of calls), joined
         self.speech_end = 0.0  # wall time the user's speech ended (start of voice-to-voice)
         self.commit = 0.0  # wall time the turn was committed (0 while speculative)
         self._llm, self._tts = llm, tts
@@ -95,8 +124,12 @@ class Reply:
         self._first_piece_priority = first_piece_priority
         self._yield_ahead_s = yield_ahead_s
         self._voice = voice
+        self._tools = tools
         self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
         self._held: list[protocol.ServerMessage | bytes] = []
+        self._released = asyncio.Event()
+        self._answer_from = 0  # text_parts from here on are the answer (written after the last round of calls)
+        self._said_before_answer = 0
         self._task: asyncio.Task | None = None
         self._produce_started = 0.0
         self._produced_at: float | None = None
@@ -104,6 +137,11 @@ class Reply:
     @property
     def text(self) -> str:
         return "".join(self.text_parts).strip()
+
+    @property
+    def answer_text(self) -> str:
+        """The text written after the last round of calls (all of it in a reply without calls)."""
+        return "".join(self.text_parts[self._answer_from :]).strip()
 
     @property
     def producing(self) -> bool:
@@ -115,20 +153,24 @@ class Reply:
 
     def start(self, messages: list[Message], *, released: bool) -> None:
         self.released = released
+        if released:
+            self._released.set()
         self._task = asyncio.create_task(self._produce(messages), name=f"turn-{self.turn_id}")
 
     def hold(self) -> None:
         """Send nothing more for now (the user may be going on with their turn); ``release`` resumes."""
         self.released = False
+        self._released.clear()
 
     async def release(self) -> None:
         """Send what a speculation held back, and everything it produces from now on."""
         self.released = True
+        self._released.set()
+        if self.finished and self._on_complete:
+            self._on_complete(self)  # recorded before the client hears it is done
         held, self._held = self._held, []
         for item in held:
             await self._emit(item)
-        if self.finished and self._on_complete:
-            self._on_complete(self)
 
     async def cancel(self) -> None:
         if self._task is not None:
@@ -151,8 +193,9 @@ class Reply:
 
     # ------------------------------------------------------------------ production
     async def _emit(self, item: protocol.ServerMessage | bytes) -> None:
-        """Send now if released, else hold it back (speculation)."""
-        if not self.released:
+        """Send now if released, else hold it back (speculation). How a call settled is always sent: its call was
+        (calls run only while the reply is released), and the client waits for it."""
+        if not self.released and not isinstance(item, protocol.ToolDone):
             self._held.append(item)
             return
         if isinstance(item, bytes):
@@ -167,59 +210,36 @@ class Reply:
         await self._send_json(item)
 
     async def _produce(self, messages: list[Message]) -> None:
-        """LLM tokens -> clauses/sentences -> TTS -> audio, all overlapped."""
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        """LLM tokens -> clauses/sentences -> TTS -> audio, all overlapped; with tools, round after round."""
+        pieces: asyncio.Queue[_Piece | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speak(pieces), name=f"tts-{self.turn_id}")
-        splitter = SentenceSplitter(
-            first_clause_chars=self._first_clause_chars, first_piece_words=self._first_piece_words
-        )
         self._produce_started = self._clock.now()
-        stream = self._llm.stream(messages, self.request_id)
         said: list[str] = []
-        repeated = looping = False  # a piece said again word for word; a few words said again and again
+        spec = self._tools.spec if self._tools is not None else None
+        rounds = 0
         try:
-            try:
-                async for delta in stream:
-                    if not self.text_parts:
-                        self.metrics.llm_ttft_ms = (self._clock.now() - self._produce_started) * 1000
-                    self.text_parts.append(delta)
-                    await self._emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
-                    written = "".join(self.text_parts)
-                    loop_at = loop_end(written)
-                    if looping := loop_at is not None:  # say the loop's first time, not the rest
-                        before = len(written) - len(delta)
-                        splitter.forget_last(max(0, before - loop_at))
-                        delta = delta[: max(0, loop_at - before)]
-                    for piece in splitter.push(delta):
-                        if self.metrics.llm_first_piece_ms is None:
-                            self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
-                        if repeated := _repeats(piece, said):
-                            break
-                        said.append(piece)
-                        pieces.put_nowait(piece)
-                    if repeated or looping:
-                        log.info("turn %s: the LLM repeated itself; the reply ends before the repeat", self.turn_id)
-                        break
-            finally:
-                await stream.aclose()  # aborts the LLM request if we stopped early
-            rest = None if repeated else splitter.flush()
-            if rest and _repeats(rest, said):  # the last piece, said again at the very end
-                rest, repeated = None, True
-            if rest:
-                if self.metrics.llm_first_piece_ms is None:  # the whole reply was one short piece
-                    self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
-                said.append(rest)
-                pieces.put_nowait(rest)
+            while True:
+                calls, repeated, looping = await self._write(messages, spec, pieces, said, answer=rounds > 0)
+                if not calls or repeated or looping or self._tools is None or self._tools.runner is None:
+                    break
+                rounds += 1
+                messages = await self._call(messages, calls, pieces, said)
+                if messages is None or spec is None:
+                    break  # the calls' results come in a later response
+                spec = next_round(spec, rounds)
+                self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
             if repeated or looping:
-                self.text_parts = [" ".join(said)]  # what is spoken (the page and the history get it)
+                before, answer = said[: self._said_before_answer], said[self._said_before_answer :]
+                self.text_parts = [" ".join(before) + (" " if before else ""), " ".join(answer)]
+                self._answer_from = 1  # what is spoken (the page and the history get it)
                 self._count_guards(repeated=repeated, looping=looping)
             pieces.put_nowait(None)
             await speaker
             self._produced_at = self._clock.now()
             self.finished = True
-            await self._emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
             if self.released and self._on_complete:
-                self._on_complete(self)
+                self._on_complete(self)  # recorded before the client hears it is done (and may answer its calls)
+            await self._emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one failed turn must not end the conversation
@@ -230,6 +250,90 @@ class Reply:
         finally:
             await cancel_task(speaker)
 
+    def _llm_stream(self, messages: list[Message], spec: ToolSpec | None) -> AsyncIterator[str | ToolCall]:
+        """The LLM's reply: the plain text stream, or text and calls where tools are in play and the LLM takes them."""
+        calling = tool_calling_of(self._llm) if spec is not None else None
+        if calling is None:
+            if spec is not None and spec.tools:
+                log.warning(
+                    "the %s LLM backend does not call tools; turn %s is text only", self._llm.name, self.turn_id
+                )
+            return self._llm.stream(messages, self.request_id)
+        return calling.stream_tools(messages, self.request_id, spec)
+
+    async def _write(
+        self, messages: list[Message], spec: ToolSpec | None, pieces: asyncio.Queue, said: list[str], *, answer: bool
+    ) -> tuple[list[ToolCall], bool, bool]:
+        """One LLM request: its text spoken piece by piece, its calls returned; and whether a guard cut it
+        (repeated: a piece said again; looping: a few words said again and again)."""
+        splitter = SentenceSplitter(
+            first_clause_chars=self._first_clause_chars, first_piece_words=self._first_piece_words
+        )
+        stream = self._llm_stream(messages, spec)
+        round_start = len(self.text_parts)
+        calls: list[ToolCall] = []
+        repeated = looping = False
+        try:
+            async for event in stream:
+                if self.metrics.llm_ttft_ms is None:
+                    self.metrics.llm_ttft_ms = (self._clock.now() - self._produce_started) * 1000
+                if isinstance(event, ToolCall):
+                    calls.append(event)
+                    continue
+                delta = event
+                if len(self.text_parts) == round_start and self.text_parts and not self.text_parts[-1][-1:].isspace():
+                    delta = " " + delta.lstrip()  # the answer after what was said before the calls
+                self.text_parts.append(delta)
+                await self._emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
+                written = "".join(self.text_parts[round_start:])
+                loop_at = loop_end(written)
+                if looping := loop_at is not None:  # say the loop's first time, not the rest
+                    before = len(written) - len(delta)
+                    splitter.forget_last(max(0, before - loop_at))
+                    delta = delta[: max(0, loop_at - before)]
+                for piece in splitter.push(delta):
+                    if self.metrics.llm_first_piece_ms is None:
+                        self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
+                    if repeated := _repeats(piece, said):
+                        break
+                    said.append(piece)
+                    pieces.put_nowait(_Piece(piece, answer=answer))
+                if repeated or looping:
+                    log.info("turn %s: the LLM repeated itself; the reply ends before the repeat", self.turn_id)
+                    break
+        finally:
+            await stream.aclose()  # aborts the LLM request if we stopped early
+        rest = None if repeated else splitter.flush()
+        if rest and _repeats(rest, said):  # the last piece, said again at the very end
+            rest, repeated = None, True
+        if rest:
+            if self.metrics.llm_first_piece_ms is None:  # the whole reply was one short piece
+                self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
+            said.append(rest)
+            pieces.put_nowait(_Piece(rest, answer=answer))
+        return calls, repeated, looping
+
+    async def _call(
+        self, messages: list[Message], calls: list[ToolCall], pieces: asyncio.Queue, said: list[str]
+    ) -> list[Message] | None:
+        """Run a round's calls; the conversation to write the answer from, or None when the reply ends at them."""
+        assert self._tools is not None and self._tools.runner is not None
+        runner = self._tools.runner
+        await self._released.wait()  # a held-back reply runs no tool: the turn may not be this one
+        round_text = "".join(self.text_parts[self._answer_from :]).strip()
+        called = calls_message(round_text, calls)
+        self._answer_from, self._said_before_answer = len(self.text_parts), len(said)
+        self.spoken_before_answer = " ".join(said)
+        self.metrics.tool_calls = (self.metrics.tool_calls or 0) + len(calls)
+        if self._tools.filler and runner.waits_for(calls) and not speakable(round_text):
+            pieces.put_nowait(_Piece(self._tools.filler, filler=True))
+        result = await runner.run(self.turn_id, calls, self._emit)
+        self.metrics.tool_ms = (self.metrics.tool_ms or 0.0) + result.tool_s * 1000
+        self.tool_messages += [called, *(result.messages or ())]
+        if result.messages is None:
+            return None
+        return [*messages, called, *result.messages]
+
     def _count_guards(self, *, repeated: bool, looping: bool) -> None:
         """Which guard cut the reply, as per-turn counts (``TurnMetrics.guard_*``): how often the LLM needed one."""
         if repeated:
@@ -237,19 +341,20 @@ class Reply:
         if looping:
             self.metrics.guard_loop = (self.metrics.guard_loop or 0) + 1
 
-    async def _speak(self, pieces: asyncio.Queue[str | None]) -> None:
+    async def _speak(self, pieces: asyncio.Queue[_Piece | None]) -> None:
         sample_rate = self._tts.sample_rate
         chunk = sample_rate * AUDIO_CHUNK_MS // 1000
         while (piece := await pieces.get()) is not None:
-            text = speakable(piece)
+            text = speakable(piece.text)
             if not text:
                 continue
             tts_started = self._clock.now()
             first = self.metrics.tts_first_audio_ms is None
             urgent = first and self._first_piece_priority
             paused = self._scheduling if urgent else None  # the LLM waits while this piece is synthesized
+            request_id = self.request_id  # (the next round of a reply with tools is another request)
             if paused is not None:
-                paused.pause(self.request_id, FIRST_PIECE_PAUSE_MAX_S)
+                paused.pause(request_id, FIRST_PIECE_PAUSE_MAX_S)
             deadline = self._runs_dry_at(tts_started)
             try:
                 audio = await self._run(
@@ -259,16 +364,18 @@ class Reply:
                 )
             finally:
                 if paused is not None:
-                    paused.resume(self.request_id)
+                    paused.resume(request_id)
             if first:
                 if audio:
                     audio[0] = trim_leading_quiet(audio[0], sample_rate, LEAD_KEEP_MS)
                 self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
                 await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
+            if piece.answer and self.metrics.answer_ms is None and audio:
+                self.metrics.answer_ms = (self._clock.now() - self.speech_end) * 1000
             for samples in audio:
                 for offset in range(0, len(samples), chunk):
                     await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
-            self.playback.add_piece(piece)
+            self.playback.add_piece("" if piece.filler else piece.text)
             self._yield_if_ahead()
 
     def _runs_dry_at(self, now: float) -> float:

@@ -12,13 +12,14 @@ from collections.abc import Callable
 
 from app import protocol
 from app.config import Settings
-from app.stages.base import VoiceStages
+from app.stages.base import ToolSpec, VoiceStages
 from app.voice.clock import Clock, RunBlocking
 from app.voice.context import Fitted
 from app.voice.history import History
 from app.voice.language import reply_in
 from app.voice.prefs import Preferences
-from app.voice.reply import Reply, SendBytes, SendJson
+from app.voice.reply import Reply, ReplyTools, SendBytes, SendJson
+from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner, load_server_tools
 
 OnMetrics = Callable[[protocol.TurnMetrics], None]
 
@@ -39,18 +40,25 @@ class ReplyFactory:
         on_complete: Callable[[Reply], None],
         on_failed: Callable[[Reply], None],
         on_metrics: Callable[[], OnMetrics | None],
+        pending_calls: PendingCalls | None = None,
+        client_results: ClientResults = "wait",
     ) -> None:
         """``on_complete``/``on_failed``: a reply was produced to its end / failed; ``on_metrics``: who is told each
-        turn's figures (read at each reply: the server sets it after the session is made).
+        turn's figures (read at each reply: the server sets it after the session is made). ``pending_calls``: where
+        the client's tool results are awaited; ``client_results``: whether a reply waits for them ("wait") or ends
+        at its calls ("next_response": the Realtime API's way).
         """
         self._models, self._settings, self._history, self._prefs = models, settings, history, prefs
         self._send_json, self._send_bytes = send_json, send_bytes
         self._clock, self._run, self._session_id = clock, run_blocking, session_id
         self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
+        self._pending_calls = pending_calls or PendingCalls()
+        self._client_results: ClientResults = client_results
 
-    def prompt(self, user_text: str, language: str | None) -> Fitted:
-        """The messages that answer ``user_text``: the system prompt (asking for ``language``) and the history."""
+    def prompt(self, user_text: str | None, language: str | None) -> Fitted:
+        """The messages that answer ``user_text``: the system prompt (asking for ``language``) and the history
+        (None: the history alone, which ends with the results of the assistant's calls)."""
         settings = self._settings()
         return self._history.prompt(
             reply_in(self._prefs.current.system_prompt, language),
@@ -78,7 +86,36 @@ class ReplyFactory:
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
             first_piece_priority=settings.first_piece_priority or self._models.solo,
             voice=self._prefs.voice_for(language),
+            tools=self._tools(settings),
             on_complete=self._on_complete,
             on_failed=self._on_failed,
             on_metrics=self._on_metrics(),
         )
+
+    def session_tools(self) -> SessionTools:
+        """What the session's replies may call now: the client's tools, else the server's."""
+        prefs = self._prefs.current
+        server = load_server_tools(self._settings().tool_entry_point)
+        return SessionTools(prefs.tools, server, prefs.tool_choice, prefs.parallel_tool_calls)
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The tools the next reply's request has (None: the plain text path)."""
+        return self.session_tools().spec(self._history.messages)
+
+    def _tools(self, settings: Settings) -> ReplyTools | None:
+        """The reply's tools: None without any, in this session or in its history (the plain text path)."""
+        tools = self.session_tools()
+        spec = tools.spec(self._history.messages)
+        if spec is None:
+            return None
+        if not spec.tools:
+            return ReplyTools(spec)
+        runner = ToolRunner(
+            tools,
+            self._pending_calls,
+            timeout_s=settings.tool_timeout_s,
+            clock=self._clock,
+            run_blocking=self._run,
+            client_results=self._client_results,
+        )
+        return ReplyTools(spec, runner, settings.tool_filler)

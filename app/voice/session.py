@@ -9,7 +9,8 @@ what was heard), with the client's preferences. Each part is a unit of ``app.voi
 * ``speculation``: a reply started at a pause, held back, used if the turn commits with that text;
 * ``barge_in``: speech over a reply stops it, unless a backchannel;
 * ``continuation``: the user going on right after a commit;
-* ``warmup``: the LLM's prefix cache filled for the next turn.
+* ``warmup``: the LLM's prefix cache filled for the next turn;
+* ``tools``: the functions a reply may call, and their results (the client's ``tool_result``).
 
 Models come in through ``VoiceStages``, time through a ``Clock`` and blocking calls through a runner,
 all injected: whole conversations run in tests with scripted stand-ins and a manual clock.
@@ -17,6 +18,7 @@ all injected: whole conversations run in tests with scripted stand-ins and a man
 
 from __future__ import annotations
 
+import functools
 import itertools
 import uuid
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from app.voice.prefs import Preferences, SessionPrefs
 from app.voice.reply import Reply, SendBytes, SendJson
 from app.voice.reply_factory import ReplyFactory
 from app.voice.speculation import Speculation
+from app.voice.tools import ClientResults, PendingCalls, load_server_tools
 from app.voice.turns import is_filler, looks_unfinished
 from app.voice.warmup import PrefixWarmup, WarmPrefix
 
@@ -51,7 +54,11 @@ class VoiceSession:
         *,
         clock: Clock | None = None,
         run_blocking: RunBlocking | None = None,
+        client_tool_results: ClientResults = "wait",
     ) -> None:
+        """``client_tool_results``: a reply that calls the client's tools waits for their ``tool_result`` ("wait"), or
+        ends at its calls, whose results the client adds to the history before asking for the answer (``respond``:
+        the Realtime API's way, "next_response")."""
         self.models, self.settings, self._send_json = models, settings, send_json
         self._clock, self._run = clock or MonotonicClock(), run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
@@ -61,7 +68,11 @@ class VoiceSession:
         self._turn_language: str | None = None  # the language of the turn being answered, when known
         self._closed = False
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
-        self._prefs = Preferences(settings.system_prompt, models.asr, models.tts)
+        server_tools = tuple(tool.name for tool in load_server_tools(settings.tool_entry_point))
+        self._prefs = Preferences(
+            settings.system_prompt, models.asr, models.tts, tool_choice=settings.tool_choice, server_tools=server_tools
+        )
+        self._pending_calls = PendingCalls()
         self._configure_input(protocol.INPUT_SAMPLE_RATE)
         self._replies = ReplyFactory(
             models,
@@ -76,6 +87,8 @@ class VoiceSession:
             on_complete=self._record_reply,
             on_failed=lambda reply: self._history.forget_failed(reply.user_text),
             on_metrics=lambda: self.on_turn_metrics,
+            pending_calls=self._pending_calls,
+            client_results=client_tool_results,
         )
         self._speculation = Speculation(self._replies, language=lambda: self._turn_language)
         self._barge_in = BargeIn(
@@ -171,6 +184,23 @@ class VoiceSession:
             await self._interrupt_reply(barge_in=False)
         elif isinstance(message, protocol.SessionConfig):
             await self._configure(message)
+        elif isinstance(message, protocol.ToolResult):
+            if not self._pending_calls.resolve(message.call_id, message.output):
+                why = f"no call {message.call_id!r} is waiting for a result (unknown, timed out or cancelled)"
+                await self._send_json(protocol.Error(code="unknown_tool_call", message=why))
+
+    async def respond(self) -> int:
+        """Answer from the history as it stands (it ends with the results of the assistant's calls, added by the
+        client); returns the reply's turn id. The Realtime door's ``response.create`` after ``function_call_output``."""
+        self._continued.abandon()
+        await self._interrupt_reply()
+        turn_id = next(self._turn_ids)
+        fitted = self._replies.prompt(None, self._turn_language)
+        reply = self._replies.new(turn_id, "", self._turn_language)
+        reply.speech_end = reply.commit = self._clock.now()
+        self._reply = reply
+        reply.start(fitted.messages, released=True)
+        return turn_id
 
     async def _configure(self, message: protocol.SessionConfig) -> None:
         old_prompt = self.prefs.system_prompt
@@ -290,14 +320,21 @@ class VoiceSession:
             await self._send_json(notice)
 
     def _record_reply(self, reply: Reply) -> None:
-        if reply.text:
-            self._history.remember({"role": "assistant", "content": reply.text})
+        for message in reply.tool_messages:
+            self._history.remember(message)
+        if reply.answer_text:
+            self._history.remember({"role": "assistant", "content": reply.answer_text})
+        if reply.text or reply.tool_messages:
             self._warmup.next_prompt()
 
     def _llm_prefill(self) -> WarmPrefix | None:
-        """The LLM's prefix-cache prefill, where it has one (read at each use: the LLM may be replaced)."""
+        """The LLM's prefix-cache prefill, where it has one (read at each use: the LLM may be replaced); with tools,
+        the prompt is rendered as the reply's request will render it."""
         scheduling = scheduling_of(self.models.llm)
-        return None if scheduling is None else scheduling.warm
+        if scheduling is None:
+            return None
+        tools = self._replies.tool_spec()
+        return scheduling.warm if tools is None else functools.partial(scheduling.warm, tools=tools)
 
     def _llm_needed(self) -> bool:
         """The tail transcription is about to run, a speculation runs or a reply is written: no prefill now."""
@@ -315,10 +352,17 @@ class VoiceSession:
         reply, self._reply = self._reply, None
         if reply is None or not reply.active():
             return
-        producing = reply.producing
-        await reply.cancel()
+        recorded = reply.finished and reply.released  # (``_record_reply`` ran)
+        await reply.cancel()  # (the calls it waits for are cancelled: the client is told)
         heard_text = reply.playback.heard_text(self._clock.now())
-        self._history.keep_only_heard(heard_text, reply_was_recorded=not producing)
+        if not recorded:
+            for message in reply.tool_messages:  # calls made and answered stay made
+                self._history.remember(message)
+        answer_heard = heard_text
+        if reply.tool_messages:  # what was said before the calls is kept with them: only the answer's words here
+            before = reply.spoken_before_answer
+            answer_heard = heard_text[len(before) :].strip() if heard_text.startswith(before) else ""
+        self._history.keep_only_heard(answer_heard, reply_was_recorded=recorded and bool(reply.answer_text))
         self._warmup.next_prompt()
         if self._closed:
             return

@@ -50,6 +50,8 @@ EVERY_EVENT = [
     protocol.TurnContinued(turn_id=1),
     protocol.TurnDone(turn_id=1, text="Hi", interrupted=True, metrics=METRICS),
     protocol.Notice(turn_id=2, code="truncated", message="cut to fit"),
+    protocol.CallTool(turn_id=3, call_id="call_1", name="get_weather", arguments='{"city": "Paris"}'),
+    protocol.ToolDone(turn_id=3, call_id="call_1", name="get_weather", status="completed", output="21"),
     protocol.ConfigApplied(system_prompt="Be brief.", voice="joe", language="en", barge_in=True, half_duplex=False),
     protocol.Error(code="overloaded", message="busy", fatal=True),
 ]

@@ -15,6 +15,7 @@ import json
 
 import numpy as np
 import pytest
+from fakes import ToolScriptedLLM
 from fastapi.testclient import TestClient
 from harness import ScriptedLLM
 from realtime_stubs import check_ga
@@ -24,7 +25,7 @@ from app.audio import float_to_pcm16, pcm16_to_float, resample
 from app.config import Settings
 from app.server.app import create_app
 from app.server.realtime import REALTIME_SAMPLE_RATE, RealtimeAdapter
-from app.stages.base import Transcription
+from app.stages.base import ToolCall, Transcription
 from app.stages.vad import VadStream
 from app.voice.session import VoiceSession
 from app.voice.text import words
@@ -83,13 +84,25 @@ class FakeStages:
 class Rig:
     """A ``RealtimeAdapter`` in front of a ``VoiceSession`` on scripted stages; records every event sent."""
 
-    def __init__(self, pieces: list[str] | None = None, gate: asyncio.Event | None = None, **settings) -> None:
+    def __init__(
+        self,
+        pieces: list[str] | None = None,
+        gate: asyncio.Event | None = None,
+        llm: ScriptedLLM | None = None,
+        **settings,
+    ) -> None:
         self.settings = Settings(**{"max_audio_rate": 1000.0, **settings})
-        self.llm = ScriptedLLM(pieces or ["Paris is the capital of France."], gate=gate)
+        self.llm = llm or ScriptedLLM(pieces or ["Paris is the capital of France."], gate=gate)
         self.models = FakeStages(self.llm)
         self.events: list[dict] = []
         self.adapter = RealtimeAdapter(self._send, self.settings, self.models, drop_after_s=0.3)
-        self.session = VoiceSession(self.models, self.settings, self.adapter.on_parley, self.adapter.on_parley_audio)
+        self.session = VoiceSession(
+            self.models,
+            self.settings,
+            self.adapter.on_parley,
+            self.adapter.on_parley_audio,
+            client_tool_results="next_response",  # as serve_realtime makes it
+        )
         self.adapter.attach(self.session)
 
     async def _send(self, event: dict) -> None:
@@ -212,8 +225,8 @@ async def test_unsupported_fields_get_errors_and_the_rest_still_applies():
         session={
             "type": "realtime",
             "instructions": "Be brief.",
-            "tools": [{"type": "function", "name": "weather", "parameters": {}}],
-            "tool_choice": "required",
+            "tools": [{"type": "mcp", "server_label": "home"}],
+            "tool_choice": {"type": "mcp", "server_label": "home"},
             "audio": {"input": {"format": {"type": "audio/pcmu"}}, "output": {"voice": "nobody"}},
             "voice": "alloy",
         },
@@ -221,7 +234,7 @@ async def test_unsupported_fields_get_errors_and_the_rest_still_applies():
     errors = rig.errors()
     params = {e["param"] for e in errors}
     assert {
-        "session.tools",
+        "session.tools[0].type",
         "session.tool_choice",
         "session.audio.input.format",
         "session.audio.output.voice",
@@ -446,11 +459,15 @@ async def test_bad_events_get_realtime_errors_and_the_session_goes_on():
         (json.dumps({"type": "input_audio_buffer.commit"}), "input_audio_buffer_commit_unsupported"),
         (
             json.dumps({"type": "conversation.item.create", "item": {"type": "function_call_output"}}),
-            "unsupported_parameter",
+            "missing_required_parameter",
         ),
         (json.dumps({"type": "conversation.item.create", "item": user_text("x" * 3000)}), "string_above_max_length"),
         (
             json.dumps({"type": "response.create", "response": {"tools": [{"type": "function"}]}}),
+            "missing_required_parameter",
+        ),
+        (
+            json.dumps({"type": "response.create", "response": {"tools": [{"type": "mcp", "server_label": "x"}]}}),
             "unsupported_parameter",
         ),
         (json.dumps({"type": "output_audio_buffer.clear"}), "unsupported_parameter"),
@@ -521,7 +538,7 @@ async def test_client_events_are_validated_by_the_sdk_models():
         ),
         (
             {"type": "response.create", "response": {"tool_choice": {"type": "function"}}},
-            ("unsupported_parameter", "response.tool_choice"),
+            ("missing_required_parameter", "response.tool_choice.name"),
         ),
     ]
     for index, (event, (code, param)) in enumerate(sends):
@@ -547,6 +564,119 @@ async def test_client_events_are_validated_by_the_sdk_models():
     detection = rig.of("session.updated")[-1]["session"]["audio"]["input"]["turn_detection"]
     assert (detection["type"], detection["silence_duration_ms"]) == ("server_vad", 900)
     assert len(rig.errors()) == len(sends)
+    await close(rig)
+
+
+# ---------------------------------------------------------------- function calling
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+CALL_ORDER = [
+    "response.output_item.added",
+    "conversation.item.added",
+    "response.function_call_arguments.delta",
+    "response.function_call_arguments.done",
+    "response.output_item.done",
+    "conversation.item.done",
+]
+
+
+def tool_rig(before_call: list[str]) -> Rig:
+    llm = ToolScriptedLLM(
+        [[*before_call, ToolCall("call_r1", "get_weather", '{"city": "Paris"}')], ["It is sunny in Paris."]]
+    )
+    return Rig(llm=llm)
+
+
+async def test_a_function_call_ends_the_response_and_its_output_gets_the_answer():
+    rig = tool_rig(["Let me check."])
+    await rig.start()
+    await rig.send(
+        type="session.update",
+        session={"type": "realtime", "tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+    )
+    updated = rig.of("session.updated")[-1]["session"]
+    assert updated["tools"][0]["name"] == "get_weather" and updated["tool_choice"] == "required"
+    await rig.send(type="conversation.item.create", item=user_text("What is the weather in Paris?"))
+    await rig.send(type="response.create")
+    done = await rig.wait_for("response.done")
+    for event in rig.events:
+        check_ga(event)
+    assert rig.llm.specs[0].choice == "required" and rig.llm.specs[0].parallel is False
+    order = [t for t in rig.types() if t != "response.output_audio.delta"]
+    after_message = order[order.index("response.output_item.done") + 2 :]  # the message item, then the call's
+    assert after_message == [*CALL_ORDER, "response.done"]
+    message, call = done["response"]["output"]
+    assert message["type"] == "message" and message["content"][0]["transcript"] == "Let me check."
+    assert (call["type"], call["call_id"], call["name"], call["status"]) == (
+        "function_call",
+        "call_r1",
+        "get_weather",
+        "completed",
+    )
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+    arguments = rig.of("response.function_call_arguments.done")[0]
+    assert arguments["output_index"] == 1 and arguments["item_id"] == call["id"]
+    assert done["response"]["status"] == "completed"
+
+    # the client runs it and asks for the answer
+    before = len(rig.events)
+    output = {"type": "function_call_output", "call_id": "call_r1", "output": '{"sky": "sunny"}'}
+    await rig.send(type="conversation.item.create", item=output)
+    await rig.send(type="response.create")
+    answer = await rig.wait_for("response.done", after=before)
+    for event in rig.events[before:]:
+        check_ga(event)
+    assert answer["response"]["status"] == "completed"
+    assert answer["response"]["output"][0]["content"][0]["transcript"] == "It is sunny in Paris."
+    assert rig.audio_s(after=before) > 0
+    asked = rig.llm.calls[-1]
+    assert asked[-2]["tool_calls"][0]["id"] == "call_r1"
+    assert asked[-1] == {"role": "tool", "tool_call_id": "call_r1", "content": '{"sky": "sunny"}'}
+    await close(rig)
+
+
+async def test_a_call_alone_is_output_index_0_and_response_create_can_force_it():
+    rig = tool_rig([])
+    await rig.start()
+    await rig.send(type="session.update", session={"type": "realtime", "tools": [WEATHER_TOOL]})
+    await rig.send(type="conversation.item.create", item=user_text("Weather?"))
+    named = {"type": "function", "name": "get_weather"}
+    await rig.send(type="response.create", response={"tool_choice": named})
+    done = await rig.wait_for("response.done")
+    for event in rig.events:
+        check_ga(event)
+    [call] = done["response"]["output"]
+    assert call["type"] == "function_call" and rig.of("response.output_item.added")[0]["output_index"] == 0
+    assert rig.llm.specs[0].choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert rig.session.prefs.tool_choice == "auto", "the override was this response's only"
+    bad = {"type": "function", "name": "get_time"}
+    await rig.send(type="response.create", response={"tool_choice": bad})
+    assert rig.errors()[-1]["param"] == "response.tool_choice"
+    await close(rig)
+
+
+async def test_function_call_items_join_the_history_and_nothing_to_answer_is_still_refused():
+    rig = Rig(llm=ToolScriptedLLM([["Done."]]))
+    await rig.start()
+    call = {"type": "function_call", "call_id": "c1", "name": "set_timer", "arguments": '{"minutes": 5}'}
+    await rig.send(type="conversation.item.create", item=call)
+    await rig.send(
+        type="conversation.item.create", item={"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    )
+    for event in rig.events:
+        check_ga(event)
+    await rig.send(type="response.create")
+    await rig.wait_for("response.done")
+    assert [m["role"] for m in rig.llm.calls[-1]][-2:] == ["assistant", "tool"]
+    assert rig.llm.calls[-1][-2]["tool_calls"][0]["function"]["name"] == "set_timer"
+    await rig.send(type="response.create")
+    failed = await rig.wait_for("response.done", after=len(rig.events) - 1)
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["status_details"]["error"]["code"] == "no_user_message"
     await close(rig)
 
 
@@ -671,3 +801,70 @@ async def test_openai_sdk_drives_a_spoken_turn_and_a_cancel(live_server, speech)
         last = await until("response.done", timeout=120)
         assert last.response.status == "completed"
         assert any(e.type == "response.output_audio.delta" for e in received)
+
+
+async def test_openai_sdk_gets_a_valid_function_call_and_then_the_answer(live_server):
+    """The bundled SmolLM2-135M through ``parley serve``: ``tool_choice`` required decodes the call under a grammar,
+    so its arguments parse and match the schema; after its ``function_call_output`` the answer is spoken."""
+    from openai import AsyncOpenAI
+
+    thermostat = {
+        "type": "function",
+        "name": "set_thermostat",
+        "description": "Set the heating of a room",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "room": {"enum": ["kitchen", "bedroom", "living room"]},
+                "celsius": {"type": "number", "minimum": 10, "maximum": 30},
+            },
+            "required": ["room", "celsius"],
+            "additionalProperties": False,
+        },
+    }
+    client = AsyncOpenAI(base_url=live_server + "/v1", api_key="sk-unused")
+    async with client.realtime.connect(model="gpt-realtime") as conn:
+        received: list = []
+
+        async def until(kind: str, timeout: float = 120):
+            async def loop():
+                while True:
+                    event = await conn.recv()
+                    received.append(event)
+                    if event.type == "error":
+                        raise AssertionError(f"server error: {event.error}")
+                    if event.type == kind:
+                        return event
+
+            return await asyncio.wait_for(loop(), timeout)
+
+        await until("session.created")
+        await conn.session.update(
+            session={"type": "realtime", "tools": [thermostat], "tool_choice": "required", "parallel_tool_calls": False}
+        )
+        await until("session.updated")
+        await conn.conversation.item.create(item=user_text("Make the bedroom warmer, 22 degrees please."))
+        await conn.response.create()
+        done = await until("response.done")
+        assert done.response.status == "completed"
+        [call] = [item for item in done.response.output if item.type == "function_call"]
+        arguments = json.loads(call.arguments)
+        assert arguments["room"] in ("kitchen", "bedroom", "living room") and set(arguments) == {"room", "celsius"}
+        assert isinstance(arguments["celsius"], int | float) and 10 <= arguments["celsius"] <= 30
+        streamed = [e for e in received if e.type == "response.function_call_arguments.delta"]
+        assert "".join(e.delta for e in streamed) == call.arguments
+
+        received.clear()
+        output = json.dumps({"room": arguments["room"], "celsius": arguments["celsius"], "done": True})
+        await conn.conversation.item.create(
+            item={"type": "function_call_output", "call_id": call.call_id, "output": output}
+        )
+        await conn.response.create(response={"tool_choice": "none"})  # (required would ask for a call again)
+        answer = await until("response.done")
+        assert answer.response.status == "completed"
+        outputs = [item.type for item in answer.response.output]
+        assert outputs == ["message"], (outputs, [e.type for e in received])
+        [message] = answer.response.output
+        assert words(message.content[0].transcript)
+        reply = b"".join(base64.b64decode(e.delta) for e in received if e.type == "response.output_audio.delta")
+        assert len(reply) / 2 / REALTIME_SAMPLE_RATE > 0.3

@@ -10,6 +10,8 @@ import pytest
 from app.stages.llm import EngineChatLLM, GenerationSettings
 from engine.config import EngineConfig
 
+pytestmark = pytest.mark.models
+
 
 @pytest.fixture(scope="module")
 def llm():

@@ -103,3 +103,54 @@ def test_every_server_event_round_trips_through_the_client_parser():
         assert protocol.parse_server_message(protocol.encode(event)) == event
     with pytest.raises(ValueError):
         protocol.parse_server_message('{"type": "no_such_event"}')
+
+
+def test_tools_are_declared_in_config_and_answered_with_tool_result():
+    schema = {
+        "type": "object",
+        "properties": {
+            "when": {"type": "object", "properties": {"days": {"type": "array", "items": {"enum": ["mon"]}}}}
+        },
+    }
+    config = parse_client_text(
+        json.dumps(
+            {
+                "type": "config",
+                "tools": [{"type": "function", "name": "set_alarm", "description": "Wake me", "parameters": schema}],
+                "tool_choice": {"type": "function", "name": "set_alarm"},
+                "parallel_tool_calls": False,
+            }
+        )
+    )
+    assert config.tools[0].parameters == schema and config.tool_choice == protocol.NamedFunction(name="set_alarm")
+    assert parse_client_text('{"type": "config", "tool_choice": "required"}').tool_choice == "required"
+    result = parse_client_text('{"type": "tool_result", "call_id": "call_1", "output": "{\\"ok\\": true}"}')
+    assert result == protocol.ToolResult(call_id="call_1", output='{"ok": true}')
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "config", "tools": [{"name": "no spaces allowed"}]},
+        {"type": "config", "tools": [{"name": "x" * 65}]},
+        {"type": "config", "tools": [{"name": f"t{i}"} for i in range(protocol.MAX_TOOLS + 1)]},
+        {"type": "config", "tool_choice": "sometimes"},
+        {"type": "tool_result", "call_id": "", "output": "x"},
+        {"type": "tool_result", "call_id": "call_1"},
+    ],
+)
+def test_bad_tool_messages_are_refused(message):
+    assert error_code(lambda: parse_client_text(json.dumps(message))) == "bad_message"
+
+
+def test_tool_events_round_trip_through_the_client_parser():
+    events = [
+        protocol.CallTool(turn_id=1, call_id="call_1", name="get_weather", arguments='{"city": "Paris"}'),
+        protocol.ToolDone(turn_id=1, call_id="call_1", name="get_weather", status="timeout", output="{}"),
+        protocol.TurnDone(
+            turn_id=1, text="", metrics=protocol.TurnMetrics(tool_calls=1, tool_ms=12.0, answer_ms=900.0)
+        ),
+    ]
+    for event in events:
+        assert protocol.parse_server_message(protocol.encode(event)) == event
+    assert {"tool_ms", "answer_ms"} <= set(protocol.LATENCY_FIELDS)

@@ -685,6 +685,52 @@ def test_a_continued_turn_replaces_the_withdrawn_reply(playwright, tmp_path):
         assert not page.page_errors, page.page_errors
 
 
+def tool_turn(ws, site, n):
+    """A typed question answered after a call of a server tool, as the server sends it."""
+
+    def on_message(ws, message):
+        if message["type"] != "text":
+            return
+
+        def send(**event):
+            ws.send(json.dumps(event))
+
+        call = {"turn_id": 1, "call_id": "call_1", "name": "get_weather"}
+        send(type="transcript", turn_id=1, text=message["text"], final=True)
+        send(type="assistant_text", turn_id=1, delta="Let me check.")
+        send(type="tool_call", **call, arguments='{"city": "Paris"}', runs_on="server")
+        time.sleep(0.3)  # the tool runs
+        send(type="tool_done", **call, status="completed", output='{"celsius": 21}')
+        send(type="assistant_text", turn_id=1, delta=" It is 21 degrees.")
+        send(type="turn_done", turn_id=1, text="Let me check. It is 21 degrees.", metrics={"tool_calls": 1})
+
+    site.converse(ws, on_message)
+
+
+def test_a_tool_call_and_its_result_show_in_the_reply_and_stay_after_a_reload(playwright, tmp_path):
+    with (
+        scripted_site(tool_turn) as (url, _site),
+        browser_page(playwright, tmp_path / "profile", [*BASE_ARGS, AUTOPLAY], []) as page,
+    ):
+        page.goto(f"{url}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        page.fill("#text", "What is the weather in Paris?")
+        page.press("#text", "Enter")
+        page.wait_for_function("window.parley.events.some(e => e.type === 'turn_done')", timeout=15_000)
+        reply = page.locator('#log .msg.assistant[data-turn="1"]')
+        tool = reply.locator(".tool")
+        assert tool.count() == 1 and tool.get_attribute("data-status") == "completed"
+        assert tool.locator(".call").inner_text() == 'get_weather({"city": "Paris"})'
+        assert tool.locator(".result").inner_text() == '→ {"celsius": 21}'
+        assert reply.locator(".text").inner_text() == "Let me check. It is 21 degrees."
+        page.wait_for_timeout(500)  # the transcript is saved (debounced)
+        page.reload()
+        page.locator("#log .notice.divider").wait_for(timeout=10_000)
+        restored = page.locator("#log .msg.assistant .tool .call")
+        assert restored.all_inner_texts() == ['get_weather({"city": "Paris"})']
+        assert not page.page_errors, page.page_errors
+
+
 def busy_then_open(ws, site, n):
     if n == 1:  # what the server does when admission refuses a session
         ws.send(

@@ -34,20 +34,25 @@ Client events -> the conversation
                                  turn_detection.prefix_padding_ms (Parley keeps 300 ms of pre-roll),
                                  transcription.model/prompt/delay/keywords, max_output_tokens (the
                                  server's llm_max_tokens applies), tracing, truncation (Parley fits the
-                                 history to the model's context itself), reasoning, parallel_tool_calls,
-                                 model. Refused with an error (the rest of the update still applies):
-                                 non-empty tools, tool_choice other than auto/none, prompt templates,
-                                 audio formats other than 24 kHz PCM, speed other than 1,
-                                 create_response false, idle_timeout_ms, transcription sessions.
+                                 history to the model's context itself), reasoning, model.
+                                 tools (functions), tool_choice (auto, none, required, a named
+                                 function), parallel_tool_calls -> the session's tools (see below).
+                                 Refused with an error (the rest of the update still applies): MCP
+                                 tools and tool_choice, prompt templates, audio formats other than
+                                 24 kHz PCM, speed other than 1, create_response false,
+                                 idle_timeout_ms, transcription sessions.
   input_audio_buffer.append      base64 PCM16 24 kHz mono -> 16 kHz -> VoiceSession.feed_audio (server
                                  VAD), or into the manual buffer (turn_detection null)
   input_audio_buffer.commit      manual turns: the buffer is transcribed (the shared ASR) and becomes a
                                  user item, answered on response.create
   input_audio_buffer.clear       drops the utterance in progress (or the manual buffer)
   conversation.item.create       user text -> held until response.create, then one typed turn;
-                                 assistant text -> history; system text -> appended to the instructions
-  response.create                answers the user items created since the last answer (a typed turn);
-                                 response.instructions apply to that turn only
+                                 assistant text -> history; system text -> appended to the instructions;
+                                 function_call_output -> a tool message for the history (its output cut
+                                 to 4000 characters); function_call -> an earlier call, for the history
+  response.create                answers the user items created since the last answer (a typed turn),
+                                 or, with none, the function_call_output items (``VoiceSession.respond``);
+                                 response.instructions, tools and tool_choice apply to it only
   response.cancel                Parley ``cancel``: the reply stops, the history keeps what was heard
   conversation.item.truncate     Parley ``playback`` (how much of the reply was played)
   conversation.item.retrieve     the item as the server last sent it
@@ -63,9 +68,14 @@ The conversation -> server events
   assistant_text                 response.output_audio_transcript.delta (or output_text.delta)
   reply audio                    response.output_audio.delta (resampled to 24 kHz, streaming)
   interrupt                      the held-back speech_started; the response ends ``cancelled``
+  tool_call (the client's)       a function_call output item after the message item: output_item.added,
+                                 conversation.item.added, function_call_arguments.delta and .done,
+                                 output_item.done, conversation.item.done (the response ends at its calls:
+                                 the client adds each function_call_output, then response.create);
+                                 calls of the server's own tools (tool_entry_point) stay in the reply
   turn_done                      response.output_audio.done, ...transcript.done, content_part.done,
-                                 output_item.done, conversation.item.done, response.done
-                                 (+ parley.turn_metrics when included)
+                                 output_item.done, conversation.item.done, [the function calls],
+                                 response.done (+ parley.turn_metrics when included)
   error                          error {"error": {"type", "code", "message", "param", "event_id"}}
 
 OpenAI clients stop their playback on ``input_audio_buffer.speech_started``. Parley decides
@@ -139,7 +149,13 @@ async def serve_realtime(websocket: WebSocket, state: State, settings: Settings)
     adapter = RealtimeAdapter(
         send, session_settings, state.models, model=model, on_rate_limited=state.metrics.rate_limited.inc
     )
-    session = VoiceSession(state.models, session_settings, adapter.on_parley, adapter.on_parley_audio)
+    session = VoiceSession(
+        state.models,
+        session_settings,
+        adapter.on_parley,
+        adapter.on_parley_audio,
+        client_tool_results="next_response",  # function_call items end the response; response.create answers
+    )
     adapter.attach(session)
 
     async def on_binary(data: bytes) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from openai.types.realtime import RealtimeAudioConfigOutput, RealtimeResponseCreateParams, ResponseCreateEvent
 from openai.types.realtime.audio_transcription import AudioTranscription
 from openai.types.realtime.realtime_audio_input_turn_detection import SemanticVad, ServerVad
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from app import protocol
 from app.config import Settings
@@ -55,10 +55,12 @@ def session_change(session: RealtimeSession, current: RealtimeConfig, settings: 
     """``session`` applied to a copy of ``current``; ``models`` gives the voices and languages there are."""
     config = replace(current)
     prefs: dict[str, Any] = {}
-    errors = tool_refusals("session", session.tools, session.tool_choice, session.prompt)
-    errors += _unknown_keys(session.model_extra or {})
+    refused = tool_refusals("session", session.tools, session.tool_choice, session.prompt)
+    errors = refused + _unknown_keys(session.model_extra or {})
     if session.model is not None:
         config.model = session.model[:MAX_ID_CHARS]
+    if not refused:
+        _collect(errors, _apply_tools, session, config, prefs)
     _collect(errors, _apply_instructions, session.instructions, settings, config, prefs)
     _collect(errors, _apply_modality, session.output_modalities, config)
     if session.include is not None:
@@ -110,6 +112,60 @@ def _unknown_keys(extra: dict[str, Any]) -> list[RealtimeError]:
                 RealtimeError("unknown_parameter", f"unknown parameter 'session.{key}'", f"session.{key[:60]}")
             )
     return errors
+
+
+def _apply_tools(session: RealtimeSession, config: RealtimeConfig, prefs: dict) -> None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``: all three apply, or none (one error for all)."""
+    tools = config.tools
+    if session.tools is not None:
+        tools = tuple(function_tools(session.tools, "session.tools"))
+    choice = tool_choice(session.tool_choice, tools, "session.tool_choice")
+    if session.tools is not None:
+        config.tools = tools
+        prefs["tools"] = list(tools)
+    if choice is not None:
+        config.tool_choice = prefs["tool_choice"] = choice
+    if session.parallel_tool_calls is not None:
+        config.parallel_tool_calls = prefs["parallel_tool_calls"] = session.parallel_tool_calls
+
+
+def function_tools(tools: list, param: str) -> list[protocol.FunctionTool]:
+    """Realtime function tools as Parley's (``protocol.FunctionTool``): named, with an object schema."""
+    if len(tools) > protocol.MAX_TOOLS:
+        raise RealtimeError("array_above_max_length", f"at most {protocol.MAX_TOOLS} tools", param)
+    out = []
+    for index, tool in enumerate(tools):
+        where = f"{param}[{index}]"
+        if not tool.name:
+            raise RealtimeError(
+                "missing_required_parameter", f"missing required parameter: '{where}.name'", f"{where}.name"
+            )
+        parameters = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise RealtimeError(
+                "invalid_type", f"'{where}.parameters' must be a JSON schema object", f"{where}.parameters"
+            )
+        try:
+            out.append(protocol.FunctionTool(name=tool.name, description=tool.description or "", parameters=parameters))
+        except ValidationError as exc:
+            field = str(exc.errors()[0]["loc"][0])
+            raise RealtimeError(
+                "invalid_value", f"'{where}.{field}': {exc.errors()[0]['msg']}", f"{where}.{field}"
+            ) from None
+    names = [tool.name for tool in out]
+    if len(set(names)) != len(names):
+        raise RealtimeError("invalid_value", f"'{param}' must have distinct names", param)
+    return out
+
+
+def tool_choice(value: Any, tools: tuple[protocol.FunctionTool, ...], param: str) -> protocol.ToolChoice | None:
+    """A Realtime ``tool_choice`` as Parley's; a named function must be among ``tools`` (when the client has any:
+    else the server's tools may serve it, which the session checks)."""
+    if value is None or isinstance(value, str):
+        return value
+    if tools and value.name not in {tool.name for tool in tools}:
+        raise RealtimeError("invalid_value", f"'{param}' names {value.name!r}, which is not among the tools", param)
+    return protocol.NamedFunction(name=value.name)
 
 
 def _modality(value: list[str] | None, param: str) -> str | None:
@@ -209,8 +265,9 @@ def turn_settings(detection: TurnDetection | None, settings: Settings) -> dict[s
 
 
 # ---------------------------------------------------------------- response.create
-def response_params(event: ResponseCreateEvent) -> ResponseParams:
-    """What a ``response.create`` asks of its one response; ``RealtimeError`` for what Parley refuses."""
+def response_params(event: ResponseCreateEvent, config: RealtimeConfig) -> ResponseParams:
+    """What a ``response.create`` asks of its one response (over the session's ``config``); ``RealtimeError`` for
+    what Parley refuses."""
     spec = event.response or RealtimeResponseCreateParams()
     errors = tool_refusals("response", spec.tools, spec.tool_choice, spec.prompt)
     if errors:
@@ -231,8 +288,11 @@ def response_params(event: ResponseCreateEvent) -> ResponseParams:
             f"metadata holds at most {MAX_METADATA_KEYS} string pairs (values up to {MAX_METADATA_CHARS})",
             "response.metadata",
         )
+    tools = function_tools(spec.tools, "response.tools") if spec.tools is not None else None
     return ResponseParams(
         modality=_modality(spec.output_modalities, "response.output_modalities"),
         metadata=metadata,
         instructions=bounded(spec.instructions, "response.instructions", protocol.MAX_SYSTEM_PROMPT_CHARS),
+        tools=tools,
+        tool_choice=tool_choice(spec.tool_choice, tuple(tools or config.tools), "response.tool_choice"),
     )

@@ -3,8 +3,12 @@
 
 Each event is validated first (``schema``: the ``openai`` package's models); the handlers read
 typed values and check what the SDK does not: Parley's bounds (ids, texts, audio sizes, item
-counts) and what it refuses (tools, formats other than 24 kHz PCM, function-call items...).
-What ``session.update`` and ``response.create`` ask for is worked out in ``configure``.
+counts) and what it refuses (MCP tools, formats other than 24 kHz PCM...). What
+``session.update`` and ``response.create`` ask for is worked out in ``configure``.
+
+Function calls: a response ends at the calls it makes (its function_call items); the client adds
+each one's ``function_call_output`` and a ``response.create`` answers from them
+(``VoiceSession.respond``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,6 @@ from app.server.realtime.core import (
 )
 from app.server.realtime.outbound import Outbound
 from app.server.realtime.schema import (
-    FUNCTION_ITEM_TYPES,
     ItemTruncate,
     RealtimeSession,
     SessionUpdate,
@@ -59,10 +62,12 @@ from app.server.realtime.schema import (
     load_event,
     validate_event,
 )
-from app.server.realtime.state import Item, RealtimeState, TurnDetection
+from app.server.realtime.state import Item, RealtimeState, ResponseParams, TurnDetection
+from app.stages.base import ToolCall
 from app.voice.clock import run_in_thread
 from app.voice.session import VoiceSession
 from app.voice.text import without_trailing_loop
+from app.voice.tools import calls_message, output_text, result_message
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +148,8 @@ class Inbound:
         if self.session is not None:
             await self.session.handle(message)
 
-    def _settle_pending(self) -> None:
-        self.state.settle_pending(self.session.history if self.session is not None else None)
+    def _settle_pending(self) -> list[Item]:
+        return self.state.settle_pending(self.session.history if self.session is not None else None)
 
     # ------------------------------------------------------------------ session.update
     async def _session_update(self, event: SessionUpdate) -> None:
@@ -304,8 +309,9 @@ class Inbound:
     # ------------------------------------------------------------------ items
     async def _item_create(self, event: ConversationItemCreateEvent) -> None:
         item = event.item
-        if item.type in FUNCTION_ITEM_TYPES:
-            raise unsupported("item.type", "function calling (function_call items)")
+        if item.type in ("function_call", "function_call_output"):
+            await self._function_item_create(item)
+            return
         if item.type != "message":
             raise RealtimeError("invalid_value", f"unsupported item type {item.type[:40]!r}", "item.type")
         role = item.role
@@ -336,6 +342,35 @@ class Inbound:
             state.remember(Item(payload, role, text, pending=role != "system"))
             await self.outbound.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": payload})
             await self.outbound.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": payload})
+
+    async def _function_item_create(self, item) -> None:
+        """A call's output (what the next ``response.create`` answers from), or a call for the history."""
+        item_id = bounded(item.id, "item.id", MAX_ID_CHARS) or new_id("item")
+        call_id = bounded(item.call_id, "item.call_id", MAX_ID_CHARS)
+        state = self.state
+        if item_id in state.items:
+            raise RealtimeError("duplicate_item_id", f"an item with id {item_id!r} exists", "item.id")
+        if len(state.pending()) >= MAX_PENDING_ITEMS:
+            raise RealtimeError("too_many_items", f"at most {MAX_PENDING_ITEMS} items may wait for a response.create")
+        if item.type == "function_call_output":
+            output = output_text(item.output)
+            payload = {"type": "function_call_output", "call_id": call_id, "output": output}
+            stored = Item({}, "tool", output, message=result_message(call_id, output), pending=True)
+        else:
+            if not call_id:
+                raise RealtimeError(
+                    "missing_required_parameter", "missing required parameter: 'item.call_id'", "item.call_id"
+                )
+            name, arguments = bounded(item.name, "item.name", 64), item.arguments
+            payload = {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+            message = calls_message("", [ToolCall(call_id, name, arguments)])
+            stored = Item({}, "assistant", message=message, pending=True)
+        stored.payload = {"id": item_id, "object": "realtime.item", "status": "completed", **payload}
+        async with state.lock:
+            previous = state.follow(item_id)
+            state.remember(stored)
+            for kind in ("conversation.item.added", "conversation.item.done"):
+                await self.outbound.emit({"type": kind, "previous_item_id": previous, "item": stored.payload})
 
     async def _item_truncate(self, event: ItemTruncate) -> None:
         item_id, end_ms = bounded(event.item_id, "item_id", MAX_ID_CHARS), event.audio_end_ms
@@ -382,7 +417,7 @@ class Inbound:
                 "conversation_already_has_active_response",
                 "a response is in progress; cancel it or wait for response.done",
             )
-        params = response_params(event)
+        params = response_params(event, state.config)
         for item in state.pending():  # manual commits still being transcribed
             if item.transcription is not None and not item.transcription.done():
                 with contextlib.suppress(asyncio.CancelledError, TimeoutError):
@@ -393,27 +428,57 @@ class Inbound:
             turn.insert(0, pending.pop())
         for item in turn:
             item.pending = False  # answered now, as this turn
-        self._settle_pending()  # what came before it joins the history as it is
+        settled = self._settle_pending()  # what came before it joins the history as it is
         text = "\n".join(item.text for item in turn if item.text)[: protocol.MAX_USER_TEXT_CHARS]
+        if not text and any(item.role == "tool" for item in settled):
+            await self._answer_results(params)
+            return
         if not text:
-            # Parley answers a user's message; it has no turn of its own to take
+            # Parley answers a user's message, or the results of its calls; it has no turn of its own to take
             error = {
                 "type": "invalid_request_error",
                 "code": "no_user_message",
-                "message": "nothing to answer: add a user item (conversation.item.create or a commit) first",
+                "message": "nothing to answer: add a user item (conversation.item.create or a commit) "
+                "or a function_call_output first",
             }
             async with state.lock:
                 await self.outbound.fail_response(params, error)
             return
-        if params.instructions:
-            await self._parley(protocol.SessionConfig(system_prompt=params.instructions))
+        overrides = params.session_config()
+        if overrides is not None:
+            await self._parley(overrides)
         state.typed = params
         try:
             await self._parley(protocol.UserText(text=text))
         finally:
             state.typed = None
-            if params.instructions:
-                await self._parley(protocol.SessionConfig(system_prompt=state.config.instructions))
+            if overrides is not None:
+                await self._restore_session_config()
+
+    async def _answer_results(self, params: ResponseParams) -> None:
+        """A response that answers from the function_call_output items just added (no new user message)."""
+        if self.session is None:
+            return
+        overrides = params.session_config()
+        if overrides is not None:
+            await self._parley(overrides)
+        try:
+            turn_id = await self.session.respond()
+            # no await before the lock: the reply's first event (sent under the same lock) comes after response.created
+            async with self.state.lock:
+                await self.outbound.open_response(turn_id, params)
+        finally:
+            if overrides is not None:
+                await self._restore_session_config()
+
+    async def _restore_session_config(self) -> None:
+        """The session's own instructions and tools again, after a response that overrode them."""
+        config = self.state.config
+        await self._parley(
+            protocol.SessionConfig(
+                system_prompt=config.instructions, tools=list(config.tools), tool_choice=config.tool_choice
+            )
+        )
 
     async def _response_cancel(self, event: ResponseCancelEvent) -> None:
         response_id = bounded(event.response_id, "response_id", MAX_ID_CHARS) or None

@@ -3,6 +3,13 @@
 ``on_parley`` / ``on_parley_audio`` are the session's ``send_json`` / ``send_bytes``: Parley's
 ``protocol.ServerMessage`` values and its reply audio become Realtime events in the GA order.
 ``emit`` / ``error`` are also how the inbound half answers the client's own events.
+
+A reply's calls of the client's functions (``tool_call`` events) become function_call items of
+its response, after its message item (the words said before the calls) is done:
+``response.output_item.added``, ``conversation.item.added``,
+``response.function_call_arguments.delta`` and ``.done``, ``response.output_item.done``,
+``conversation.item.done``, then ``response.done`` with all the output items. Calls of the
+server's own tools stay inside the reply.
 """
 
 from __future__ import annotations
@@ -21,6 +28,20 @@ from app.server.realtime.state import Item, RealtimeState, Response, ResponsePar
 from app.voice.session import VoiceSession
 
 INCLUDE_TURN_METRICS = "parley.turn_metrics"
+
+
+def function_call_item(item_id: str, call: protocol.CallTool, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "function_call",
+        "status": status,
+        "call_id": call.call_id,
+        "name": call.name,
+        "arguments": arguments,
+    }
+
+
 INCLUDE_NOTICES = "parley.notice"
 
 
@@ -83,6 +104,10 @@ class Outbound:
                 await self._on_interrupt(message)
             case protocol.TurnDone():
                 await self._on_turn_done(message)
+            case protocol.CallTool():
+                self._on_tool_call(message)
+            case protocol.ToolDone():
+                return  # a server tool's result stays inside the reply; the client's results are its own
             case protocol.TurnContinued():
                 return  # never sent here: Realtime sessions run with continuation_ms 0
             case protocol.Notice():
@@ -276,6 +301,36 @@ class Outbound:
             {"type": "response.output_audio.delta", **response.where(), "delta": base64.b64encode(pcm).decode()}
         )
 
+    def _on_tool_call(self, message: protocol.CallTool) -> None:
+        response = self.state.current(message.turn_id)
+        if response is not None and message.runs_on == "client":
+            response.calls.append(message)  # sent as a function_call item once the message item is done
+
+    async def _function_call(self, response: Response, call: protocol.CallTool, index: int) -> dict[str, Any]:
+        """One function_call output item of ``response``, announced and done at once (its arguments are whole)."""
+        item_id = new_id("item")
+        opened = function_call_item(item_id, call, "", "in_progress")
+        self.state.remember(Item(opened, "assistant", turn_id=response.turn_id))
+        previous = self.state.follow(item_id)
+        where = {"response_id": response.id, "output_index": index}
+        await self.emit({"type": "response.output_item.added", **where, "item": opened})
+        await self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": opened})
+        arguments = {**where, "item_id": item_id, "call_id": call.call_id}
+        await self.emit({"type": "response.function_call_arguments.delta", **arguments, "delta": call.arguments})
+        await self.emit(
+            {
+                "type": "response.function_call_arguments.done",
+                **arguments,
+                "name": call.name,
+                "arguments": call.arguments,
+            }
+        )
+        done = function_call_item(item_id, call, call.arguments, "completed")
+        self.state.items[item_id].payload = done
+        await self.emit({"type": "response.output_item.done", **where, "item": done})
+        await self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": done})
+        return done
+
     async def _on_interrupt(self, message: protocol.Interrupt) -> None:
         speech = self.state.speech
         if speech is not None and not speech.announced:
@@ -330,6 +385,8 @@ class Outbound:
             )
             await self.emit({"type": "conversation.item.done", "item": item})
             output = [item]
+        for call in response.calls:
+            output.append(await self._function_call(response, call, len(output)))
         details = None
         if status == "cancelled":
             details = {"type": "cancelled", "reason": response.cancel_reason or "turn_detected"}

@@ -10,8 +10,8 @@ leave out its ``type`` (server VAD), and ``conversation.item.truncate`` may leav
 ``content_index`` (there is one part).
 
 The SDK's models let unknown fields through; which of them matter (beta-API names in
-``session``) is the handlers' business. What Parley refuses of a valid event (tools, audio
-formats, function calls...) is checked on the typed values, with the helpers at the end; a
+``session``) is the handlers' business. What Parley refuses of a valid event (MCP tools, prompt
+templates, audio formats...) is checked on the typed values, with the helpers at the end; a
 malformed part of something Parley refuses anyway is reported as that refusal.
 """
 
@@ -68,7 +68,6 @@ _SDK_EVENTS = typing.get_args(typing.get_args(RealtimeClientEvent)[0])
 _EVENTS: TypeAdapter[Any] = TypeAdapter(
     Annotated[Union[tuple(_PARLEY_MODELS.get(c, c) for c in _SDK_EVENTS)], Field(discriminator="type")]  # noqa: UP007
 )
-FUNCTION_ITEM_TYPES = ("function_call", "function_call_output")
 
 
 # ---------------------------------------------------------------- parsing
@@ -181,10 +180,9 @@ def _invalid(errors: list[dict], data: dict[str, Any]) -> RealtimeError:
 def _refusal(path: list[str | int], data: dict[str, Any]) -> RealtimeError | None:
     """A malformed part of a feature Parley refuses anyway: the refusal, which is the news."""
     if path[:1] in (["session"], ["response"]) and path[1:2] in (["tools"], ["tool_choice"], ["prompt"]):
-        return tool_refusals(str(path[0]), **{str(path[1]): _at(data, path[:2])})[0]
-    item = data.get("item")
-    if path[:1] == ["item"] and isinstance(item, dict) and item.get("type") in FUNCTION_ITEM_TYPES:
-        return unsupported("item.type", "function calling (function_call items)")
+        refusals = tool_refusals(str(path[0]), **{str(path[1]): _at(data, path[:2])})
+        if refusals:
+            return refusals[0]
     for index in range(1, len(path)):
         if path[index] == "format" and path[index - 1] in ("input", "output"):
             spec = _at(data, path[: index + 1])
@@ -200,16 +198,22 @@ def _at(data: Any, path: list[str | int]) -> Any:
 
 # ---------------------------------------------------------------- what Parley refuses of a valid event
 def tool_refusals(prefix: str, tools: Any = None, tool_choice: Any = None, prompt: Any = None) -> list[RealtimeError]:
-    """Function calling and prompt templates, which Parley refuses (in ``session`` or ``response``)."""
+    """What Parley refuses of tools (in ``session`` or ``response``): MCP servers and prompt templates. Function
+    tools are served (``configure.function_tools``)."""
     errors = []
-    if tools not in (None, []):
-        errors.append(unsupported(f"{prefix}.tools", "function calling (tools)"))
-    if tool_choice not in (None, "auto", "none"):
-        shown = tool_choice.model_dump(exclude_none=True) if isinstance(tool_choice, BaseModel) else tool_choice
-        errors.append(unsupported(f"{prefix}.tool_choice", f"tool_choice {repr(shown)[:60]}"))
+    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if _field(tool, "type") == "mcp":
+            errors.append(unsupported(f"{prefix}.tools[{index}].type", "MCP tools"))
+    if _field(tool_choice, "type") == "mcp":
+        errors.append(unsupported(f"{prefix}.tool_choice", "an MCP tool_choice"))
     if prompt is not None:
         errors.append(unsupported(f"{prefix}.prompt", "prompt templates"))
     return errors
+
+
+def _field(value: Any, name: str) -> Any:
+    """A field of a typed model or of the raw JSON (a refusal is checked on either)."""
+    return value.get(name) if isinstance(value, dict) else getattr(value, name, None)
 
 
 def check_format(audio_format: BaseModel | None, param: str) -> None:

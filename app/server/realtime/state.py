@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from app import protocol
 from app.audio import ASR_SAMPLE_RATE, StreamResampler
 from app.config import Settings
 from app.server.realtime.core import ITEMS_KEPT, PCM_FORMAT, REALTIME_SAMPLE_RATE, new_id
@@ -63,6 +64,9 @@ class RealtimeConfig:
     transcription_model: str = "parley-whisper"
     modality: str = "audio"
     include: frozenset[str] = frozenset()
+    tools: tuple[protocol.FunctionTool, ...] = ()
+    tool_choice: protocol.ToolChoice = "auto"
+    parallel_tool_calls: bool = False
 
     def session_json(self, session_id: str, max_output_tokens: int) -> dict[str, Any]:
         transcription = (
@@ -86,8 +90,8 @@ class RealtimeConfig:
                 },
                 "output": {"format": dict(PCM_FORMAT), "voice": self.voice, "speed": 1.0},
             },
-            "tools": [],
-            "tool_choice": "auto",
+            "tools": [tool.model_dump() for tool in self.tools],
+            "tool_choice": tool_choice_json(self.tool_choice),
             "max_output_tokens": max_output_tokens,
             "tracing": None,
             "truncation": "auto",
@@ -95,6 +99,10 @@ class RealtimeConfig:
             "expires_at": 0,
             "include": sorted(self.include) or None,
         }
+
+
+def tool_choice_json(choice: protocol.ToolChoice) -> str | dict[str, Any]:
+    return choice.model_dump() if isinstance(choice, protocol.NamedFunction) else choice
 
 
 # ---------------------------------------------------------------- the conversation as the client knows it
@@ -110,11 +118,13 @@ class Speech:
 
 @dataclass
 class Item:
-    """An item as the client knows it; ``turn_id`` links an assistant item to Parley's reply."""
+    """An item as the client knows it; ``turn_id`` links an assistant item to Parley's reply. ``message``: what the
+    history gets of a function call or its output (a chat message with ``tool_calls``, a ``tool`` message)."""
 
     payload: dict[str, Any]
     role: str
     text: str = ""
+    message: dict[str, Any] | None = None
     turn_id: int | None = None
     audio_ms: float = 0.0
     pending: bool = False  # created by the client, not yet answered
@@ -126,6 +136,14 @@ class ResponseParams:
     modality: str | None = None
     metadata: dict[str, str] | None = None
     instructions: str | None = None
+    tools: list[protocol.FunctionTool] | None = None  # this response's, over the session's
+    tool_choice: protocol.ToolChoice | None = None
+
+    def session_config(self) -> protocol.SessionConfig | None:
+        """The session preferences this response overrides (None: none)."""
+        changes = {"system_prompt": self.instructions or None, "tools": self.tools, "tool_choice": self.tool_choice}
+        changes = {name: value for name, value in changes.items() if value is not None}
+        return protocol.SessionConfig(**changes) if changes else None
 
 
 @dataclass
@@ -137,6 +155,7 @@ class Response:
     voice: str
     item_id: str | None = None  # set once the output item is opened (first text or audio)
     text_parts: list[str] = field(default_factory=list)
+    calls: list[protocol.CallTool] = field(default_factory=list)  # the client's calls, output after the message
     cancel_reason: str | None = None
     resampler: Any = None
     audio_bytes: int = 0
@@ -235,12 +254,14 @@ class RealtimeState:
     def pending(self) -> list[Item]:
         return [item for item in self.items.values() if item.pending]
 
-    def settle_pending(self, history: list | None) -> None:
-        """Client items not answered yet stop waiting and join ``history`` (the session's) as they are."""
-        for item in self.pending():
+    def settle_pending(self, history: list | None) -> list[Item]:
+        """Client items not answered yet stop waiting and join ``history`` (the session's) as they are; returns them."""
+        settled = self.pending()
+        for item in settled:
             item.pending = False
-            if item.text and history is not None:
-                history.append({"role": item.role, "content": item.text})
+            if history is not None and (item.message or item.text):
+                history.append(item.message or {"role": item.role, "content": item.text})
+        return settled
 
     def current(self, turn_id: int) -> Response | None:
         """The open response, if it answers Parley's turn ``turn_id``."""

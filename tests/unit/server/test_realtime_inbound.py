@@ -77,13 +77,13 @@ async def test_a_refused_field_is_an_error_and_the_rest_of_the_update_applies():
         event_id="evt_1",
         session={
             "instructions": "Be brief.",
-            "tools": [{"type": "function", "name": "f"}],
+            "tools": [{"type": "mcp", "server_label": "home"}],
             "voice": "alloy",
             "audio": {"output": {"voice": "nobody"}},
         },
     )
     errors = rt.client.errors()
-    assert [e["param"] for e in errors] == ["session.tools", "session.voice", "session.audio.output.voice"]
+    assert [e["param"] for e in errors] == ["session.tools[0].type", "session.voice", "session.audio.output.voice"]
     assert {e["event_id"] for e in errors} == {"evt_1"}
     assert rt.client.types()[-1] == "session.updated"
     assert rt.session.calls == [protocol.SessionConfig(system_prompt="Be brief.")]
@@ -171,7 +171,7 @@ async def test_response_create_sends_the_waiting_user_items_as_one_turn_with_its
     assert rt.session.messages() == [
         protocol.SessionConfig(system_prompt="Answer in one word."),
         protocol.UserText(text="What is\nmy name?"),
-        protocol.SessionConfig(system_prompt=rt.settings.system_prompt),
+        protocol.SessionConfig(system_prompt=rt.settings.system_prompt, tools=[], tool_choice="auto"),
     ]
     assert typed_during[1].metadata == {"k": "v"} and typed_during[2] is None
     assert rt.session.history == [
@@ -191,6 +191,80 @@ async def test_response_create_with_nothing_to_answer_fails_its_response_and_a_s
     rt.state.response = object()  # a response is open
     await rt.send(type="response.create", event_id="again")
     assert rt.client.errors()[-1]["code"] == "conversation_already_has_active_response"
+    rt.close()
+
+
+TIMER = {
+    "type": "function",
+    "name": "set_timer",
+    "description": "Start a timer",
+    "parameters": {"type": "object", "properties": {"minutes": {"type": "integer", "minimum": 1}}},
+}
+
+
+async def test_session_tools_become_the_session_s_and_refused_ones_change_nothing():
+    rt = parts()
+    await rt.send(
+        type="session.update",
+        session={
+            "tools": [TIMER],
+            "tool_choice": {"type": "function", "name": "set_timer"},
+            "parallel_tool_calls": False,
+        },
+    )
+    timer = protocol.FunctionTool(name="set_timer", description="Start a timer", parameters=TIMER["parameters"])
+    assert rt.session.calls == [
+        protocol.SessionConfig(
+            tools=[timer], tool_choice=protocol.NamedFunction(name="set_timer"), parallel_tool_calls=False
+        )
+    ]
+    session = rt.client.of("session.updated")[-1]["session"]
+    check_ga(rt.client.of("session.updated")[-1])
+    assert session["tools"] == [timer.model_dump()] and session["tool_choice"] == {
+        "type": "function",
+        "name": "set_timer",
+    }
+    rt.session.calls.clear()
+    for bad, param in [
+        ({"tools": [{"type": "function", "name": "no spaces"}]}, "session.tools[0].name"),
+        ({"tools": [TIMER, TIMER]}, "session.tools"),
+        ({"tools": [{"type": "function", "description": "nameless"}]}, "session.tools[0].name"),
+        ({"tool_choice": {"type": "function", "name": "get_time"}}, "session.tool_choice"),
+        ({"tools": [{"type": "mcp", "server_label": "home"}]}, "session.tools[0].type"),
+    ]:
+        await rt.send(type="session.update", session={"instructions": "Be brief.", **bad})
+        assert rt.client.errors()[-1]["param"] == param, bad
+        assert all(not isinstance(call, protocol.SessionConfig) or call.tools is None for call in rt.session.calls)
+    assert rt.state.config.tools == (timer,), "a refused update keeps the tools there were"
+    rt.close()
+
+
+async def test_function_call_outputs_join_the_history_and_response_create_answers_them():
+    rt = parts()
+    call = {"type": "function_call", "call_id": "c1", "name": "set_timer", "arguments": '{"minutes": 5}'}
+    await rt.send(type="conversation.item.create", item=call)
+    long_output = "x " * 5000
+    await rt.send(
+        type="conversation.item.create", item={"type": "function_call_output", "call_id": "c1", "output": long_output}
+    )
+    for event in rt.client.events:
+        check_ga(event)
+    output_item = rt.client.of("conversation.item.done")[-1]["item"]
+    assert (
+        output_item["type"] == "function_call_output" and len(output_item["output"]) <= protocol.MAX_TOOL_OUTPUT_CHARS
+    )
+    await rt.send(type="response.create", response={"tool_choice": "none"})
+    assert rt.session.calls == [
+        protocol.SessionConfig(tool_choice="none"),
+        ("respond", {}),
+        protocol.SessionConfig(system_prompt=rt.settings.system_prompt, tools=[], tool_choice="auto"),
+    ]
+    called, result = rt.session.history
+    assert called["tool_calls"][0]["function"] == {"name": "set_timer", "arguments": '{"minutes": 5}'}
+    assert result["role"] == "tool" and result["tool_call_id"] == "c1" and result["content"] == output_item["output"]
+    created = rt.client.of("response.created")[-1]
+    check_ga(created)
+    assert rt.state.response is not None and rt.state.response.turn_id == 99
     rt.close()
 
 
