@@ -80,7 +80,8 @@ class SessionConfig(_Message):
 
     ``language`` is the ASR language ("" = detect it), ``barge_in`` whether speaking over a
     reply interrupts it, ``half_duplex`` whether the microphone is ignored while a reply plays
-    (loudspeakers without echo cancellation).
+    (loudspeakers without echo cancellation), ``reply_audio`` whether replies are spoken (false:
+    text only, no speech synthesis; ``assistant_text`` and ``turn_done`` come as usual).
     """
 
     type: Literal["config"] = "config"
@@ -89,6 +90,7 @@ class SessionConfig(_Message):
     language: str | None = Field(None, max_length=16, pattern=r"^[a-z]{0,3}(-[A-Za-z]{2,4})?$")
     barge_in: bool | None = None
     half_duplex: bool | None = None
+    reply_audio: bool | None = None
 
 
 ClientMessage = Annotated[Start | UserText | Reset | Playback | Cancel | SessionConfig, Field(discriminator="type")]
@@ -171,6 +173,7 @@ class ConfigApplied(_Message):
     language: str
     barge_in: bool
     half_duplex: bool
+    reply_audio: bool = True
 
 
 class TurnMetrics(BaseModel):

@@ -16,6 +16,7 @@ class SessionPrefs:
     language: str  # "" = detect it per utterance
     barge_in: bool = True
     half_duplex: bool = False
+    reply_audio: bool = True  # False: replies come as text only (no speech synthesis)
 
 
 class Preferences:

@@ -78,6 +78,7 @@ class ReplyFactory:
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
             first_piece_priority=settings.first_piece_priority or self._models.solo,
             voice=self._prefs.voice_for(language),
+            speak=self._prefs.current.reply_audio,
             on_complete=self._on_complete,
             on_failed=self._on_failed,
             on_metrics=self._on_metrics(),

@@ -317,7 +317,7 @@ class VoiceSession:
             return
         producing = reply.producing
         await reply.cancel()
-        heard_text = reply.playback.heard_text(self._clock.now())
+        heard_text = reply.heard_text(self._clock.now())
         self._history.keep_only_heard(heard_text, reply_was_recorded=not producing)
         self._warmup.next_prompt()
         if self._closed:
