@@ -146,9 +146,7 @@ class EngineChatLLM:
     async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
         from engine import SamplingParams
 
-        params = SamplingParams(
-            max_tokens=self.settings.max_tokens, temperature=self.settings.temperature, top_p=self.settings.top_p
-        )
+        params = SamplingParams(max_tokens=self.settings.max_tokens, **self.settings.sampling())
         async for delta in self._text(self.engine.apply_chat_template(messages), params, request_id):
             yield delta
 
@@ -309,8 +307,7 @@ class OpenAIChatLLM:
             "messages": messages,
             "stream": True,
             "max_tokens": self.settings.max_tokens,
-            "temperature": self.settings.temperature,
-            "top_p": self.settings.top_p,
+            **self.settings.sampling(),
         }
         async with self._client.stream(
             "POST", self.base_url + "/chat/completions", json=body, headers={"X-Request-Id": request_id}

@@ -8,6 +8,7 @@ is at most about twice that, cut in whole window steps so the window does not mo
 
 from __future__ import annotations
 
+from app.policy import HistoryReplies
 from app.stages.base import ChatLLM, Message
 from app.voice.context import Fitted, estimate_tokens, fit_to_context
 
@@ -33,15 +34,32 @@ def history_window(history: list[dict], limit: int) -> list[dict]:
     return history[start:]
 
 
+def shown_replies(messages: list[Message], replies: HistoryReplies) -> list[Message]:
+    """``messages`` with the model's own replies among them kept: "all", the "last" one, or "none".
+
+    Why: a tiny model (SmolLM2-135M) fed its earlier answers copies them and answers earlier
+    questions; what the user said (their name, their question before a follow-up) stays
+    (``app.policy``). A reply left out leaves the rest of the prompt as it was, so the prefix
+    before it stays in the LLM's cache.
+    """
+    if replies == "all":
+        return messages
+    said = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    kept = set(said[-1:]) if replies == "last" else set()
+    return [m for index, m in enumerate(messages) if m["role"] != "assistant" or index in kept]
+
+
 class History:
-    def __init__(self, max_messages: int) -> None:
+    def __init__(self, max_messages: int, replies: HistoryReplies = "all") -> None:
         self.max_messages = max_messages
+        self.replies = replies
         self.messages: list[Message] = []
 
     def window(self, system_prompt: str, messages: list[Message] | None = None) -> list[Message]:
-        """The system prompt and the window of ``messages`` (default: the history) to send."""
+        """The system prompt and the window of ``messages`` (default: the history) to send, with the replies the
+        policy shows."""
         window = history_window(self.messages if messages is None else messages, self.max_messages)
-        return [{"role": "system", "content": system_prompt}, *window]
+        return [{"role": "system", "content": system_prompt}, *shown_replies(window, self.replies)]
 
     def prompt(
         self, system_prompt: str, user_text: str, llm: ChatLLM, *, context_tokens: int | None, reply_tokens: int
