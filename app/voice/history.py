@@ -35,18 +35,17 @@ def history_window(history: list[dict], limit: int) -> list[dict]:
 
 
 def shown_replies(messages: list[Message], replies: HistoryReplies) -> list[Message]:
-    """``messages`` with the model's own replies among them kept: "all", the "last" one, or "none".
+    """``messages`` with the model's own replies among them that the policy shows: "all", the "last" one, or "none".
 
-    Why: a tiny model (SmolLM2-135M) fed its earlier answers copies them and answers earlier
-    questions; what the user said (their name, their question before a follow-up) stays
-    (``app.policy``). A reply left out leaves the rest of the prompt as it was, so the prefix
-    before it stays in the LLM's cache.
+    Why: a tiny model (SmolLM2-135M) fed its earlier answers copies them and answers earlier questions
+    (``app.policy``); what the user said (their name, the question a follow-up refers to) stays. A reply
+    left out leaves the rest of the prompt as it was, so the prefix before it stays in the LLM's cache.
     """
     if replies == "all":
         return messages
     said = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     kept = set(said[-1:]) if replies == "last" else set()
-    return [m for index, m in enumerate(messages) if m["role"] != "assistant" or index in kept]
+    return [message for index, message in enumerate(messages) if message["role"] != "assistant" or index in kept]
 
 
 class History:
@@ -104,12 +103,19 @@ class History:
         if self.messages and self.messages[-1] == said:
             self.messages.pop()
 
-    def keep_only_heard(self, heard: str, reply_was_recorded: bool) -> None:
-        """An interrupted reply: the history keeps what the user heard of it, not what was written."""
+    def keep_only_heard(self, heard: str, reply_was_recorded: bool, *, withdrawn_if_unheard: bool = False) -> None:
+        """An interrupted reply: the history keeps what the user heard of it, not what was written.
+
+        ``withdrawn_if_unheard``: the user stopped it (``cancel``) before hearing any of it, so the turn is taken
+        back whole; left in, the request with no answer was answered with the next question (a cancelled story
+        went on into the reply to "What planet do we live on?").
+        """
         if reply_was_recorded and self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
         if heard:
             self.messages.append({"role": "assistant", "content": heard})
+        elif withdrawn_if_unheard and self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
 
     def clear(self) -> None:
         self.messages.clear()

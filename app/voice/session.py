@@ -318,7 +318,7 @@ class VoiceSession:
         producing = reply.producing
         await reply.cancel()
         heard_text = reply.heard_text(self._clock.now())
-        self._history.keep_only_heard(heard_text, reply_was_recorded=not producing)
+        self._history.keep_only_heard(heard_text, reply_was_recorded=not producing, withdrawn_if_unheard=not barge_in)
         self._warmup.next_prompt()
         if self._closed:
             return

@@ -248,6 +248,21 @@ async def test_cancel_stops_the_reply_and_keeps_what_was_heard(conversation):
     assert conv.llm.calls[-1][-2] == conv.session.history[1]
 
 
+async def test_a_turn_cancelled_before_any_of_its_reply_was_heard_is_taken_back(conversation):
+    conv = conversation()
+    await conv.type("What is the capital of France?")
+    conv.clock.advance(5.0)  # heard in full
+    await reply_playing(conv)  # "Tell me a story.": its audio was sent, none of it has played yet
+    await conv.session.handle(protocol.parse_client_text('{"type": "cancel"}'))
+    assert conv.of(protocol.TurnDone)[-1].interrupted and conv.of(protocol.TurnDone)[-1].text == ""
+    assert [m["content"] for m in conv.session.history] == [
+        "What is the capital of France?",
+        "Paris is the capital of France.",
+    ]
+    await conv.type("And Italy?")
+    assert "Tell me a story." not in [m["content"] for m in conv.llm.calls[-1]]
+
+
 async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(conversation):
     conv = conversation()
     await conv.session.handle(
