@@ -1,11 +1,11 @@
 """How a voice reply is asked for, per model: what the model sees of the conversation, and how it decodes.
 
-A 135M model is not a 7B one: fed the long transcript of its own earlier answers, SmolLM2-135M
-copies them and answers an earlier question (README, "Conversation policy"); a larger model uses
-the same transcript well. So the conversation's defaults are a row of ``POLICIES``, chosen by the
-LLM's name (``policy_for``), and each of them is also a setting of its own (``app.config``), which
-wins over the row. The rows name only what was measured on that model; the default row is what
-any other model gets.
+A 135M model is not a 7B one: fed the transcript of its own earlier answers, SmolLM2-135M copies
+them and answers earlier questions, and greedy decoding loops (README, "Conversation policy").
+So the conversation's defaults are a row of ``POLICIES``, chosen by the LLM's name
+(``policy_for``), and each of them is also a setting of its own (``app.config``), which wins
+over the row. A row holds only what was measured on its model (``parley bench quality``); the
+default row, today's behaviour, is what every other model gets.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ BUNDLED_LLM = "SmolLM2-135M-Instruct"  # what llm_model "bundled" is (``engine.w
 class ConversationPolicy:
     """One model's defaults for a voice reply (each field is the setting of the same name, see ``SETTINGS``)."""
 
+    # short and near SmolLM2's training prompt: longer "voice style" instructions made it answer in broken French
     system_prompt: str = "You are a helpful AI assistant named Parley. Keep your answers short."
     history_messages: int = 16  # messages of the conversation sent back each turn
     # of the model's own earlier replies in them: all, only the last one (follow-ups read it), or none
@@ -57,7 +58,8 @@ SETTINGS = {
 
 POLICIES: dict[str, ConversationPolicy] = {
     "default": ConversationPolicy(),
-    "smollm2-135m": ConversationPolicy(),
+    # its last reply only (what a follow-up needs; the earlier ones it copied), and DRY against copying and loops
+    "smollm2-135m": ConversationPolicy(history_replies="last", dry_multiplier=0.8),
 }
 
 # a model whose name (lower case) contains the key gets that policy; the first match wins
