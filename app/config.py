@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -15,9 +15,10 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-# Short and near the bundled SmolLM2-135M's training prompt: longer "voice style" instructions made it
-# answer in broken French.
-DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named Parley. Keep your answers short."
+from app.policy import POLICIES as CONVERSATION_POLICIES
+from app.policy import HistoryReplies, policy_for
+
+POLICY_DEFAULT = "(empty: the conversation policy's, see llm_policy)"
 
 
 class Settings(BaseSettings):
@@ -77,13 +78,41 @@ class Settings(BaseSettings):
         le=60.0,
         description="a reply with more audio than this still to play lets other replies' LLM steps go first (0: never)",
     )
-    llm_max_tokens: int = Field(120, ge=1, le=4096)
-    llm_temperature: float = Field(0.0, ge=0.0, le=2.0)
     llm_context_tokens: int | None = Field(
         None, ge=256, description="prompt + reply tokens per turn (empty: the model's own context length)"
     )
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    max_history_messages: int = Field(16, ge=0)
+
+    # The conversation policy: what the LLM sees each turn and how a reply is decoded. Each setting left
+    # empty takes the value of the policy's row (app/policy.py), and holds it once the settings are loaded.
+    llm_policy: str = Field(
+        "auto",
+        description="the row of app/policy.py the settings below default to: auto = the one for llm_model's "
+        f"name, or one of: {', '.join(CONVERSATION_POLICIES)}",
+    )
+    system_prompt: str | None = Field(None, min_length=1, description=POLICY_DEFAULT)
+    max_history_messages: int | None = Field(
+        None, ge=0, description="messages of the conversation sent back each turn " + POLICY_DEFAULT
+    )
+    history_replies: HistoryReplies | None = Field(
+        None,
+        description="of the model's own earlier replies in them: all, the last one, or none " + POLICY_DEFAULT,
+    )
+    llm_max_tokens: int | None = Field(None, ge=1, le=4096, description=POLICY_DEFAULT)
+    llm_temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy " + POLICY_DEFAULT)
+    llm_top_p: float | None = Field(None, gt=0.0, le=1.0, description=POLICY_DEFAULT)
+    llm_min_p: float | None = Field(None, ge=0.0, le=1.0, description=POLICY_DEFAULT)
+    llm_repetition_penalty: float | None = Field(
+        None, gt=0.0, le=2.0, description="on prompt and reply tokens, 1: off " + POLICY_DEFAULT
+    )
+    llm_presence_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="on reply tokens, 0: off " + POLICY_DEFAULT
+    )
+    llm_frequency_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="on reply tokens, 0: off " + POLICY_DEFAULT
+    )
+    llm_dry_multiplier: float | None = Field(
+        None, ge=0.0, le=5.0, description="DRY repeat penalty (engine backend), 0: off " + POLICY_DEFAULT
+    )
 
     # TTS
     tts_backend: Literal["piper", "coqui"] = Field("piper", description="coqui needs the [coqui] extra (GPU image)")
@@ -246,6 +275,18 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _policy_defaults(self) -> Settings:
+        """Each conversation setting left empty takes the policy's value; ``llm_policy`` names the row used."""
+        try:
+            self.llm_policy = policy_for(self.llm_policy, self.llm_model, self.llm_backend)
+        except ValueError as exc:
+            raise ValueError(f"llm_policy: {exc}") from None
+        for name, value in CONVERSATION_POLICIES[self.llm_policy].settings().items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        return self
 
     @classmethod
     def settings_customise_sources(

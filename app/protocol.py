@@ -116,7 +116,8 @@ class SessionConfig(_Message):
     (loudspeakers without echo cancellation). ``tools``: functions the client runs when the
     assistant calls them (``tool_call`` event, ``tool_result`` message; ``[]`` declares none);
     ``tool_choice``: ``auto`` (the model decides), ``none``, ``required`` (the reply is a call) or
-    one named function; ``parallel_tool_calls``: several calls in one reply.
+    one named function; ``parallel_tool_calls``: several calls in one reply; ``reply_audio`` whether
+    replies are spoken (false: text only, no speech synthesis; ``assistant_text`` and ``turn_done`` come as usual).
     """
 
     type: Literal["config"] = "config"
@@ -128,6 +129,7 @@ class SessionConfig(_Message):
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reply_audio: bool | None = None
 
 
 ClientMessage = Annotated[
@@ -244,6 +246,7 @@ class ConfigApplied(_Message):
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = False
+    reply_audio: bool = True
 
 
 class TurnMetrics(BaseModel):

@@ -351,8 +351,8 @@ def _apply_dry(x: torch.Tensor, rows: list[SamplerRow]) -> None:
 
     The repeat: the context (prompt + output) ends with tokens t[-n:] that also occur earlier,
     followed there by the token to penalize. Matches do not extend across a sequence breaker, and
-    a breaker is never penalized. Per row a scan of the context in Python (only rows that use DRY);
-    the penalties are written at once.
+    a breaker is never penalized; unlike the reference, neither is a stop token (EOS). Per row a
+    scan of the context in Python (only rows that use DRY); the penalties are written at once.
     """
     triples = []
     for j, r in enumerate(rows):
@@ -384,10 +384,11 @@ def _dry_penalties(row: SamplerRow) -> dict[int, float]:
             n += 1
         following = ctx[i + 1]
         longest[following] = max(n, longest.get(following, 0))
+    # In a chat an earlier reply's end ("... glad!" EOS) is in the prompt: a penalized EOS made replies run on
     return {
         t: p.dry_multiplier * p.dry_base ** (n - p.dry_allowed_length)
         for t, n in longest.items()
-        if n >= p.dry_allowed_length
+        if n >= p.dry_allowed_length and t not in row.stop_token_ids
     }
 
 

@@ -2,11 +2,12 @@
 
 Four conversations of 20 typed turns (``app.bench.quality_set``) go through ``/ws`` as a user
 would type them, each after a ``reset``; then every fact question (and every follow-up, in full)
-is asked alone, after a ``reset`` of its own. Each turn waits for its ``turn_done`` and reports its
-reply as heard in full (``playback``), so the next question does not cut it short; one turn per
-conversation is cancelled once its first reply audio arrives. Nothing is timed: the figures are
+is asked alone, after a ``reset`` of its own. Replies come as text only (``config``
+``reply_audio: false``: the same LLM path and history, no speech synthesis to wait for), and each
+turn waits for its ``turn_done``. One turn per conversation is spoken and cancelled once its first
+reply audio arrives (the history keeps what was heard of it). Nothing is timed: the figures are
 counts, so a busy machine changes none of them (with the default greedy sampling a run repeats,
-but for the few words of the cancelled reply that had played, which the history keeps).
+but for the few words of the cancelled reply that had played).
 
 Scored (``app.bench.quality_score``):
 * facts right, in a conversation and alone (the same questions), and which way they differ;
@@ -78,8 +79,20 @@ class TypedUser:
                     raise OSError(f"the server ended the session: {item.message}")
                 answer.error, answer.done = item.message, True
 
+    async def configure(self, **prefs) -> None:
+        """Send a ``config`` and wait for it to apply (``reply_audio=False``: replies come as text only)."""
+        await self.connection.send(protocol.SessionConfig(**prefs))
+        deadline = time.monotonic() + TURN_TIMEOUT_S
+        while True:
+            item = await self.connection.recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(item, protocol.Error):
+                raise OSError(f"the server refused {prefs}: {item.message}")
+            if isinstance(item, protocol.ConfigApplied):
+                return
+
     async def ask(self, text: str) -> Answer:
-        """Type ``text``, read its whole reply, and say it was heard in full (so the next turn does not cut it)."""
+        """Type ``text``, read its whole reply, and say any audio of it was heard in full (so the next turn does
+        not cut it)."""
         answer = Answer()
         await self.connection.send_text(text)
         await self._read(answer, lambda: answer.done, TURN_TIMEOUT_S)
@@ -105,7 +118,12 @@ class TypedUser:
 
 
 async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) -> TurnRecord:
-    answer = await (user.ask_and_cancel(ask.text) if ask.kind == "interrupt" else user.ask(ask.text))
+    if ask.kind == "interrupt":  # spoken, so that what is kept of it is what had played
+        await user.configure(reply_audio=True)
+        answer = await user.ask_and_cancel(ask.text)
+        await user.configure(reply_audio=False)
+    else:
+        answer = await user.ask(ask.text)
     guards = {}
     if answer.metrics is not None:
         guards = {name: getattr(answer.metrics, name) or 0 for name in protocol.GUARD_FIELDS}
@@ -128,6 +146,7 @@ async def run(
     connection = await open_connection(url)
     user = TypedUser(connection)
     try:
+        await user.configure(reply_audio=False)
         talks = []
         for number, asks in enumerate(conversations):
             await user.reset()

@@ -96,9 +96,24 @@ class TurnDetector(Protocol):
 # ---------------------------------------------------------------- LLM
 @dataclass(frozen=True)
 class GenerationSettings:
+    """How a reply is decoded (the conversation policy's sampling, ``app.policy``), as OpenAI/vLLM request fields."""
+
     max_tokens: int = 120
     temperature: float = 0.0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+
+    def sampling(self) -> dict[str, float]:
+        """The request's sampling fields: temperature and top_p always, the others only where they do something
+        (a server that lacks one, DRY say, is not sent it)."""
+        neutral = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        fields = {"temperature": self.temperature, "top_p": self.top_p}
+        fields |= {name: getattr(self, name) for name, off in neutral.items() if getattr(self, name) != off}
+        return fields | ({"dry_multiplier": self.dry_multiplier} if self.dry_multiplier else {})
 
 
 @dataclass(frozen=True)

@@ -165,9 +165,7 @@ class EngineChatLLM:
     async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
         from engine import SamplingParams
 
-        params = SamplingParams(
-            max_tokens=self.settings.max_tokens, temperature=self.settings.temperature, top_p=self.settings.top_p
-        )
+        params = SamplingParams(max_tokens=self.settings.max_tokens, **self.settings.sampling())
         async for delta in self._text(self.engine.apply_chat_template(messages), params, request_id):
             yield delta
 
@@ -185,10 +183,11 @@ class EngineChatLLM:
         if plan.grammar is not None:
             await self.engine.check_grammar(plan.grammar)
             max_tokens = max(max_tokens, FORCED_CALL_MIN_TOKENS)
+        # not DRY: a call copies the names of its arguments from the schema in the prompt, which DRY penalizes
+        sampling = {name: value for name, value in self.settings.sampling().items() if name != "dry_multiplier"}
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.settings.temperature,
-            top_p=self.settings.top_p,
+            **sampling,
             grammar=plan.grammar,
             skip_special_tokens=plan.skip_special_tokens,
         )
@@ -423,8 +422,7 @@ class OpenAIChatLLM:
             "messages": messages,
             "stream": True,
             "max_tokens": self.settings.max_tokens,
-            "temperature": self.settings.temperature,
-            "top_p": self.settings.top_p,
+            **self.settings.sampling(),
             **extra,
         }
         async with self._client.stream(

@@ -77,7 +77,16 @@ def llm_engine_config(settings: Settings) -> EngineConfig:
 
 
 def make_llm(settings: Settings) -> ChatLLM:
-    generation = GenerationSettings(max_tokens=settings.llm_max_tokens, temperature=settings.llm_temperature)
+    generation = GenerationSettings(
+        max_tokens=settings.llm_max_tokens,
+        temperature=settings.llm_temperature,
+        top_p=settings.llm_top_p,
+        min_p=settings.llm_min_p,
+        repetition_penalty=settings.llm_repetition_penalty,
+        presence_penalty=settings.llm_presence_penalty,
+        frequency_penalty=settings.llm_frequency_penalty,
+        dry_multiplier=settings.llm_dry_multiplier,
+    )
     if settings.llm_backend == "engine":
         from app.stages.llm import EngineChatLLM
 

@@ -8,6 +8,7 @@ is at most about twice that, cut in whole window steps so the window does not mo
 
 from __future__ import annotations
 
+from app.policy import HistoryReplies
 from app.stages.base import ChatLLM, Message
 from app.voice.context import Fitted, estimate_tokens, fit_to_context
 
@@ -33,15 +34,36 @@ def history_window(history: list[dict], limit: int) -> list[dict]:
     return history[start:]
 
 
+def shown_replies(messages: list[Message], replies: HistoryReplies) -> list[Message]:
+    """``messages`` with the model's own replies among them that the policy shows: "all", the "last" one, or "none".
+
+    Why: a tiny model (SmolLM2-135M) fed its earlier answers copies them and answers earlier questions
+    (``app.policy``); what the user said (their name, the question a follow-up refers to) stays. A reply
+    left out leaves the rest of the prompt as it was, so the prefix before it stays in the LLM's cache.
+    """
+    if replies == "all":
+        return messages
+    # an assistant message that calls tools stays (its results follow it, and a template needs both)
+    said = [index for index, message in enumerate(messages) if _is_reply(message)]
+    kept = set(said[-1:]) if replies == "last" else set()
+    return [message for index, message in enumerate(messages) if not _is_reply(message) or index in kept]
+
+
+def _is_reply(message: Message) -> bool:
+    return message["role"] == "assistant" and not message.get("tool_calls")
+
+
 class History:
-    def __init__(self, max_messages: int) -> None:
+    def __init__(self, max_messages: int, replies: HistoryReplies = "all") -> None:
         self.max_messages = max_messages
+        self.replies = replies
         self.messages: list[Message] = []
 
     def window(self, system_prompt: str, messages: list[Message] | None = None) -> list[Message]:
-        """The system prompt and the window of ``messages`` (default: the history) to send."""
+        """The system prompt and the window of ``messages`` (default: the history) to send, with the replies the
+        policy shows."""
         window = history_window(self.messages if messages is None else messages, self.max_messages)
-        return [{"role": "system", "content": system_prompt}, *window]
+        return [{"role": "system", "content": system_prompt}, *shown_replies(window, self.replies)]
 
     def prompt(
         self, system_prompt: str, user_text: str | None, llm: ChatLLM, *, context_tokens: int | None, reply_tokens: int
@@ -88,12 +110,19 @@ class History:
         if self.messages and self.messages[-1] == said:
             self.messages.pop()
 
-    def keep_only_heard(self, heard: str, reply_was_recorded: bool) -> None:
-        """An interrupted reply: the history keeps what the user heard of it, not what was written."""
+    def keep_only_heard(self, heard: str, reply_was_recorded: bool, *, withdrawn_if_unheard: bool = False) -> None:
+        """An interrupted reply: the history keeps what the user heard of it, not what was written.
+
+        ``withdrawn_if_unheard``: the user stopped it (``cancel``) before hearing any of it, so the turn is taken
+        back whole; left in, the request with no answer was answered with the next question (a cancelled story
+        went on into the reply to "What planet do we live on?").
+        """
         if reply_was_recorded and self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
         if heard:
             self.messages.append({"role": "assistant", "content": heard})
+        elif withdrawn_if_unheard and self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
 
     def clear(self) -> None:
         self.messages.clear()

@@ -19,6 +19,7 @@ class SessionPrefs:
     tools: tuple[protocol.FunctionTool, ...] = ()  # the client's own (it runs them); none: the server's, if any
     tool_choice: protocol.ToolChoice = "auto"
     parallel_tool_calls: bool = False
+    reply_audio: bool = True  # False: replies come as text only (no speech synthesis)
 
 
 class Preferences:

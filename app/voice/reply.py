@@ -99,6 +99,7 @@ class Reply:
         yield_ahead_s: float = YIELD_AHEAD_S,
         voice: str | None = None,
         tools: ReplyTools | None = None,
+        speak: bool = True,
         on_complete: Callable[[Reply], None] | None = None,
         on_failed: Callable[[Reply], None] | None = None,
         on_metrics: Callable[[protocol.TurnMetrics], None] | None = None,
@@ -125,6 +126,7 @@ class Reply:
         self._yield_ahead_s = yield_ahead_s
         self._voice = voice
         self._tools = tools
+        self.speaks = speak  # False: a text-only reply (the client's ``reply_audio``), no TTS
         self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
         self._held: list[protocol.ServerMessage | bytes] = []
         self._released = asyncio.Event()
@@ -150,6 +152,12 @@ class Reply:
     def active(self) -> bool:
         """Still being produced, or still playing at the client."""
         return self.producing or self.playback.playing(self._clock.now())
+
+    def heard_text(self, now: float) -> str:
+        """What the user has had of the reply by ``now``: the audio played, or all the text sent when it is not spoken."""
+        if not self.speaks:
+            return self.text if self.released else ""
+        return self.playback.heard_text(now)
 
     def start(self, messages: list[Message], *, released: bool) -> None:
         self.released = released
@@ -346,7 +354,7 @@ class Reply:
         chunk = sample_rate * AUDIO_CHUNK_MS // 1000
         while (piece := await pieces.get()) is not None:
             text = speakable(piece.text)
-            if not text:
+            if not text or not self.speaks:
                 continue
             tts_started = self._clock.now()
             first = self.metrics.tts_first_audio_ms is None

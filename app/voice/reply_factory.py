@@ -87,6 +87,7 @@ class ReplyFactory:
             first_piece_priority=settings.first_piece_priority or self._models.solo,
             voice=self._prefs.voice_for(language),
             tools=self._tools(settings),
+            speak=self._prefs.current.reply_audio,
             on_complete=self._on_complete,
             on_failed=self._on_failed,
             on_metrics=self._on_metrics(),

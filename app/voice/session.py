@@ -55,18 +55,22 @@ class VoiceSession:
         clock: Clock | None = None,
         run_blocking: RunBlocking | None = None,
         client_tool_results: ClientResults = "wait",
+        withdraw_unheard: bool = True,
     ) -> None:
         """``client_tool_results``: a reply that calls the client's tools waits for their ``tool_result`` ("wait"), or
         ends at its calls, whose results the client adds to the history before asking for the answer (``respond``:
-        the Realtime API's way, "next_response")."""
+        the Realtime API's way, "next_response"). ``withdraw_unheard``: a ``cancel`` before any of the reply was
+        heard takes the turn back (left in, the next reply answered it); not for the Realtime door, whose
+        conversation items are the client's."""
         self.models, self.settings, self._send_json = models, settings, send_json
         self._clock, self._run = clock or MonotonicClock(), run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
-        self._history = History(settings.max_history_messages)
+        self._history = History(settings.max_history_messages, settings.history_replies)
         self._turn_ids = itertools.count(1)
         self._reply: Reply | None = None  # the released reply (producing or playing)
         self._turn_language: str | None = None  # the language of the turn being answered, when known
         self._closed = False
+        self._withdraw_unheard = withdraw_unheard
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
         server_tools = tuple(tool.name for tool in load_server_tools(settings.tool_entry_point))
         self._prefs = Preferences(
@@ -354,7 +358,7 @@ class VoiceSession:
             return
         recorded = reply.finished and reply.released  # (``_record_reply`` ran)
         await reply.cancel()  # (the calls it waits for are cancelled: the client is told)
-        heard_text = reply.playback.heard_text(self._clock.now())
+        heard_text = reply.heard_text(self._clock.now())
         if not recorded:
             for message in reply.tool_messages:  # calls made and answered stay made
                 self._history.remember(message)
@@ -362,7 +366,11 @@ class VoiceSession:
         if reply.tool_messages:  # what was said before the calls is kept with them: only the answer's words here
             before = reply.spoken_before_answer
             answer_heard = heard_text[len(before) :].strip() if heard_text.startswith(before) else ""
-        self._history.keep_only_heard(answer_heard, reply_was_recorded=recorded and bool(reply.answer_text))
+        self._history.keep_only_heard(
+            answer_heard,
+            reply_was_recorded=recorded and bool(reply.answer_text),
+            withdrawn_if_unheard=self._withdraw_unheard and not barge_in,
+        )
         self._warmup.next_prompt()
         if self._closed:
             return

@@ -263,7 +263,8 @@ def test_a_told_fact_is_asked_back_while_still_in_the_default_history_window(num
 
 # ------------------------------------------------------------------ the typed user, on a scripted connection
 class ScriptedConnection:
-    """Answers each typed text with a reply's events (audio included); a cancel cuts the reply in progress."""
+    """Answers each typed text with a reply's events (its audio unless a ``config`` turned ``reply_audio`` off); a
+    cancel cuts the reply in progress."""
 
     output_sample_rate = 1000
 
@@ -273,23 +274,34 @@ class ScriptedConnection:
         self.incoming: deque = deque()
         self.turn_id = 0
         self.closed = False
+        self.reply_audio = True
 
     async def send_text(self, text: str) -> None:
         self.sent.append(protocol.UserText(text=text))
         self.turn_id += 1
         reply, turn = self.replies[text], self.turn_id
         metrics = protocol.TurnMetrics(**self.guards.get(text, {}))
-        self.incoming += [
-            protocol.Transcript(turn_id=turn, text=text, final=True),
-            protocol.AssistantText(turn_id=turn, delta=reply),
+        audio = [
             protocol.AudioStart(turn_id=turn, sample_rate=self.output_sample_rate),
             b"\0\0" * 500,  # 0.5 s
             b"\0\0" * 250,
+        ]
+        self.incoming += [
+            protocol.Transcript(turn_id=turn, text=text, final=True),
+            protocol.AssistantText(turn_id=turn, delta=reply),
+            *(audio if self.reply_audio else []),
             protocol.TurnDone(turn_id=turn, text=reply, metrics=metrics),
         ]
 
     async def send(self, message) -> None:
         self.sent.append(message)
+        if isinstance(message, protocol.SessionConfig):
+            self.reply_audio = self.reply_audio if message.reply_audio is None else message.reply_audio
+            self.incoming.append(
+                protocol.ConfigApplied(
+                    system_prompt="-", voice="-", language="en", barge_in=True, half_duplex=False, reply_audio=False
+                )
+            )
         if isinstance(message, protocol.Cancel):
             self.incoming.clear()  # what was not sent yet never is
             heard = self.replies[self.sent[-2].text].split()[0]
@@ -340,6 +352,11 @@ async def test_a_run_resets_before_each_conversation_and_question_and_sums_the_g
     conversations, alone = await quality.run("ws://test/ws", (talk,), seed=0, say=lambda line: None)
     resets = sum(isinstance(message, protocol.Reset) for message in connection.sent)
     assert resets == 1 + 2 and connection.closed  # one conversation, two facts alone
+    # replies come as text only, but for the cancelled one: spoken, so that it is cut where it was heard
+    configs = [(i, m.reply_audio) for i, m in enumerate(connection.sent) if isinstance(m, protocol.SessionConfig)]
+    story = connection.sent.index(protocol.UserText(text="Tell me a story."))
+    assert [audio for _, audio in configs] == [False, True, False] and configs[1][0] == story - 1
+    assert not any(isinstance(m, protocol.Playback) for m in connection.sent)  # no audio, nothing to report
     assert [r.reply for r in conversations[0]] == ["Four.", "Once", "Honey."]
     assert conversations[0][1].interrupted and conversations[0][2].repeats_cut_reply is False
     assert sorted(r.ask.text for r in alone) == ["What do bees make?", "What is two plus two?"]

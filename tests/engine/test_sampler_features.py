@@ -146,6 +146,13 @@ def test_dry_does_not_match_across_sequence_breakers():
     assert _dry([1, 2, 3, 9, 1, 2, 3], breakers={3}, **kw) == [0.0] * 12  # the context ends with a breaker
 
 
+def test_dry_never_penalizes_a_stop_token():
+    # a chat's earlier reply ended "1 2 3" then EOS (9): this reply may end the same way
+    kw = dict(dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=2)
+    assert processed([[0.0] * 12], [row([1, 2, 3, 9], [1, 2, 3], stops=(9,), **kw)])[0] == [0.0] * 12
+    assert _dry([1, 2, 3, 9], [1, 2, 3], **kw)[9] == -2.0  # not a stop token of this row: penalized
+
+
 def test_dry_is_off_by_default():
     assert row(prompt=[1, 2, 1, 2], output=[1]).plain_greedy
     assert not row(prompt=[1, 2, 1, 2], output=[1], dry_multiplier=0.5).plain_greedy

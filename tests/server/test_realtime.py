@@ -27,7 +27,6 @@ from app.server.app import create_app
 from app.server.realtime import REALTIME_SAMPLE_RATE, RealtimeAdapter
 from app.stages.base import ToolCall, Transcription
 from app.stages.vad import VadStream
-from app.voice.session import VoiceSession
 from app.voice.text import words
 
 QUESTION = "What is the capital of France?"
@@ -96,14 +95,7 @@ class Rig:
         self.models = FakeStages(self.llm)
         self.events: list[dict] = []
         self.adapter = RealtimeAdapter(self._send, self.settings, self.models, drop_after_s=0.3)
-        self.session = VoiceSession(
-            self.models,
-            self.settings,
-            self.adapter.on_parley,
-            self.adapter.on_parley_audio,
-            client_tool_results="next_response",  # as serve_realtime makes it
-        )
-        self.adapter.attach(self.session)
+        self.session = self.adapter.open_session()
 
     async def _send(self, event: dict) -> None:
         json.dumps(event)  # what goes on the wire is JSON

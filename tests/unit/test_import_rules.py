@@ -1,7 +1,7 @@
 """The package map's one-way rules, checked on the source (every import, module level or lazy).
 
 engine            imports nothing from app
-app.protocol, app.audio, app.config   the base: import no other app package
+app.protocol, app.audio, app.config, app.policy   the base: import no other app package
 app.stages        the base, and engine (the in-process LLM backend)
 app.voice         the base, and of the stages only their interfaces (app.stages.base)
 app.server        anything but clients and benchmarks
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ("app.protocol", "app.audio", "app.config")
+BASE = ("app.protocol", "app.audio", "app.config", "app.policy")
 BENCHMARKS = ("app.bench", "engine.benchmarks")
 
 

@@ -101,7 +101,6 @@ from app.server.access import CLOSE_POLICY, KEY_SUBPROTOCOL_PREFIX
 from app.server.connection import Connection
 from app.server.realtime.adapter import RealtimeAdapter
 from app.server.realtime.core import MAX_ID_CHARS, REALTIME_SAMPLE_RATE, RealtimeError, new_id
-from app.voice.session import VoiceSession
 
 __all__ = ["REALTIME_SAMPLE_RATE", "RealtimeAdapter", "RealtimeError", "serve_realtime"]
 
@@ -149,14 +148,7 @@ async def serve_realtime(websocket: WebSocket, state: State, settings: Settings)
     adapter = RealtimeAdapter(
         send, session_settings, state.models, model=model, on_rate_limited=state.metrics.rate_limited.inc
     )
-    session = VoiceSession(
-        state.models,
-        session_settings,
-        adapter.on_parley,
-        adapter.on_parley_audio,
-        client_tool_results="next_response",  # function_call items end the response; response.create answers
-    )
-    adapter.attach(session)
+    session = adapter.open_session()
 
     async def on_binary(data: bytes) -> None:
         await adapter.handle_binary()

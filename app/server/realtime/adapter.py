@@ -16,7 +16,7 @@ class RealtimeAdapter:
     """Translates one Realtime connection to and from one ``VoiceSession``.
 
     ``on_parley`` / ``on_parley_audio`` are the session's ``send_json`` / ``send_bytes``;
-    ``handle_client`` / ``handle_binary`` take the client's frames. The session is attached after both exist.
+    ``handle_client`` / ``handle_binary`` take the client's frames. ``open_session`` makes the session and attaches it.
     ``drop_after_s``: how long after a pause an utterance that commits no turn is forgotten
     (by default the endpoint's longest silence and time for the ASR).
     """
@@ -33,6 +33,7 @@ class RealtimeAdapter:
     ) -> None:
         if drop_after_s is None:
             drop_after_s = settings.endpoint_unfinished_silence_ms / 1000 + 3.0
+        self._settings, self._models = settings, models
         self.state = RealtimeState.new(settings, models, model)
         self.outbound = Outbound(self.state, send, drop_after_s=drop_after_s)
         self.inbound = Inbound(self.state, self.outbound, settings, models, on_rate_limited=on_rate_limited)
@@ -40,8 +41,18 @@ class RealtimeAdapter:
         self.handle_client, self.handle_binary = self.inbound.handle_client, self.inbound.handle_binary
         self.start = self.outbound.start
 
-    def attach(self, session: VoiceSession) -> None:
+    def open_session(self) -> VoiceSession:
+        """The conversation this connection drives, made as the Realtime API needs it, and attached."""
+        session = VoiceSession(
+            self._models,
+            self._settings,
+            self.on_parley,
+            self.on_parley_audio,
+            client_tool_results="next_response",  # function_call items end the response; response.create answers
+            withdraw_unheard=False,  # a cancelled response leaves the client's items as they are
+        )
         self.inbound.session = self.outbound.session = session
+        return session
 
     async def close(self) -> None:
         self.inbound.close()

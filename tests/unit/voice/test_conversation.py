@@ -248,6 +248,21 @@ async def test_cancel_stops_the_reply_and_keeps_what_was_heard(conversation):
     assert conv.llm.calls[-1][-2] == conv.session.history[1]
 
 
+async def test_a_turn_cancelled_before_any_of_its_reply_was_heard_is_taken_back(conversation):
+    conv = conversation()
+    await conv.type("What is the capital of France?")
+    conv.clock.advance(5.0)  # heard in full
+    await reply_playing(conv)  # "Tell me a story.": its audio was sent, none of it has played yet
+    await conv.session.handle(protocol.parse_client_text('{"type": "cancel"}'))
+    assert conv.of(protocol.TurnDone)[-1].interrupted and conv.of(protocol.TurnDone)[-1].text == ""
+    assert [m["content"] for m in conv.session.history] == [
+        "What is the capital of France?",
+        "Paris is the capital of France.",
+    ]
+    await conv.type("And Italy?")
+    assert "Tell me a story." not in [m["content"] for m in conv.llm.calls[-1]]
+
+
 async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(conversation):
     conv = conversation()
     await conv.session.handle(
@@ -264,6 +279,37 @@ async def test_config_changes_the_next_turn_and_rejects_what_the_server_lacks(co
     errors = [e for e in conv.of(protocol.Error) if e.code == "bad_config"]
     assert len(errors) == 2 and "nobody" in errors[0].message and "'fr'" in errors[1].message
     assert conv.session.prefs.voice == "other-tone"  # a rejected config changes nothing
+
+
+async def test_a_text_only_reply_is_written_and_done_without_speech(conversation):
+    conv = conversation(llm_pieces=["Paris is the capital of France. ", "It is lovely."])
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "reply_audio": false}'))
+    assert conv.of(protocol.ConfigApplied)[-1].reply_audio is False
+    await conv.type(QUESTION)
+    await conv.settle()
+    done = conv.of(protocol.TurnDone)[-1]
+    assert done.text == "Paris is the capital of France. It is lovely." and not done.interrupted
+    assert "".join(e.delta for e in conv.of(protocol.AssistantText)) == "Paris is the capital of France. It is lovely."
+    assert conv.audio_s == 0 and not conv.of(protocol.AudioStart) and not conv.session.models.tts.spoken
+    assert done.metrics.tts_first_audio_ms is None and done.metrics.llm_ttft_ms is not None
+    assert conv.session.history[-1] == {"role": "assistant", "content": done.text}
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "reply_audio": true}'))
+    await conv.type("And Italy?")
+    await conv.settle()
+    assert conv.audio_s > 0 and conv.of(protocol.AudioStart)  # spoken again
+    assert conv.llm.calls[-1][1:3] == conv.session.history[:2]  # the same history, whether spoken or not
+
+
+async def test_a_cancelled_text_only_reply_keeps_the_text_that_was_sent(conversation):
+    gate = asyncio.Event()
+    conv = conversation(llm_pieces=["Once upon a time ", "there was a dragon."])
+    conv.llm.gate = gate  # the second piece waits: the cancel comes after the first was sent
+    await conv.session.handle(protocol.parse_client_text('{"type": "config", "reply_audio": false}'))
+    await conv.type("Tell me a story.")
+    await conv.session.handle(protocol.parse_client_text('{"type": "cancel"}'))
+    done = conv.of(protocol.TurnDone)[-1]
+    assert done.interrupted and done.text == "Once upon a time"
+    assert conv.session.history[-1] == {"role": "assistant", "content": "Once upon a time"}
 
 
 async def test_without_barge_in_speech_does_not_interrupt(conversation):

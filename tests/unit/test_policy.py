@@ -1,0 +1,111 @@
+"""The conversation policy: the row chosen by the model's name, settings that win over it, and what reaches the
+LLM (the replies the prompt shows, the sampling fields a request carries)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from app.config import Settings
+from app.policy import POLICIES, SETTINGS, ConversationPolicy, model_name, policy_for
+from app.stages.base import GenerationSettings
+from app.voice.history import shown_replies
+
+
+@pytest.mark.parametrize(
+    ("llm_model", "backend", "expected"),
+    [
+        ("bundled", "engine", "smollm2-135m"),
+        ("/models/SmolLM2-135M-Instruct/", "engine", "smollm2-135m"),
+        ("/models/smollm2-135m-instruct-q8_0.gguf", "engine", "smollm2-135m"),
+        ("/models/qwen2.5-7b-instruct", "engine", "default"),
+        ("bundled", "openai", "default"),  # whatever the remote server serves: not known here
+    ],
+)
+def test_the_policy_is_the_row_the_model_s_name_names(llm_model, backend, expected):
+    assert policy_for("auto", llm_model, backend) == expected
+    assert Settings(llm_model=llm_model, llm_backend=backend, llm_url="http://x/v1").llm_policy == expected
+
+
+def test_a_named_policy_wins_over_the_model_s_and_an_unknown_one_is_refused():
+    assert policy_for("default", "bundled", "engine") == "default"
+    with pytest.raises(ValidationError, match="no conversation policy 'tiny'.*default"):
+        Settings(llm_policy="tiny")
+
+
+def test_settings_left_empty_hold_the_policy_s_values_and_given_ones_win():
+    policy = POLICIES[Settings().llm_policy]
+    settings = Settings(llm_repetition_penalty=1.3, system_prompt="Be brief.")
+    assert settings.llm_repetition_penalty == 1.3 and settings.system_prompt == "Be brief."
+    assert settings.max_history_messages == policy.history_messages
+    assert settings.history_replies == policy.history_replies
+    assert settings.llm_max_tokens == policy.max_tokens and settings.llm_temperature == policy.temperature
+
+
+def test_every_policy_field_is_a_setting():
+    fields = ConversationPolicy().settings()
+    assert set(fields) == set(SETTINGS.values()) and set(fields) <= set(Settings.model_fields)
+    for policy in POLICIES.values():
+        Settings(**policy.settings())  # each row is a valid set of settings
+
+
+def test_the_model_s_name_is_its_folder_s_or_file_s():
+    assert model_name("/m/Qwen2.5-7B-Instruct/", "engine") == "Qwen2.5-7B-Instruct"
+    assert model_name("C:\\models\\phi-4.gguf", "engine").endswith("phi-4.gguf")
+    assert model_name("bundled", "engine") == "SmolLM2-135M-Instruct"
+
+
+def test_a_request_carries_only_the_sampling_fields_that_do_something():
+    assert GenerationSettings().sampling() == {"temperature": 0.0, "top_p": 1.0}
+    tuned = GenerationSettings(repetition_penalty=1.2, presence_penalty=0.4, dry_multiplier=0.8, min_p=0.05)
+    assert tuned.sampling() == {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "min_p": 0.05,
+        "repetition_penalty": 1.2,
+        "presence_penalty": 0.4,
+        "dry_multiplier": 0.8,
+    }
+
+
+CHAT = [
+    {"role": "user", "content": "My name is Maya."},
+    {"role": "assistant", "content": "Hello Maya!"},
+    {"role": "user", "content": "What is the capital of Italy?"},
+    {"role": "assistant", "content": "Rome."},
+    {"role": "user", "content": "And Spain?"},
+]
+
+
+def test_the_prompt_shows_all_the_last_or_none_of_the_model_s_replies():
+    users = [m for m in CHAT if m["role"] == "user"]
+    assert shown_replies(CHAT, "all") == CHAT
+    assert shown_replies(CHAT, "last") == [CHAT[0], CHAT[2], CHAT[3], CHAT[4]]
+    assert shown_replies(CHAT, "none") == users
+
+
+def test_a_reply_that_called_a_tool_is_shown_with_its_result_whatever_the_policy():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    chat = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "10:30"},
+        {"role": "assistant", "content": "It is half past ten."},
+        {"role": "user", "content": "Thanks."},
+    ]
+    assert shown_replies(chat, "none") == [chat[0], chat[1], chat[2], chat[4]]
+    assert shown_replies(chat, "last") == chat
+
+
+async def test_a_session_sends_the_replies_its_policy_shows_and_keeps_them_all(conversation):
+    conv = conversation(llm_pieces=["Fine."], history_replies="none")
+    for text in ("My name is Maya.", "What is the capital of Italy?", "And Spain?"):
+        await conv.type(text)
+        conv.clock.advance(5.0)  # each reply has played out before the next question
+    assert [m["role"] for m in conv.llm.calls[-1]] == ["system", "user", "user", "user"]
+    assert [m["content"] for m in conv.llm.calls[-1][1:]] == [
+        "My name is Maya.",
+        "What is the capital of Italy?",
+        "And Spain?",
+    ]
+    assert len(conv.session.history) == 6  # the replies are remembered, only not shown
