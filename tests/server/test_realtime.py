@@ -720,6 +720,15 @@ def test_route_refuses_over_capacity_with_a_realtime_error():
 
 
 # ---------------------------------------------------------------- conformance: the official SDK, real models
+async def talk(conn, audio: np.ndarray) -> None:
+    """Send ``audio`` (24 kHz float) to an SDK connection at about real-time pace."""
+    step = REALTIME_SAMPLE_RATE // 10
+    for offset in range(0, len(audio), step):
+        pcm = float_to_pcm16(audio[offset : offset + step])
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+        await asyncio.sleep(0.1)
+
+
 async def test_openai_sdk_drives_a_spoken_turn_and_a_cancel(live_server, speech):
     """``AsyncOpenAI(base_url=.../v1).realtime.connect()`` against ``parley serve`` with the bundled models."""
     from openai import AsyncOpenAI
@@ -756,14 +765,7 @@ async def test_openai_sdk_drives_a_spoken_turn_and_a_cancel(live_server, speech)
         question = resample(np.asarray(speech(QUESTION), np.float32), 16_000, REALTIME_SAMPLE_RATE)
         audio = np.concatenate([silence(0.3), question, silence(1.5)])
 
-        async def talk():
-            step = REALTIME_SAMPLE_RATE // 10
-            for offset in range(0, len(audio), step):
-                pcm = float_to_pcm16(audio[offset : offset + step])
-                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
-                await asyncio.sleep(0.1)
-
-        talking = asyncio.create_task(talk())
+        talking = asyncio.create_task(talk(conn, audio))
         done = await until("response.done", timeout=120)
         await talking
         kinds = [e.type for e in received]
@@ -795,9 +797,10 @@ async def test_openai_sdk_drives_a_spoken_turn_and_a_cancel(live_server, speech)
         assert any(e.type == "response.output_audio.delta" for e in received)
 
 
-async def test_openai_sdk_gets_a_valid_function_call_and_then_the_answer(live_server):
-    """The bundled SmolLM2-135M through ``parley serve``: ``tool_choice`` required decodes the call under a grammar,
-    so its arguments parse and match the schema; after its ``function_call_output`` the answer is spoken."""
+async def test_openai_sdk_gets_a_valid_function_call_and_then_the_answer(live_server, speech):
+    """The bundled SmolLM2-135M through ``parley serve``: a spoken request with ``tool_choice`` required decodes the
+    call under a grammar, so its arguments parse and match the schema; after its ``function_call_output`` the answer
+    is spoken."""
     from openai import AsyncOpenAI
 
     thermostat = {
@@ -832,12 +835,22 @@ async def test_openai_sdk_gets_a_valid_function_call_and_then_the_answer(live_se
 
         await until("session.created")
         await conn.session.update(
-            session={"type": "realtime", "tools": [thermostat], "tool_choice": "required", "parallel_tool_calls": False}
+            session={
+                "type": "realtime",
+                "tools": [thermostat],
+                "tool_choice": "required",
+                "parallel_tool_calls": False,
+                "audio": {"input": {"turn_detection": {"type": "server_vad"}}},
+            }
         )
         await until("session.updated")
-        await conn.conversation.item.create(item=user_text("Make the bedroom warmer, 22 degrees please."))
-        await conn.response.create()
-        done = await until("response.done")
+        request = resample(
+            np.asarray(speech("Set the bedroom to twenty two degrees."), np.float32), 16_000, REALTIME_SAMPLE_RATE
+        )
+        talking = asyncio.create_task(talk(conn, np.concatenate([silence(0.3), request, silence(1.5)])))
+        done = await until("response.done")  # the turn committed by the server's VAD, answered with a call
+        await talking
+        assert "input_audio_buffer.committed" in [e.type for e in received]
         assert done.response.status == "completed"
         [call] = [item for item in done.response.output if item.type == "function_call"]
         arguments = json.loads(call.arguments)
