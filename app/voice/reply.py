@@ -159,6 +159,13 @@ class Reply:
             return self.text if self.released else ""
         return self.playback.heard_text(now)
 
+    def heard_answer(self, heard: str) -> str:
+        """Of what the user ``heard``, the answer's words: what was said before the calls is kept with them."""
+        if not self.tool_messages:
+            return heard
+        before = self.spoken_before_answer
+        return heard[len(before) :].strip() if heard.startswith(before) else ""
+
     def start(self, messages: list[Message], *, released: bool) -> None:
         self.released = released
         if released:

@@ -7,12 +7,13 @@ applies to the next), the client's preferences (system prompt, voice) and the tu
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
 from app import protocol
 from app.config import Settings
-from app.stages.base import ToolSpec, VoiceStages
+from app.stages.base import ToolSpec, VoiceStages, scheduling_of
 from app.voice.clock import Clock, RunBlocking
 from app.voice.context import Fitted
 from app.voice.history import History
@@ -20,6 +21,7 @@ from app.voice.language import reply_in
 from app.voice.prefs import Preferences
 from app.voice.reply import Reply, ReplyTools, SendBytes, SendJson
 from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner, load_server_tools
+from app.voice.warmup import WarmPrefix
 
 OnMetrics = Callable[[protocol.TurnMetrics], None]
 
@@ -98,6 +100,15 @@ class ReplyFactory:
         prefs = self._prefs.current
         server = load_server_tools(self._settings().tool_entry_point)
         return SessionTools(prefs.tools, server, prefs.tool_choice, prefs.parallel_tool_calls)
+
+    def warm_prefix(self) -> WarmPrefix | None:
+        """The LLM's prefix-cache prefill, where it has one (read at each use: the LLM may be replaced); with tools,
+        the prompt is rendered as a reply's request will render it."""
+        scheduling = scheduling_of(self._models.llm)
+        if scheduling is None:
+            return None
+        tools = self.tool_spec()
+        return scheduling.warm if tools is None else functools.partial(scheduling.warm, tools=tools)
 
     def tool_spec(self) -> ToolSpec | None:
         """The tools the next reply's request has (None: the plain text path)."""

@@ -18,7 +18,6 @@ all injected: whole conversations run in tests with scripted stand-ins and a man
 
 from __future__ import annotations
 
-import functools
 import itertools
 import uuid
 from collections.abc import Callable
@@ -28,7 +27,7 @@ import numpy as np
 from app import protocol
 from app.audio import ASR_SAMPLE_RATE, StreamResampler, pcm16_to_float
 from app.config import Settings
-from app.stages.base import Message, VoiceStages, scheduling_of
+from app.stages.base import Message, VoiceStages
 from app.voice import utterance as heard
 from app.voice.barge_in import BargeIn
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
@@ -41,7 +40,7 @@ from app.voice.reply_factory import ReplyFactory
 from app.voice.speculation import Speculation
 from app.voice.tools import ClientResults, PendingCalls, load_server_tools
 from app.voice.turns import is_filler, looks_unfinished
-from app.voice.warmup import PrefixWarmup, WarmPrefix
+from app.voice.warmup import PrefixWarmup
 
 
 class VoiceSession:
@@ -111,7 +110,7 @@ class VoiceSession:
             start_turn=self._start_turn,
         )
         self._warmup = PrefixWarmup(
-            self._llm_prefill,
+            self._replies.warm_prefix,
             settings=lambda: self.settings,
             upcoming_prefix=lambda: self._history.upcoming_prefix(self.prefs.system_prompt),
             prompt=lambda text: self._replies.prompt(text, self._turn_language),
@@ -198,12 +197,8 @@ class VoiceSession:
         client); returns the reply's turn id. The Realtime door's ``response.create`` after ``function_call_output``."""
         self._continued.abandon()
         await self._interrupt_reply()
-        turn_id = next(self._turn_ids)
-        fitted = self._replies.prompt(None, self._turn_language)
-        reply = self._replies.new(turn_id, "", self._turn_language)
-        reply.speech_end = reply.commit = self._clock.now()
-        self._reply = reply
-        reply.start(fitted.messages, released=True)
+        turn_id, now = next(self._turn_ids), self._clock.now()
+        self._answer(turn_id, "", self._replies.prompt(None, self._turn_language).messages, speech_end=now, commit=now)
         return turn_id
 
     async def _configure(self, message: protocol.SessionConfig) -> None:
@@ -311,12 +306,18 @@ class VoiceSession:
             left_out = f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out."
             await self._send_json(protocol.Notice(turn_id=turn_id, code="truncated", message=left_out))
         await self._tell_if_voiceless(turn_id)
+        self._history.remember({"role": "user", "content": text})
+        self._answer(turn_id, text, fitted.messages, speech_end=speech_end, commit=commit, **figures)
+
+    def _answer(
+        self, turn_id: int, text: str, messages: list[Message], *, speech_end: float, commit: float, **figures
+    ) -> None:
+        """Start the reply the user hears (``text``: what it answers, "" for the history's last results)."""
         reply = self._replies.new(turn_id, text, self._turn_language)
         reply.speech_end, reply.commit = speech_end, commit
         reply.metrics = reply.metrics.model_copy(update=figures)
-        self._history.remember({"role": "user", "content": text})
         self._reply = reply
-        reply.start(fitted.messages, released=True)
+        reply.start(messages, released=True)
 
     async def _tell_if_voiceless(self, turn_id: int) -> None:
         notice = self._prefs.voiceless_notice(self._turn_language, turn_id)
@@ -330,15 +331,6 @@ class VoiceSession:
             self._history.remember({"role": "assistant", "content": reply.answer_text})
         if reply.text or reply.tool_messages:
             self._warmup.next_prompt()
-
-    def _llm_prefill(self) -> WarmPrefix | None:
-        """The LLM's prefix-cache prefill, where it has one (read at each use: the LLM may be replaced); with tools,
-        the prompt is rendered as the reply's request will render it."""
-        scheduling = scheduling_of(self.models.llm)
-        if scheduling is None:
-            return None
-        tools = self._replies.tool_spec()
-        return scheduling.warm if tools is None else functools.partial(scheduling.warm, tools=tools)
 
     def _llm_needed(self) -> bool:
         """The tail transcription is about to run, a speculation runs or a reply is written: no prefill now."""
@@ -362,12 +354,8 @@ class VoiceSession:
         if not recorded:
             for message in reply.tool_messages:  # calls made and answered stay made
                 self._history.remember(message)
-        answer_heard = heard_text
-        if reply.tool_messages:  # what was said before the calls is kept with them: only the answer's words here
-            before = reply.spoken_before_answer
-            answer_heard = heard_text[len(before) :].strip() if heard_text.startswith(before) else ""
         self._history.keep_only_heard(
-            answer_heard,
+            reply.heard_answer(heard_text),
             reply_was_recorded=recorded and bool(reply.answer_text),
             withdrawn_if_unheard=self._withdraw_unheard and not barge_in,
         )
