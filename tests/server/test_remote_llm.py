@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
 from harness import NO_BREAKER, TEST_MAX_SESSIONS, assert_barged_in, talk_over_a_long_reply
 from heard import heard_as
 
+from app import protocol
 from app.bench.launcher import ServerProcess
 from app.bench.user import speak_turn
+from app.clients.core import open_connection
 from app.voice.text import words
 
 
@@ -63,3 +66,48 @@ async def test_barge_in_closes_the_remote_stream_and_the_engine_aborts(engine_an
             break
         await asyncio.sleep(0.1)
     assert engine_figure(engine_url, "parley_engine_kv_blocks_used") == 0
+
+
+THERMOSTAT = protocol.FunctionTool(
+    name="set_thermostat",
+    description="Set the heating of a room",
+    parameters={
+        "type": "object",
+        "properties": {
+            "room": {"enum": ["kitchen", "bedroom", "living room"]},
+            "celsius": {"type": "number", "minimum": 10, "maximum": 30},
+        },
+        "required": ["room", "celsius"],
+        "additionalProperties": False,
+    },
+)
+
+
+async def test_a_tool_call_and_its_result_pass_through_the_remote_engine(engine_and_voice):
+    """/ws tools on the openai backend: the tools go to `parley engine serve`, whose required call (decoded under
+    the schema's grammar) comes back as a ``tool_call``; the result goes back and the answer is spoken."""
+    _, voice_url = engine_and_voice
+    connection = await open_connection(voice_url)
+
+    async def until(kind: type) -> tuple[object, int]:
+        audio = 0
+        while not isinstance(item := await connection.recv(timeout_s=120), kind):
+            assert not isinstance(item, protocol.Error), item
+            audio += len(item) if isinstance(item, bytes) else 0
+        return item, audio
+
+    try:
+        await until(protocol.Ready)  # (sent again after ``start``)
+        await connection.send(protocol.SessionConfig(tools=[THERMOSTAT], tool_choice="required"))
+        await until(protocol.ConfigApplied)
+        await connection.send_text("Make the bedroom warmer, 22 degrees please.")
+        call, _ = await until(protocol.CallTool)
+        arguments = json.loads(call.arguments)
+        assert call.name == "set_thermostat" and call.runs_on == "client"
+        assert set(arguments) == {"room", "celsius"} and arguments["room"] in ("kitchen", "bedroom", "living room")
+        assert isinstance(arguments["celsius"], int | float) and 10 <= arguments["celsius"] <= 30
+        await connection.send(protocol.ToolResult(call_id=call.call_id, output='{"done": true}'))
+        done, audio = await until(protocol.TurnDone)
+        assert done.metrics.tool_calls == 1 and words(done.text) and audio > 0
+    finally:
+        await connection.close()
