@@ -97,6 +97,13 @@ class Settings(BaseSettings):
         None,
         description="of the model's own earlier replies in them: all, the last one, or none " + POLICY_DEFAULT,
     )
+    recalled_user_statements: int | None = Field(
+        None,
+        ge=0,
+        le=16,
+        description="the user's earlier statements (not questions) recalled in the system prompt, 0: none "
+        + POLICY_DEFAULT,
+    )
     llm_max_tokens: int | None = Field(None, ge=1, le=4096, description=POLICY_DEFAULT)
     llm_temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy " + POLICY_DEFAULT)
     llm_top_p: float | None = Field(None, gt=0.0, le=1.0, description=POLICY_DEFAULT)

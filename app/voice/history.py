@@ -8,11 +8,21 @@ is at most about twice that, cut in whole window steps so the window does not mo
 
 from __future__ import annotations
 
+import re
+import unicodedata
+
 from app.policy import HistoryReplies
 from app.stages.base import ChatLLM, Message
 from app.voice.context import Fitted, estimate_tokens, fit_to_context
 
 KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
+STATEMENT_CHARS = 160  # a recalled statement is cut to this
+# a question, by its mark in the scripts that have one: ? (Latin, Cyrillic, ...), the full-width one (Chinese,
+# Japanese), Arabic's, Spanish's opening one. A text without any counts as a statement; a question with no mark
+# (Greek's is ";", or an ASR that wrote none) is recalled too, which costs a line of the prompt, no more
+QUESTION_MARKS = ("?", "\uff1f", "\u061f", "\u00bf")
+# what could pass for a chat template's markup in a recalled statement (it goes into the system prompt)
+_MARKUP = re.compile(r"<\|[^|>]*\|>|</?s>|\[/?INST\]|<<SYS>>|<</SYS>>|<start_of_turn>|<end_of_turn>", re.IGNORECASE)
 
 
 def history_window(history: list[dict], limit: int) -> list[dict]:
@@ -49,20 +59,75 @@ def shown_replies(messages: list[Message], replies: HistoryReplies) -> list[Mess
     return [message for index, message in enumerate(messages) if not _is_reply(message) or index in kept]
 
 
+def user_statements(messages: list[Message], limit: int) -> list[str]:
+    """The user's own statements among ``messages`` (their messages that are not questions), newest first, without
+    repeats, at most ``limit``, each made safe to put in the system prompt (``sanitize_statement``).
+
+    Language-agnostic on purpose: a question is told by its question mark (``QUESTION_MARKS``), no word list.
+    """
+    found: list[str] = []
+    seen: set[str] = set()
+    for message in reversed(messages):
+        if len(found) >= limit:
+            break
+        content = message.get("content")
+        if message.get("role") != "user" or not isinstance(content, str) or any(q in content for q in QUESTION_MARKS):
+            continue
+        statement = sanitize_statement(content)
+        key = statement.casefold()
+        if statement and key not in seen:
+            seen.add(key)
+            found.append(statement)
+    return found
+
+
+def sanitize_statement(text: str) -> str:
+    """``text`` as a part of one line of the system prompt: it is the user's, so untrusted. No control characters
+    or line breaks (a fake new section), no chat template markup, no double quotes (``recall_statements``), at
+    most ``STATEMENT_CHARS``."""
+    text = _MARKUP.sub(" ", text)
+    text = "".join(" " if unicodedata.category(ch)[0] in "CZ" else ch for ch in text)  # controls, separators
+    text = " ".join(text.replace('"', "'").replace("\u201c", "'").replace("\u201d", "'").split())
+    if len(text) > STATEMENT_CHARS:
+        text = text[:STATEMENT_CHARS].rsplit(" ", 1)[0] + " ..."
+    return text
+
+
+def recall_statements(system_prompt: str, statements: list[str]) -> str:
+    """The system prompt with the user's earlier ``statements`` recalled after it."""
+    if not statements:
+        return system_prompt
+    # unquoted: quoted, they set SmolLM2-135M writing quotes ('A: "A: "') in a conversation where it had begun to
+    # (bench quality: copied replies 1 -> 7 of 72); a statement without an end mark gets a full stop
+    said = " ".join(s if unicodedata.category(s[-1]).startswith("P") else s + "." for s in statements)
+    return f"{system_prompt} The user told you earlier: {said}"
+
+
 def _is_reply(message: Message) -> bool:
     return message["role"] == "assistant" and not message.get("tool_calls")
 
 
 class History:
-    def __init__(self, max_messages: int, replies: HistoryReplies = "all") -> None:
+    def __init__(self, max_messages: int, replies: HistoryReplies = "all", statements: int = 0) -> None:
+        """``statements``: how many of the user's earlier statements the system prompt recalls (0: none)."""
         self.max_messages = max_messages
         self.replies = replies
+        self.statements = statements
         self.messages: list[Message] = []
 
     def window(self, system_prompt: str, messages: list[Message] | None = None) -> list[Message]:
         """The system prompt and the window of ``messages`` (default: the history) to send, with the replies the
-        policy shows."""
+        policy shows, and the system prompt recalling the user's statements kept in memory (``user_statements``).
+
+        Why recall them: SmolLM2-135M, with "My name is Maya." in its window, answers "What is my name?" with
+        "What's your name?"; said again in the system prompt, it is read more often (README, "Conversation
+        policy": measured, and off by default, it cost other answers). They come from the history kept, never from
+        the turn being answered, so the prompt prefilled while the user listens (``upcoming_prefix``) is the next
+        turn's; but a turn that tells something new changes the system prompt, and so the whole prompt's prefix.
+        """
         window = history_window(self.messages if messages is None else messages, self.max_messages)
+        if self.statements > 0:
+            system_prompt = recall_statements(system_prompt, user_statements(self.messages, self.statements))
         return [{"role": "system", "content": system_prompt}, *shown_replies(window, self.replies)]
 
     def prompt(

@@ -64,7 +64,9 @@ class VoiceSession:
         self.models, self.settings, self._send_json = models, settings, send_json
         self._clock, self._run = clock or MonotonicClock(), run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
-        self._history = History(settings.max_history_messages, settings.history_replies)
+        self._history = History(
+            settings.max_history_messages, settings.history_replies, settings.recalled_user_statements
+        )
         self._turn_ids = itertools.count(1)
         self._reply: Reply | None = None  # the released reply (producing or playing)
         self._turn_language: str | None = None  # the language of the turn being answered, when known
