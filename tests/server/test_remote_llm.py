@@ -16,6 +16,8 @@ from app.bench.user import speak_turn
 from app.clients.core import open_connection
 from app.voice.text import words
 
+pytestmark = pytest.mark.models  # two real servers
+
 
 @pytest.fixture(scope="module")
 def engine_and_voice(output_dir):
