@@ -357,10 +357,16 @@ class EngineChatLLM:
         self.engine.shutdown()
 
 
+# OpenAI's own sampling fields; the others a policy may set (min_p, repetition_penalty, DRY) are extensions that vLLM,
+# llama.cpp's server and ``parley engine serve`` take and a strict server (``transformers serve``) refuses
+OPENAI_SAMPLING_FIELDS = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty"})
+
+
 class OpenAIChatLLM:
     """Any OpenAI-compatible server (vLLM, TGI, SGLang, ``parley engine serve``) over streamed SSE.
 
-    Closing the stream closes the HTTP response, which such servers treat as an abort.
+    Closing the stream closes the HTTP response, which such servers treat as an abort. Sampling fields beyond
+    OpenAI's are sent until the server refuses one by name; from then on only OpenAI's are (logged once).
     """
 
     name = "openai"
@@ -376,6 +382,7 @@ class OpenAIChatLLM:
         self.model = model if model and model != "bundled" else None
         self.context_tokens: int | None = None  # the server's own; llm_context_tokens sets a bound
         self._health: tuple[float, tuple[bool, str]] | None = None
+        self._extensions_refused = False
 
     async def _model_name(self) -> str:
         if self.model is None:
@@ -417,31 +424,42 @@ class OpenAIChatLLM:
 
     async def _deltas(self, messages: list[Message], request_id: str, extra: dict) -> AsyncIterator[dict]:
         """The ``delta`` of each streamed choice (``extra``: more request fields); an error answer raises."""
+        sampling = self.settings.sampling()
+        if self._extensions_refused:
+            sampling = {name: value for name, value in sampling.items() if name in OPENAI_SAMPLING_FIELDS}
+        extensions = [name for name in sampling if name not in OPENAI_SAMPLING_FIELDS]
         body = {
             "model": await self._model_name(),
             "messages": messages,
             "stream": True,
             "max_tokens": self.settings.max_tokens,
-            **self.settings.sampling(),
+            **sampling,
             **extra,
         }
         async with self._client.stream(
             "POST", self.base_url + "/chat/completions", json=body, headers={"X-Request-Id": request_id}
         ) as response:
-            if response.status_code != 200:
-                detail = (await response.aread()).decode(errors="replace")[:300]
-                raise RuntimeError(f"LLM server answered {response.status_code}: {detail}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"LLM server error: {chunk['error']}")
-                for choice in chunk.get("choices", []):
-                    yield choice.get("delta") or {}
+            if response.status_code == 200:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise RuntimeError(f"LLM server error: {chunk['error']}")
+                    for choice in chunk.get("choices", []):
+                        yield choice.get("delta") or {}
+                return
+            detail = (await response.aread()).decode(errors="replace")[:300]
+        refused = [name for name in extensions if name in detail]
+        if response.status_code not in (400, 422) or not refused:
+            raise RuntimeError(f"LLM server answered {response.status_code}: {detail}")
+        log.warning("%s refused %s: only OpenAI's sampling fields are sent from now on", self.base_url, refused)
+        self._extensions_refused = True
+        async for delta in self._deltas(messages, request_id, extra):  # the same request without them
+            yield delta
 
     def abort(self, request_id: str) -> None:
         pass  # closing the stream (the session does) is the abort

@@ -104,6 +104,35 @@ async def test_the_remote_backend_sends_the_tools_and_puts_streamed_calls_back_t
     assert body["messages"] == history and body["stream"] is True
 
 
+async def test_sampling_fields_a_strict_server_refuses_are_dropped_once_and_for_all():
+    """``transformers serve`` answers 422 to fields beyond OpenAI's (DRY, min_p, repetition_penalty), which a
+    policy may set: the request goes again without them, and so do the next ones; other errors still raise."""
+    bodies: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        unexpected = {"dry_multiplier", "min_p"} & set(body)
+        if unexpected:
+            return httpx.Response(422, json={"detail": f"Unexpected fields in the request: {unexpected}"})
+        if body["messages"][-1]["content"] == "fail":
+            return httpx.Response(500, text="boom")
+        return httpx.Response(200, content=sse(delta(content="Hi.")), headers={"content-type": "text/event-stream"})
+
+    settings = GenerationSettings(dry_multiplier=0.8, min_p=0.05, presence_penalty=0.5)
+    llm = OpenAIChatLLM("http://llm.test", model="served", settings=settings)
+    llm._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    assert await collect(llm.stream([{"role": "user", "content": "Hello"}], "r1")) == ["Hi."]
+    assert await collect(llm.stream([{"role": "user", "content": "Again"}], "r2")) == ["Hi."]
+    assert [("dry_multiplier" in body, "min_p" in body, body["presence_penalty"]) for body in bodies] == [
+        (True, True, 0.5),
+        (False, False, 0.5),
+        (False, False, 0.5),
+    ]
+    with pytest.raises(RuntimeError, match="500"):
+        await collect(llm.stream([{"role": "user", "content": "fail"}], "r3"))
+
+
 async def test_the_remote_backend_sends_no_tool_fields_when_no_call_may_be_made():
     llm, bodies = remote(sse(delta(content="It was sunny.")))
     history = [{"role": "user", "content": "And?"}]
