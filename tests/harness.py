@@ -210,6 +210,22 @@ NO_BREAKER = ["--breaker-voice-to-voice-ms", "600000", "--breaker-llm-ttft-ms", 
 # below the sessions a test opens at once; the cap itself is tested on its own.
 TEST_MAX_SESSIONS = ["--max-sessions", "16"]
 
+# a function with an enum and a bounded number (the Realtime API's tool shape), for the real-model tool tests
+THERMOSTAT_TOOL = {
+    "type": "function",
+    "name": "set_thermostat",
+    "description": "Set the heating of a room",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "room": {"enum": ["kitchen", "bedroom", "living room"]},
+            "celsius": {"type": "number", "minimum": 10, "maximum": 30},
+        },
+        "required": ["room", "celsius"],
+        "additionalProperties": False,
+    },
+}
+
 
 def start_server(args: list[str], log_path, ready_path: str = "/healthz", timeout_s: float = 300):
     """Start a `parley` subprocess on a free loopback port; returns (server, base_url). Stop it with ``stop_server``."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 
 import numpy as np
 import pytest
 from fakes import ToolScriptedLLM
 from fastapi.testclient import TestClient
-from harness import ScriptedLLM
+from harness import THERMOSTAT_TOOL, ScriptedLLM
 from realtime_stubs import check_ga
 from starlette.websockets import WebSocketDisconnect
 
@@ -720,6 +721,21 @@ def test_route_refuses_over_capacity_with_a_realtime_error():
 
 
 # ---------------------------------------------------------------- conformance: the official SDK, real models
+async def next_event(conn, received: list, kind: str, timeout: float = 120):
+    """The SDK connection's next event of ``kind``, those before it kept in ``received``; an error event fails."""
+
+    async def loop():
+        while True:
+            event = await conn.recv()
+            received.append(event)
+            if event.type == "error":
+                raise AssertionError(f"server error: {event.error}")
+            if event.type == kind:
+                return event
+
+    return await asyncio.wait_for(loop(), timeout)
+
+
 async def talk(conn, audio: np.ndarray) -> None:
     """Send ``audio`` (24 kHz float) to an SDK connection at about real-time pace."""
     step = REALTIME_SAMPLE_RATE // 10
@@ -737,17 +753,7 @@ async def test_openai_sdk_drives_a_spoken_turn_and_a_cancel(live_server, speech)
     async with client.realtime.connect(model="gpt-realtime") as conn:
         received: list = []
 
-        async def until(kind: str, timeout: float = 90):
-            async def loop():
-                while True:
-                    event = await conn.recv()
-                    received.append(event)
-                    if event.type == "error":
-                        raise AssertionError(f"server error: {event.error}")
-                    if event.type == kind:
-                        return event
-
-            return await asyncio.wait_for(loop(), timeout)
+        until = functools.partial(next_event, conn, received)
 
         assert (await until("session.created")).session.type == "realtime"
         await conn.session.update(
@@ -803,41 +809,17 @@ async def test_openai_sdk_gets_a_valid_function_call_and_then_the_answer(live_se
     is spoken."""
     from openai import AsyncOpenAI
 
-    thermostat = {
-        "type": "function",
-        "name": "set_thermostat",
-        "description": "Set the heating of a room",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "room": {"enum": ["kitchen", "bedroom", "living room"]},
-                "celsius": {"type": "number", "minimum": 10, "maximum": 30},
-            },
-            "required": ["room", "celsius"],
-            "additionalProperties": False,
-        },
-    }
     client = AsyncOpenAI(base_url=live_server + "/v1", api_key="sk-unused")
     async with client.realtime.connect(model="gpt-realtime") as conn:
         received: list = []
 
-        async def until(kind: str, timeout: float = 120):
-            async def loop():
-                while True:
-                    event = await conn.recv()
-                    received.append(event)
-                    if event.type == "error":
-                        raise AssertionError(f"server error: {event.error}")
-                    if event.type == kind:
-                        return event
-
-            return await asyncio.wait_for(loop(), timeout)
+        until = functools.partial(next_event, conn, received)
 
         await until("session.created")
         await conn.session.update(
             session={
                 "type": "realtime",
-                "tools": [thermostat],
+                "tools": [THERMOSTAT_TOOL],
                 "tool_choice": "required",
                 "parallel_tool_calls": False,
                 "audio": {"input": {"turn_detection": {"type": "server_vad"}}},

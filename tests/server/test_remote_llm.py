@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from harness import NO_BREAKER, TEST_MAX_SESSIONS, assert_barged_in, talk_over_a_long_reply
+from harness import NO_BREAKER, TEST_MAX_SESSIONS, THERMOSTAT_TOOL, assert_barged_in, talk_over_a_long_reply
 from heard import heard_as
 
 from app import protocol
@@ -70,19 +70,7 @@ async def test_barge_in_closes_the_remote_stream_and_the_engine_aborts(engine_an
     assert engine_figure(engine_url, "parley_engine_kv_blocks_used") == 0
 
 
-THERMOSTAT = protocol.FunctionTool(
-    name="set_thermostat",
-    description="Set the heating of a room",
-    parameters={
-        "type": "object",
-        "properties": {
-            "room": {"enum": ["kitchen", "bedroom", "living room"]},
-            "celsius": {"type": "number", "minimum": 10, "maximum": 30},
-        },
-        "required": ["room", "celsius"],
-        "additionalProperties": False,
-    },
-)
+THERMOSTAT = protocol.FunctionTool(**THERMOSTAT_TOOL)
 
 
 async def test_a_tool_call_and_its_result_pass_through_the_remote_engine(engine_and_voice):
