@@ -17,6 +17,12 @@ from app.stages.base import Message
 TRUNCATION_MARK = " …"
 
 
+def cut_at_word(text: str, max_chars: int) -> str:
+    """The longest start of ``text`` within ``max_chars`` that ends at a word (a first word longer than that: cut)."""
+    kept = text[:max_chars]
+    return kept.rsplit(" ", 1)[0] if " " in kept else kept
+
+
 def estimate_tokens(messages: list[Message]) -> int:
     """A cautious count for backends without a tokenizer here: ~3 characters a token, plus the template's."""
     return sum(len(message["content"]) // 3 + 8 for message in messages) + 4
@@ -52,7 +58,7 @@ def fit_to_context(messages: list[Message], count: Callable[[list[Message]], int
             low = middle
         else:
             high = middle - 1
-    kept = content[:low].rsplit(" ", 1)[0] if " " in content[:low] else content[:low]
+    kept = cut_at_word(content, low)
     if not kept:
         raise ValueError(f"the system prompt alone is over the context budget of {budget} tokens")
     return Fitted([system, {**last, "content": kept + TRUNCATION_MARK}], dropped, len(content) - len(kept))

@@ -13,7 +13,7 @@ import unicodedata
 
 from app.policy import HistoryReplies
 from app.stages.base import ChatLLM, Message
-from app.voice.context import Fitted, estimate_tokens, fit_to_context
+from app.voice.context import Fitted, cut_at_word, estimate_tokens, fit_to_context
 
 KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
 STATEMENT_CHARS = 160  # a recalled statement is cut to this
@@ -89,7 +89,7 @@ def sanitize_statement(text: str) -> str:
     text = "".join(" " if unicodedata.category(ch)[0] in "CZ" else ch for ch in text)  # controls, separators
     text = " ".join(text.replace('"', "'").replace("\u201c", "'").replace("\u201d", "'").split())
     if len(text) > STATEMENT_CHARS:
-        text = text[:STATEMENT_CHARS].rsplit(" ", 1)[0] + " ..."
+        text = cut_at_word(text, STATEMENT_CHARS) + " ..."
     return text
 
 

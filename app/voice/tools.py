@@ -28,7 +28,7 @@ from typing import Any, Literal
 from app import protocol
 from app.stages.base import Message, ToolCall, ToolSpec
 from app.voice.clock import Clock, RunBlocking
-from app.voice.context import TRUNCATION_MARK
+from app.voice.context import TRUNCATION_MARK, cut_at_word
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,7 @@ def output_text(output: Any, max_chars: int = protocol.MAX_TOOL_OUTPUT_CHARS) ->
     text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str)
     if len(text) <= max_chars:
         return text
-    kept = text[: max_chars - len(TRUNCATION_MARK)]
-    return (kept.rsplit(" ", 1)[0] if " " in kept else kept) + TRUNCATION_MARK
+    return cut_at_word(text, max_chars - len(TRUNCATION_MARK)) + TRUNCATION_MARK
 
 
 def calls_message(text: str, calls: list[ToolCall]) -> Message:
