@@ -58,6 +58,16 @@ def special_tokens(tokenizer) -> dict[str, int]:
     return {t.content: int(i) for i, t in found.items() if getattr(t, "special", False)}
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` the first time only: a voice session on a model without tools plans every turn alike."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s (said once)", message)
+
+
 def plan_chat(req: ChatCompletionRequest, fmt: ToolFormat, tokenizer) -> ChatPlan:
     """The plan for ``req`` on a model whose template speaks ``fmt``; PlanError if it cannot be served."""
     choice = req.effective_tool_choice
@@ -68,7 +78,7 @@ def plan_chat(req: ChatCompletionRequest, fmt: ToolFormat, tokenizer) -> ChatPla
         raise PlanError("a JSON response_format cannot be combined with a forced tool call", "response_format")
     if choice == "auto" and (not fmt.template_tools or reply_grammar is not None):
         why = "a JSON response_format" if reply_grammar is not None else "the model's chat template has no tools"
-        log.warning("tool_choice 'auto' behaves as 'none': %s", why)
+        _warn_once(f"tool_choice 'auto' behaves as 'none': {why}")
         choice = "none"
     defuse = _defuser(tokenizer)
     messages = _history(req.messages, fmt, defuse)
