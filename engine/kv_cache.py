@@ -190,12 +190,14 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of ``req``: full blocks, then maybe a kept tail; and its length in tokens.
 
-        At least one token is left to compute (the last one's logits are needed).
+        At least one token is left to compute (the last one's logits are needed), and with
+        ``prompt_logprobs_from`` every token from the one before it (``Request.computed_from``).
         """
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
+        limit = req.computed_from
+        max_blocks = limit // bs
         self._update_hashes(req, max_blocks)
         hits: list[Block] = []
         for h in req.block_hashes[:max_blocks]:
@@ -204,7 +206,7 @@ class KVCacheManager:
                 break
             hits.append(block)
         start = len(hits) * bs
-        room = min(bs - 1, req.num_tokens - 1 - start)  # a tail is partial, and the last token is computed
+        room = min(bs - 1, limit - start)  # a tail is partial, and the last token is computed
         if room > 0:
             parent = req.block_hashes[len(hits) - 1] if hits else _ROOT_HASH
             tail, n = self.pool.best_tail(parent, req.token_at(start, start + room))

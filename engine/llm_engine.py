@@ -302,7 +302,10 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         try:
-            sample_ids, logits = self.runner.execute(sched)
+            sample_ids, logits, score_rows = self.runner.execute(sched)
+            if score_rows:
+                self._score_prompts(score_rows, logits[len(sample_ids) :])
+                logits = logits[: len(sample_ids)]
         except Exception as e:  # the whole step failed: fail its requests, keep the loop going
             log.exception("model forward failed; failing the %d request(s) of this step", len(sched.chunks))
             outputs += self._fail_step(sched, f"model forward failed: {type(e).__name__}: {e}")
@@ -355,11 +358,26 @@ class LLMEngine:
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
             logprobs=None if req.params.logprobs is None else ((logprobs,) if logprobs and new_token_ids else ()),
+            # once, with the first token (the prompt is computed by then)
+            prompt_logprobs=tuple(req.prompt_logprobs)
+            if req.params.prompt_logprobs_from is not None
+            and new_token_ids
+            and len(req.output_token_ids) == len(new_token_ids)
+            else None,
         )
         if finished:
             del self._states[req.request_id]
             self.requests_finished_total += 1
         return out
+
+    def _score_prompts(self, rows: list[tuple[str, int]], logits) -> None:
+        """Append to each request the log-probability, from the raw logits, of the prompt token after each scored
+        position (rows in position order per request: ``engine.step_inputs.prepare_inputs``)."""
+        requests = [self.scheduler.requests[rid] for rid, _ in rows]
+        targets = torch.tensor([req.prompt_token_ids[p + 1] for req, (_, p) in zip(requests, rows, strict=True)])
+        found = logits.float().log_softmax(-1).gather(1, targets.to(logits.device)[:, None])[:, 0].tolist()
+        for req, logprob in zip(requests, found, strict=True):
+            req.prompt_logprobs.append(logprob)
 
     def _sample(self, sample_ids: list[str], logits) -> tuple[dict[str, int], dict[str, str], dict[str, TokenLogprobs]]:
         """One token per sampling request (with its logprobs if asked), or an error for the requests whose row failed.

@@ -185,17 +185,18 @@ class ModelRunner:
         return self.num_blocks * self.bytes_per_block
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
-        """Run one step; returns the ids of requests that sample and their logits rows."""
+    def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None, list[tuple[str, int]]]:
+        """Run one step; returns the ids of requests that sample, the logits rows (theirs, then those scoring
+        prompt tokens), and the (request id, position) of each scoring row."""
         if self._prefill_threads is not None:
             self._use_threads(sched)
         if self.graphs is not None:
-            out = self.graphs.run(sched.chunks)
+            out = self.graphs.run(sched.chunks)  # (decode-only steps: they score nothing)
             if out is not None:
-                return out
+                return (*out, [])
         inputs = prepare_inputs(sched.chunks, self.block_size, self.device)
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache)
-        return inputs.sample_request_ids, logits
+        return inputs.sample_request_ids, logits, inputs.score_rows
 
     def perplexity(self, token_ids: Sequence[int]) -> float:
         return perplexity(self.model, token_ids, self.block_size)

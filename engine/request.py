@@ -38,8 +38,18 @@ class Request:
     # monotonic time until which it is stepped only when no other request needs a step
     # (``LLMEngine.yield_to_others``); 0 = never
     yields_until: float = 0.0
+    # log-probabilities of prompt tokens [params.prompt_logprobs_from, ...), filled as the prefill computes them
+    prompt_logprobs: list[float] = field(default_factory=list)
     # hashes of the full blocks of all_token_ids, grown lazily by the KV cache manager
     block_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def computed_from(self) -> int:
+        """The prompt tokens before this index may come from the prefix cache; from it on they are computed
+        (the last token always is: its logits give the first output token)."""
+        first = self.params.prompt_logprobs_from
+        last = self.num_tokens - 1
+        return last if first is None else min(last, max(0, first - 1))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,8 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool  # the chunk reaches the last known token, so the step yields a new token
     generated: int = 0  # output tokens the request had before this step
+    # positions [a, b) of this chunk whose logits score the prompt's next token (``prompt_logprobs_from``)
+    scores: tuple[int, int] = (0, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +175,7 @@ class Scheduler:
                     block_ids=self.kv.block_ids(req.request_id),
                     sample=start + n == req.num_tokens,
                     generated=len(req.output_token_ids),
+                    scores=_scored_positions(req, start, n),
                 )
             )
         return out
@@ -239,3 +242,15 @@ class Scheduler:
         req.finish_reason = reason
         req.error = error
         return req
+
+
+def _scored_positions(req: Request, start: int, n: int) -> tuple[int, int]:
+    """Positions [a, b) of tokens [start, start + n) whose logits give a prompt token's log-probability that
+    ``req`` asked for (``SamplingParams.prompt_logprobs_from``) and does not have yet (a preempted request
+    computes its prompt again); (0, 0) when none."""
+    first = req.params.prompt_logprobs_from
+    if first is None:
+        return (0, 0)
+    a = max(start, first - 1 + len(req.prompt_logprobs))
+    b = min(start + n, req.num_prompt_tokens - 1)
+    return (a, b) if a < b else (0, 0)

@@ -9,7 +9,7 @@ Decode rows (one token per request) come first in a step: one batched attention 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ class ModelInputs:
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     sample_request_ids: list[str]  # the request of each logits row (not used with all_logits)
+    # after the sampling rows: (request id, position) of each row that scores a prompt token (``ScheduledChunk.scores``)
+    score_rows: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -101,7 +103,7 @@ def prepare_inputs(
     """Token ids, positions and attention metadata of one step's chunks.
 
     Logits rows are the last token of each sampling chunk, or every token with ``all_logits``
-    (scoring a text, as ``perplexity`` does).
+    (scoring a text, as ``perplexity`` does); then those of the positions a chunk scores (``score_rows``).
     """
     bs = block_size
     dev = device
@@ -113,6 +115,12 @@ def prepare_inputs(
     ids, pos, slots = rows.token_ids, rows.positions, rows.slots
     sample_rows = [i for i, c in enumerate(decodes) if c.sample or all_logits]
     sample_ids = [decodes[i].request_id for i in sample_rows]
+    score_rows: list[int] = []
+    score_ids: list[tuple[str, int]] = []
+    for i, c in enumerate(decodes):
+        if c.scores[0] <= c.start < c.scores[1]:
+            score_rows.append(i)
+            score_ids.append((c.request_id, c.start))
     decode_tables = decode_mask = decode_flat = None
     decode_ctx_len = None
     lens = torch.tensor(rows.ctx_lens, dtype=torch.long, device=dev) if B else None
@@ -147,6 +155,9 @@ def prepare_inputs(
         elif c.sample:
             sample_rows.append(start_row + n - 1)
             sample_ids.append(c.request_id)
+        for position in range(*c.scores):
+            score_rows.append(start_row + position - c.start)
+            score_ids.append((c.request_id, position))
     positions = torch.tensor(pos, dtype=torch.long)
     slot_mapping = torch.tensor(slots, dtype=torch.long)
     if pos_parts:
@@ -158,10 +169,10 @@ def prepare_inputs(
         decode_block_tables=decode_tables,
         decode_mask=decode_mask,
         prefills=pre_meta,
-        sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        sample_indices=torch.tensor(sample_rows + score_rows, dtype=torch.long, device=dev),
         decode_flat_blocks=decode_flat,
         decode_ctx_len=decode_ctx_len,
         decode_ctx_lens=lens,
     )
     input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-    return ModelInputs(input_ids, positions.to(dev), meta, sample_ids)
+    return ModelInputs(input_ids, positions.to(dev), meta, sample_ids, score_ids)

@@ -1,0 +1,88 @@
+"""Prompt log-probabilities (``SamplingParams.prompt_logprobs_from``) against transformers' own logits.
+
+The voice turn decides what history the model sees from how much likelier the user's words are after the last
+exchange (``app.voice.history``): these figures must be the model's, whatever was cached, chunked or batched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(model_path):
+    """The log-probability of each token of a prompt given those before it, from transformers (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, local_files_only=True).eval()
+
+    def ref(prompt: list[int]) -> list[float]:
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        return [logits[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+
+    return ref
+
+
+def scored(engine: LLMEngine, prompts: list[list[int]], first: int | list[int]) -> list[tuple[float, ...]]:
+    """Each prompt's log-probabilities from ``first`` on, all requests in the engine at once."""
+    firsts = first if isinstance(first, list) else [first] * len(prompts)
+    ids = [
+        engine.add_request(None, p, SamplingParams(max_tokens=2, prompt_logprobs_from=f))
+        for p, f in zip(prompts, firsts, strict=True)
+    ]
+    found: dict[str, tuple[float, ...]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in found, "prompt log-probabilities come once"
+                found[out.request_id] = out.prompt_logprobs
+    return [found[i] for i in ids]
+
+
+def close(found, expected) -> None:
+    assert len(found) == len(expected)
+    assert max(abs(a - b) for a, b in zip(found, expected, strict=True)) < 2e-3, (found, expected)
+
+
+def test_prompt_logprobs_equal_transformers_alone_batched_and_chunked(make_engine, prompts, hf_logprobs):
+    chosen = [p for p in prompts if len(p) >= 12][:3]
+    expected = [hf_logprobs(p) for p in chosen]
+    for engine in (make_engine(), make_engine(max_num_batched_tokens=16, enable_prefix_caching=False)):
+        # the whole prompt but its first token, and its last 5 tokens only
+        for found, want in zip(scored(engine, chosen, 1), expected, strict=True):
+            close(found, want)
+        tails = scored(engine, chosen, [len(p) - 5 for p in chosen])
+        for found, want in zip(tails, expected, strict=True):
+            close(found, want[-5:])
+
+
+def test_a_cached_prefix_still_gives_the_scored_tokens(make_engine, prompts, hf_logprobs):
+    """The prefix cache serves the tokens before the scored ones, never the scored ones themselves."""
+    engine = make_engine(block_size=4)
+    prompt = max(prompts, key=len)
+    first = len(prompt) - 6
+    scored(engine, [prompt], 1)  # the whole prompt is in the cache now
+    before = engine.scheduler.kv.prefix_hit_tokens
+    (found,) = scored(engine, [prompt], first)
+    close(found, hf_logprobs(prompt)[first - 1 :])
+    hit = engine.scheduler.kv.prefix_hit_tokens - before
+    assert 0 < hit <= first - 1  # served from the cache up to the token before the first scored one
+
+
+def test_no_prompt_logprobs_unless_asked(engine, prompts):
+    rid = engine.add_request(None, prompts[0], SamplingParams(max_tokens=2))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert outs and all(o.prompt_logprobs is None for o in outs)
+
+
+def test_prompt_logprobs_from_must_be_a_position_with_a_token_before_it():
+    with pytest.raises(ValueError, match="prompt_logprobs_from"):
+        SamplingParams(prompt_logprobs_from=0)
