@@ -104,6 +104,13 @@ class Settings(BaseSettings):
         description="the user's earlier statements (not questions) recalled in the system prompt, 0: none "
         + POLICY_DEFAULT,
     )
+    history_relevance_nats: float | None = Field(
+        None,
+        ge=0.0,
+        le=10.0,
+        description="the conversation is sent only with words its last exchange makes at least this much likelier "
+        "(mean nats a token, by the LLM on this machine), 0: always " + POLICY_DEFAULT,
+    )
     llm_max_tokens: int | None = Field(None, ge=1, le=4096, description=POLICY_DEFAULT)
     llm_temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy " + POLICY_DEFAULT)
     llm_top_p: float | None = Field(None, gt=0.0, le=1.0, description=POLICY_DEFAULT)

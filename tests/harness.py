@@ -47,6 +47,8 @@ class ScriptedLLM:
         self.text_turn_gate: asyncio.Event | None = None  # (if set) the end-of-turn verdict waits for it
         self.turn_end_cancelled = 0
         self.gate_was_open_early = False
+        self.words_logprobs: dict[tuple[str, str], float] = {}  # what words_logprob says (see there)
+        self.words_asked: list[tuple[list[dict], str]] = []
 
     def count_tokens(self, messages):
         return sum(len(message["content"].split()) + 4 for message in messages)
@@ -108,6 +110,13 @@ class ScriptedLLM:
         if isinstance(self.text_turn_probability, Exception):
             raise self.text_turn_probability
         return self.text_turn_probability
+
+    async def words_logprob(self, messages, user_text):
+        """``words_logprobs`` maps (the last message's role, the words) to a figure; anything else: None (cannot
+        tell, so the conversation is kept, as before the setting)."""
+        self.words_asked.append(([dict(m) for m in messages], user_text))
+        last = messages[-1]["role"] if messages else ""
+        return self.words_logprobs.get((last, user_text))
 
     async def health(self):
         return True, "scripted"

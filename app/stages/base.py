@@ -208,6 +208,12 @@ class LocalScheduling(Protocol):
         """
         ...
 
+    async def words_logprob(self, messages: list[Message], user_text: str) -> float | None:
+        """The mean log-probability (nats a token) the LLM gives the words of ``user_text``, said as the user's
+        message after ``messages``; None where it cannot tell (``app.voice.reply_factory`` asks it whether the
+        conversation so far makes the words likelier). One short prefill, as ``end_of_turn_probability``."""
+        ...
+
 
 def scheduling_of(llm: ChatLLM) -> LocalScheduling | None:
     """The LLM's ``LocalScheduling``, or None where it has none (the caller then skips the work)."""

@@ -319,6 +319,36 @@ class EngineChatLLM:
         ends = [lp for t, lp in first.top if t != token and _ends_a_sentence(decode([t]))]
         return min(1.0, math.exp(first.logprob) + sum(math.exp(lp) for lp in ends))
 
+    async def words_logprob(self, messages: list[Message], user_text: str) -> float | None:
+        """The mean log-probability of ``user_text``'s tokens as the user's message after ``messages``, read from
+        the prompt's own logits (``SamplingParams.prompt_logprobs_from``): the prompt is the reply's up to the
+        words' end, so the prefix cache serves what comes before them and keeps what they add.
+
+        The words are the tokens between the rendering with an empty message and the template's end of turn;
+        None when the template puts no end-of-turn token after a user message, or renders the two apart.
+        """
+        from engine import SamplingParams
+
+        if self._turn_end is None or not user_text.strip():
+            return None
+        _, after = self._turn_end
+
+        def render(content: str) -> list[int]:
+            return self.engine.apply_chat_template(
+                [*messages, {"role": "user", "content": content}], add_generation_prompt=False
+            )
+
+        ids, empty = render(user_text), render("")
+        start, end = len(empty) - after, len(ids) - after
+        if start < 1 or end <= start or ids[:start] != empty[:start]:
+            return None
+        params = SamplingParams(max_tokens=1, prompt_logprobs_from=start)
+        found = None
+        async with contextlib.aclosing(self._outputs(ids[:end], params, f"words-{uuid.uuid4().hex}")) as outputs:
+            async for output in outputs:
+                found = found or output.prompt_logprobs
+        return sum(found) / len(found) if found else None
+
     @functools.cached_property
     def _turn_end(self) -> tuple[int, int] | None:
         """The chat template's end-of-turn token (``<|im_end|>`` in ChatML), and how many tokens the template

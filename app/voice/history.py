@@ -131,12 +131,25 @@ class History:
         return [{"role": "system", "content": system_prompt}, *shown_replies(window, self.replies)]
 
     def prompt(
-        self, system_prompt: str, user_text: str | None, llm: ChatLLM, *, context_tokens: int | None, reply_tokens: int
+        self,
+        system_prompt: str,
+        user_text: str | None,
+        llm: ChatLLM,
+        *,
+        context_tokens: int | None,
+        reply_tokens: int,
+        related: bool = True,
     ) -> Fitted:
         """The next turn's messages, fitted by tokens into what the LLM can take with its reply (``user_text`` None:
-        the history alone, which ends with what the reply answers: the results of the assistant's calls)."""
+        the history alone, which ends with what the reply answers: the results of the assistant's calls).
+
+        ``related`` False: the words stand alone (``app.voice.reply_factory``), so the conversation is left out
+        but for what the system prompt recalls of it."""
         said = [] if user_text is None else [{"role": "user", "content": user_text}]
-        messages = self.window(system_prompt, [*self.messages, *said])
+        if related or user_text is None:
+            messages = self.window(system_prompt, [*self.messages, *said])
+        else:
+            messages = [*self.window(system_prompt, []), *said]
         limits = [n for n in (llm.context_tokens, context_tokens) if n]
         if not limits:
             return Fitted(messages)  # a remote server of unknown size: it will say if it is too long
@@ -145,6 +158,14 @@ class History:
             return llm.count_tokens(candidate) or estimate_tokens(candidate)
 
         return fit_to_context(messages, count, max(64, min(limits) - reply_tokens))
+
+    def last_exchange(self, system_prompt: str) -> list[Message]:
+        """The user's message that the last reply shown answered, and that reply (empty: no such pair)."""
+        shown = self.window(system_prompt)[1:]
+        for index in range(len(shown) - 1, 0, -1):
+            if _is_reply(shown[index]) and shown[index - 1]["role"] == "user":
+                return shown[index - 1 : index + 1]
+        return []
 
     def upcoming_prefix(self, system_prompt: str) -> list[Message]:
         """What the next turn's prompt will start with (to prefill while the user listens)."""

@@ -7,13 +7,15 @@ applies to the next), the client's preferences (system prompt, voice) and the tu
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
+import logging
 from collections.abc import Callable
 
 from app import protocol
 from app.config import Settings
-from app.stages.base import ToolSpec, VoiceStages, scheduling_of
+from app.stages.base import Message, ToolSpec, VoiceStages, scheduling_of
 from app.voice.clock import Clock, RunBlocking
 from app.voice.context import Fitted
 from app.voice.history import History
@@ -22,6 +24,8 @@ from app.voice.prefs import Preferences
 from app.voice.reply import Reply, ReplyTools, SendBytes, SendJson
 from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner, load_server_tools
 from app.voice.warmup import WarmPrefix
+
+log = logging.getLogger(__name__)
 
 OnMetrics = Callable[[protocol.TurnMetrics], None]
 
@@ -57,10 +61,12 @@ class ReplyFactory:
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._pending_calls = pending_calls or PendingCalls()
         self._client_results: ClientResults = client_results
+        self._relatedness: tuple[tuple, bool] | None = None  # (words and history, ``_related``'s answer)
 
-    def prompt(self, user_text: str | None, language: str | None) -> Fitted:
+    def prompt(self, user_text: str | None, language: str | None, *, related: bool = True) -> Fitted:
         """The messages that answer ``user_text``: the system prompt (asking for ``language``) and the history
-        (None: the history alone, which ends with the results of the assistant's calls)."""
+        (None: the history alone, which ends with the results of the assistant's calls; ``related`` False:
+        without the history, see ``answer_prompt``)."""
         settings = self._settings()
         return self._history.prompt(
             reply_in(self._prefs.current.system_prompt, language),
@@ -68,7 +74,57 @@ class ReplyFactory:
             self._models.llm,
             context_tokens=settings.llm_context_tokens,
             reply_tokens=settings.llm_max_tokens,
+            related=related,
         )
+
+    async def answer_prompt(self, user_text: str, language: str | None) -> Fitted:
+        """The prompt a reply to ``user_text`` starts from: ``prompt``, without the conversation when the words
+        stand alone (``history_relevance_nats``)."""
+        return self.prompt(user_text, language, related=await self._related(user_text, language))
+
+    def relevance_prompts(self, language: str | None) -> list[list[Message]]:
+        """How the prompts ``_related`` will score start, to prefill between turns (``PrefixWarmup``): the system
+        prompt with the last exchange (alone, it starts the history's window, warm already); none when the next
+        words will not be weighed."""
+        if not self._settings().history_relevance_nats or scheduling_of(self._models.llm) is None:
+            return []
+        system_prompt = reply_in(self._prefs.current.system_prompt, language)
+        exchange = self._history.last_exchange(system_prompt)
+        if not exchange:
+            return []
+        return [[*self._history.window(system_prompt, []), *exchange]]
+
+    async def _related(self, user_text: str, language: str | None) -> bool:
+        """Do the words need the conversation? Yes unless the policy asks (``history_relevance_nats`` > 0) and
+        the LLM finds them less than that much likelier (mean nats a token) after the last exchange than alone.
+
+        Why: SmolLM2-135M shown any earlier exchange answers fewer questions right than asked each alone (one
+        exchange costs as much as sixteen messages), yet a follow-up ("And Spain?") needs it; the model's own
+        log-probabilities tell the two apart, in any language (README, "Conversation policy"). Asked once per
+        words and history (the speculation's answer serves the commit); any failure keeps the conversation.
+        """
+        threshold = self._settings().history_relevance_nats
+        scheduling = scheduling_of(self._models.llm)
+        if not threshold or scheduling is None or not user_text.strip():
+            return True
+        system_prompt = reply_in(self._prefs.current.system_prompt, language)
+        exchange = self._history.last_exchange(system_prompt)
+        if not exchange:
+            return True
+        key = (len(self._history.messages), user_text, system_prompt)
+        if self._relatedness is not None and self._relatedness[0] == key:
+            return self._relatedness[1]
+        system = self._history.window(system_prompt, [])
+        try:
+            after, alone = await asyncio.gather(
+                scheduling.words_logprob([*system, *exchange], user_text), scheduling.words_logprob(system, user_text)
+            )
+        except Exception:
+            log.exception("scoring the user's words failed; the conversation is kept in the prompt")
+            return True
+        related = after is None or alone is None or after - alone >= threshold
+        self._relatedness = (key, related)
+        return related
 
     def new(self, turn_id: int, user_text: str, language: str | None) -> Reply:
         settings = self._settings()

@@ -117,6 +117,7 @@ class VoiceSession:
             upcoming_prefix=lambda: self._history.upcoming_prefix(self.prefs.system_prompt),
             prompt=lambda text: self._replies.prompt(text, self._turn_language),
             llm_needed=self._llm_needed,
+            also_warm=lambda: self._replies.relevance_prompts(self._turn_language),
         )
 
     # ------------------------------------------------------------------ input
@@ -302,7 +303,7 @@ class VoiceSession:
         self, turn_id: int, text: str, *, speech_end: float, commit: float, language: str | None = None, **figures
     ) -> None:
         await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True, language=language))
-        fitted = self._replies.prompt(text, self._turn_language)
+        fitted = await self._replies.answer_prompt(text, self._turn_language)
         if fitted.truncated_chars:
             text = fitted.messages[-1]["content"]
             left_out = f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out."

@@ -55,3 +55,20 @@ async def test_no_words_no_verdict_and_no_request_left_behind(llm):
     assert await llm.end_of_turn_probability(CONVERSATION, " . ") is None
     await llm.end_of_turn_probability(CONVERSATION, "What time is it?")
     assert llm.engine.engine.stats()["kv_blocks_used"] == 0
+
+
+async def test_a_follow_up_is_far_likelier_after_its_exchange_and_a_question_of_its_own_is_not(llm):
+    """``words_logprob``, what ``history_relevance_nats`` weighs: an elliptical follow-up gains nats a token from
+    the exchange it follows; a question that stands alone gains about nothing (probe: +2.2 against -0.3)."""
+    exchange = [
+        {"role": "user", "content": "What is the capital of Italy?"},
+        {"role": "assistant", "content": "The capital of Italy is Rome."},
+    ]
+
+    async def gain(words: str) -> float:
+        after = await llm.words_logprob([*CONVERSATION, *exchange], words)
+        alone = await llm.words_logprob(CONVERSATION, words)
+        assert after is not None and alone is not None and after < 0 and alone < 0
+        return after - alone
+
+    assert await gain("And what about Spain?") > await gain("How many legs does a spider have?") + 0.8  # 2.2, 0.6
