@@ -88,11 +88,11 @@ def test_non_finite_logits_finish_with_error(engine, prompts, monkeypatch):
     real = engine.runner.execute
 
     def poisoned(sched):
-        ids, logits = real(sched)
+        ids, logits, scored = real(sched)
         if "bad" in ids:
             logits = logits.clone()
             logits[ids.index("bad"), 5] = float("nan")
-        return ids, logits
+        return ids, logits, scored
 
     monkeypatch.setattr(engine.runner, "execute", poisoned)
     engine.add_request("good", prompts[0], SamplingParams(max_tokens=4))
