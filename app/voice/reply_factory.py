@@ -86,13 +86,17 @@ class ReplyFactory:
         """How the prompts ``_related`` will score start, to prefill between turns (``PrefixWarmup``): the system
         prompt with the last exchange (alone, it starts the history's window, warm already); none when the next
         words will not be weighed."""
+        weighed = self._weighed(language)
+        return [] if weighed is None else [[*weighed[0], *weighed[1]]]
+
+    def _weighed(self, language: str | None) -> tuple[list[Message], list[Message]] | None:
+        """What the next words are weighed against: the system prompt (as a one-message list) and the last
+        exchange; None when they are not weighed (the setting off, no LLM on this machine, no exchange yet)."""
         if not self._settings().history_relevance_nats or scheduling_of(self._models.llm) is None:
-            return []
+            return None
         system_prompt = reply_in(self._prefs.current.system_prompt, language)
         exchange = self._history.last_exchange(system_prompt)
-        if not exchange:
-            return []
-        return [[*self._history.window(system_prompt, []), *exchange]]
+        return (self._history.window(system_prompt, []), exchange) if exchange else None
 
     async def _related(self, user_text: str, language: str | None) -> bool:
         """Do the words need the conversation? Yes unless the policy asks (``history_relevance_nats`` > 0) and
@@ -103,18 +107,14 @@ class ReplyFactory:
         log-probabilities tell the two apart, in any language (README, "Conversation policy"). Asked once per
         words and history (the speculation's answer serves the commit); any failure keeps the conversation.
         """
-        threshold = self._settings().history_relevance_nats
-        scheduling = scheduling_of(self._models.llm)
-        if not threshold or scheduling is None or not user_text.strip():
+        weighed = self._weighed(language) if user_text.strip() else None
+        if weighed is None:
             return True
-        system_prompt = reply_in(self._prefs.current.system_prompt, language)
-        exchange = self._history.last_exchange(system_prompt)
-        if not exchange:
-            return True
-        key = (len(self._history.messages), user_text, system_prompt)
+        system, exchange = weighed
+        key = (len(self._history.messages), user_text, system[0]["content"])
         if self._relatedness is not None and self._relatedness[0] == key:
             return self._relatedness[1]
-        system = self._history.window(system_prompt, [])
+        scheduling = scheduling_of(self._models.llm)
         try:
             after, alone = await asyncio.gather(
                 scheduling.words_logprob([*system, *exchange], user_text), scheduling.words_logprob(system, user_text)
@@ -122,7 +122,7 @@ class ReplyFactory:
         except Exception:
             log.exception("scoring the user's words failed; the conversation is kept in the prompt")
             return True
-        related = after is None or alone is None or after - alone >= threshold
+        related = after is None or alone is None or after - alone >= self._settings().history_relevance_nats
         self._relatedness = (key, related)
         return related
 
