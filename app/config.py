@@ -108,7 +108,7 @@ class Settings(BaseSettings):
         None,
         ge=0.0,
         le=10.0,
-        description="the conversation is sent only with words its last exchange makes at least this much likelier "
+        description="the conversation is sent only with words it makes at least this much likelier "
         "(mean nats a token, by the LLM on this machine), 0: always " + POLICY_DEFAULT,
     )
     llm_max_tokens: int | None = Field(None, ge=1, le=4096, description=POLICY_DEFAULT)

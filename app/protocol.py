@@ -277,6 +277,12 @@ class TurnMetrics(BaseModel):
     underrun_s: float | None = Field(
         None, description="silence heard mid-reply while late audio was awaited (all underruns together)"
     )
+    history_gain_nats: float | None = Field(
+        None,
+        description="how much likelier (nats a token) the conversation made the user's words; under "
+        "history_relevance_nats the reply was written without it",
+    )
+    history_left_out: bool = Field(False, description="the reply was written without the conversation (it gained less)")
     speculative: bool = Field(False, description="the reply was started before the endpoint and released")
     barge_in: bool = Field(False, description="the user interrupted the reply")
     # The reply guards (``app.voice.reply``): how often each cut this turn's reply short. Absent when none did.

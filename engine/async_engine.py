@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -99,33 +99,49 @@ class AsyncLLMEngine:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; the last one has ``finished=True``."""
+        async with contextlib.aclosing(self.generate_many([(prompt, params, request_id)])) as outputs:
+            async for _, out in outputs:
+                yield out
+
+    async def generate_many(
+        self, requests: Sequence[tuple[str | list[int], SamplingParams | None, str | None]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Several requests (prompt, params, request id) added at once, so the next step schedules them together
+        (its token budget allowing); their outputs as they come, as (the request's index, the output). Each
+        request's last output has ``finished=True`` (an ``abort`` gives one too). Closing aborts the unfinished.
+
+        Why together: added one by one, the loop may step the first alone, and the second's first token comes a
+        step later (a voice reply weighing two prompts waits for both, ``app.stages.llm``)."""
         if self._stop:
             raise RuntimeError("engine is shut down")
         if self._error is not None:
             raise RuntimeError(self._down or "engine loop crashed") from self._error
-        request_id = request_id or f"async-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        ids = [request_id or f"async-{next(self._ids)}" for _, _, request_id in requests]
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())  # one queue: outputs in the order made
         with self._cond:
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            self._streams[request_id] = stream
-            self._adds.append((request_id, prompt, params or SamplingParams()))
+            taken = [rid for rid in ids if rid in self._streams] + [rid for rid in ids if ids.count(rid) > 1]
+            if taken:
+                raise ValueError(f"duplicate request id {taken[0]!r}")
+            for rid, (prompt, params, _) in zip(ids, requests, strict=True):
+                self._streams[rid] = stream
+                self._adds.append((rid, prompt, params or SamplingParams()))
             self._cond.notify()
-        finished = False
+        index = {rid: i for i, rid in enumerate(ids)}
+        unfinished = set(ids)
         try:
-            while True:
+            while unfinished:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):
                     raise RuntimeError("engine loop crashed") from out
-                finished = out.finished
-                yield out
-                if finished:
-                    return
+                if out.finished:
+                    unfinished.discard(out.request_id)
+                yield index[out.request_id], out
         finally:
-            if not finished:
-                self.abort(request_id)
+            for rid in unfinished:
+                self.abort(rid)
             with self._cond:
-                self._streams.pop(request_id, None)
+                for rid in ids:
+                    self._streams.pop(rid, None)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step runs."""

@@ -30,6 +30,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, TokenLogprobs
+from engine.prompt_scores import PromptScoreCache, prefix_keys
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplerRow, SamplingParams, make_generator, sample, token_logprobs
 from engine.scheduler import RequestRejected, Scheduler
@@ -78,6 +79,7 @@ class LLMEngine:
         check_split_special_tokens(self.tokenizer)  # chat contents are tokenized as plain text (engine/chat.py)
         self.runner = ModelRunner(config, path, model)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.prompt_scores = PromptScoreCache()  # prompt log-probabilities computed, beside the prefix cache
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_model_len
         )
@@ -148,7 +150,10 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (for cold-cache measurements). Only while no request holds KV
         blocks; returns whether it did."""
-        return self.kv.reset_prefix_cache()
+        if not self.kv.reset_prefix_cache():
+            return False
+        self.prompt_scores.clear()
+        return True
 
     # --- requests --------------------------------------------------------------------
     def apply_chat_template(
@@ -189,6 +194,10 @@ class LLMEngine:
                     f"token id {bad} (stop_token_ids, logit_bias) is outside the vocabulary [0, {vocab})"
                 )
             grammar = self._grammar_state(params.grammar)
+            if params.prompt_logprobs_from is not None and self.kv.enable_prefix_caching:
+                req.score_keys = prefix_keys(req.prompt_token_ids)
+                first = params.prompt_logprobs_from
+                req.prompt_logprobs = self.prompt_scores.lookup(req.score_keys[: req.scored_to], first)
             self.scheduler.add_request(req)
         except RequestRejected as e:
             self._pending.append(self._final(req, "error", str(e), error_type="invalid_request"))
@@ -376,8 +385,10 @@ class LLMEngine:
         requests = [self.scheduler.requests[rid] for rid, _ in rows]
         targets = torch.tensor([req.prompt_token_ids[p + 1] for req, (_, p) in zip(requests, rows, strict=True)])
         found = logits.float().log_softmax(-1).gather(1, targets.to(logits.device)[:, None])[:, 0].tolist()
-        for req, logprob in zip(requests, found, strict=True):
+        for req, (_, position), logprob in zip(requests, rows, found, strict=True):
             req.prompt_logprobs.append(logprob)
+            if req.score_keys:  # kept for a later prompt with the same tokens (``engine.prompt_scores``)
+                self.prompt_scores.store(req.score_keys[position + 1], logprob)
 
     def _sample(self, sample_ids: list[str], logits) -> tuple[dict[str, int], dict[str, str], dict[str, TokenLogprobs]]:
         """One token per sampling request (with its logprobs if asked), or an error for the requests whose row failed.
@@ -461,6 +472,7 @@ class LLMEngine:
         self._states.clear()
         self._pending = []
         self.kv.reset()
+        self.prompt_scores.clear()
         return outputs
 
     # --- metrics -----------------------------------------------------------------------

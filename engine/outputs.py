@@ -37,6 +37,6 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
-    # with ``SamplingParams.prompt_logprobs_from``: the log-probability of each prompt token from there on,
-    # in the output that brings the first token
+    # with ``SamplingParams.prompt_logprobs_from``: the log-probability of each prompt token from there on (to
+    # ``prompt_logprobs_to``), in the output that brings the first token
     prompt_logprobs: tuple[float, ...] | None = None

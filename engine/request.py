@@ -39,17 +39,29 @@ class Request:
     # (``LLMEngine.yield_to_others``); 0 = never
     yields_until: float = 0.0
     # log-probabilities of prompt tokens [params.prompt_logprobs_from, ...), filled as the prefill computes them
+    # (or found already computed: ``engine.prompt_scores``)
     prompt_logprobs: list[float] = field(default_factory=list)
+    # with prompt_logprobs_from: ``engine.prompt_scores.prefix_keys`` of the prompt, to keep each score under
+    score_keys: list[int] = field(default_factory=list)
     # hashes of the full blocks of all_token_ids, grown lazily by the KV cache manager
     block_hashes: list[int] = field(default_factory=list)
 
     @property
     def computed_from(self) -> int:
         """The prompt tokens before this index may come from the prefix cache; from it on they are computed
-        (the last token always is: its logits give the first output token)."""
+        (the last token always is: its logits give the first output token), and so are those whose logits
+        score a prompt token not scored yet (``prompt_logprobs_from``)."""
         first = self.params.prompt_logprobs_from
         last = self.num_tokens - 1
-        return last if first is None else min(last, max(0, first - 1))
+        if first is None or first + len(self.prompt_logprobs) >= self.scored_to:
+            return last
+        return min(last, max(0, first - 1 + len(self.prompt_logprobs)))
+
+    @property
+    def scored_to(self) -> int:
+        """The end (exclusive) of the prompt tokens scored (``SamplingParams.prompt_logprobs_to``)."""
+        end = self.params.prompt_logprobs_to
+        return self.num_prompt_tokens if end is None else min(end, self.num_prompt_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -52,8 +52,9 @@ class SamplingParams:
     sampled before that many tokens. ``logprobs``: with each token, report its log-probability
     and that of the ``logprobs`` most likely tokens (0: its own only), from the raw logits.
     ``prompt_logprobs_from``: also report the log-probability of each prompt token from that index on
-    (``RequestOutput.prompt_logprobs``), from the raw logits; the prefix cache serves only the tokens
-    before it, so they are computed (a voice turn scores the user's words: ``app.stages.llm``).
+    (``RequestOutput.prompt_logprobs``), from the raw logits, up to ``prompt_logprobs_to`` (exclusive; None:
+    the prompt's end); the prefix cache serves only the tokens before them unless their scores were kept
+    (``engine.prompt_scores``), so they are computed (a voice turn scores the user's words: ``app.stages.llm``).
     ``dry_*``: llama.cpp's DRY ("don't repeat yourself") penalty, off while ``dry_multiplier`` is 0
     (see ``_apply_dry``). ``grammar``: an llguidance grammar the tokens must follow
     (``engine.tools.grammar``). ``skip_special_tokens``: leave special tokens out of the text (a
@@ -76,6 +77,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs_from: int | None = None
+    prompt_logprobs_to: int | None = None
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
@@ -125,6 +127,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs_from is not None and self.prompt_logprobs_from < 1:
             raise ValueError("prompt_logprobs_from must be >= 1 (the first token has no log-probability)")
+        if self.prompt_logprobs_to is not None and (
+            self.prompt_logprobs_from is None or self.prompt_logprobs_to <= self.prompt_logprobs_from
+        ):
+            raise ValueError("prompt_logprobs_to must come with prompt_logprobs_from, and after it")
         if not 0 <= self.dry_multiplier <= MAX_DRY_MULTIPLIER:
             raise ValueError(f"dry_multiplier must be in [0, {MAX_DRY_MULTIPLIER}]")
         if not 1 < self.dry_base <= MAX_DRY_BASE:

@@ -252,5 +252,5 @@ def _scored_positions(req: Request, start: int, n: int) -> tuple[int, int]:
     if first is None:
         return (0, 0)
     a = max(start, first - 1 + len(req.prompt_logprobs))
-    b = min(start + n, req.num_prompt_tokens - 1)
+    b = min(start + n, req.scored_to - 1)
     return (a, b) if a < b else (0, 0)

@@ -39,6 +39,7 @@ class ScriptedLLM:
         self.closed: list[str] = []
         self.warmed: list[list[dict]] = []
         self.warmed_tools: list = []  # the ToolSpec each warm-up was rendered with (None: none)
+        self.warmed_scored: list[bool] = []  # whether each warm-up scored the user's words
         self.pauses: list[tuple[str, str]] = []  # ("pause" | "resume", request id), in order
         self.yields: list[tuple[str, float]] = []  # (request id, max seconds), in order
         self.cores_lent = 0  # how many core_lent() blocks are open now
@@ -47,8 +48,8 @@ class ScriptedLLM:
         self.text_turn_gate: asyncio.Event | None = None  # (if set) the end-of-turn verdict waits for it
         self.turn_end_cancelled = 0
         self.gate_was_open_early = False
-        self.words_logprobs: dict[tuple[str, str], float] = {}  # what words_logprob says (see there)
-        self.words_asked: list[tuple[list[dict], str]] = []
+        self.words_logprobs: dict[tuple[str, str], float] = {}  # how stream_weighed scores words (see there)
+        self.weighed: list[tuple[str, float | None]] = []  # (the words, the gain) of each stream_weighed
 
     def count_tokens(self, messages):
         return sum(len(message["content"].split()) + 4 for message in messages)
@@ -95,9 +96,10 @@ class ScriptedLLM:
         finally:
             self.cores_lent -= 1
 
-    async def warm(self, messages, tools=None):
+    async def warm(self, messages, tools=None, *, score_words=False):
         self.warmed.append([dict(m) for m in messages])
         self.warmed_tools.append(tools)
+        self.warmed_scored.append(score_words)
 
     async def end_of_turn_probability(self, messages, user_text):
         self.turn_end_asked.append((([dict(m) for m in messages]), user_text))
@@ -111,12 +113,21 @@ class ScriptedLLM:
             raise self.text_turn_probability
         return self.text_turn_probability
 
-    async def words_logprob(self, messages, user_text):
-        """``words_logprobs`` maps (the last message's role, the words) to a figure; anything else: None (cannot
-        tell, so the conversation is kept, as before the setting)."""
-        self.words_asked.append(([dict(m) for m in messages], user_text))
-        last = messages[-1]["role"] if messages else ""
-        return self.words_logprobs.get((last, user_text))
+    async def stream_weighed(self, messages, alone, request_id):
+        """``stream`` of ``messages`` or ``alone.messages``, as the engine chooses: ``words_logprobs`` maps (the role
+        of the message before the user's, the words) to their mean log-probability; anything else: None (cannot
+        tell, so the conversation is kept, as the engine does)."""
+        words = messages[-1]["content"]
+        scores = [
+            self.words_logprobs.get((m[-2]["role"] if len(m) > 1 else "", words)) for m in (messages, alone.messages)
+        ]
+        gain = None if None in scores else scores[0] - scores[1]
+        self.weighed.append((words, gain))
+        if alone.on_weighed is not None:
+            alone.on_weighed(gain)
+        chosen = alone.messages if gain is not None and gain < alone.min_gain_nats else messages
+        async for piece in self.stream(chosen, request_id):
+            yield piece
 
     async def health(self):
         return True, "scripted"

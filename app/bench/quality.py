@@ -136,6 +136,8 @@ async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) 
         interrupted=answer.interrupted,
         guards=guards,
         error=answer.error,
+        history_left_out=answer.metrics is not None and answer.metrics.history_left_out,
+        history_gain_nats=None if answer.metrics is None else answer.metrics.history_gain_nats,
     )
 
 

@@ -134,6 +134,8 @@ class TurnRecord:
     interrupted: bool = False
     guards: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    history_left_out: bool = False  # the server wrote the reply without the conversation (``history_relevance_nats``)
+    history_gain_nats: float | None = None  # what the conversation added to the words, where the server weighed it
     right: bool | None = None  # (a question with an answer)
     copy_of: int | None = None  # the earlier turn this reply copies
     answers_turn: int | None = None  # the earlier turn whose question this reply answers instead
@@ -239,6 +241,10 @@ def summarize(conversations: list[list[TurnRecord]], alone: list[TurnRecord]) ->
         "cancelled_replies_cut": _count(talk, lambda r: r.ask.kind == "interrupt" and r.interrupted),
         "replies_repeating_the_cancelled_one": _count(after_cut, lambda r: r.repeats_cut_reply),
         "errors": _count(talk + alone, lambda r: r.error is not None),
+        **{
+            f"{kind}_without_the_conversation": _count(talk, lambda r, k=kind: r.ask.kind == k and r.history_left_out)
+            for kind in ("fact", "follow_up", "recall")
+        },
     }
     for where, records in (("in_conversation", talk), ("alone", alone)):
         median, p90 = _words_per_reply(records)
@@ -303,6 +309,12 @@ def print_table(summary: dict) -> None:
         f"the other way round {s['facts_wrong_alone_right_in_conversation']}"
     )
     print(f"user facts recalled {ratio(s['user_facts_recalled'], s['user_facts_asked'])}")
+    print(
+        "answered without the conversation (history_relevance_nats): "
+        f"facts {ratio(s['fact_without_the_conversation'], s['facts_asked_in_conversation'])}, "
+        f"follow-ups {ratio(s['follow_up_without_the_conversation'], s['follow_ups_asked'])}, "
+        f"user facts asked back {ratio(s['recall_without_the_conversation'], s['user_facts_asked'])}"
+    )
     print(f"copied replies {ratio(s['copied_replies'], s['replies_that_may_copy'])}")
     print(
         f"answers to an earlier question {ratio(s['answers_to_an_earlier_question'], s['questions_in_conversation'])}"

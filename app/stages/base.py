@@ -8,7 +8,7 @@ loaded once, for all sessions, by ``registry``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -195,9 +195,10 @@ class LocalScheduling(Protocol):
         """While open, another model (the end-of-turn model) runs on one core: the LLM steps on the others."""
         ...
 
-    async def warm(self, messages: list[Message], tools: ToolSpec | None = None) -> None:
+    async def warm(self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False) -> None:
         """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache); ``tools``:
-        the later request's, which change how the prompt is rendered (``ToolCalling``)."""
+        the later request's, which change how the prompt is rendered (``ToolCalling``); ``score_words``: also the
+        scores of the last user message's words that ``stream_weighed`` reads."""
         ...
 
     async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:
@@ -208,11 +209,23 @@ class LocalScheduling(Protocol):
         """
         ...
 
-    async def words_logprob(self, messages: list[Message], user_text: str) -> float | None:
-        """The mean log-probability (nats a token) the LLM gives the words of ``user_text``, said as the user's
-        message after ``messages``; None where it cannot tell (``app.voice.reply_factory`` asks it whether the
-        conversation so far makes the words likelier). One short prefill, as ``end_of_turn_probability``."""
+    def stream_weighed(self, messages: list[Message], alone: StandAlone, request_id: str) -> AsyncIterator[str]:
+        """``stream`` of the reply to ``messages`` (the conversation and the user's words), or of the reply to
+        ``alone.messages`` (the same words without it) when the conversation makes the words less than
+        ``alone.min_gain_nats`` a token likelier. Both start at once and score the words from their own prefill,
+        so choosing costs no request before the reply; the other is aborted at its first token. Tells
+        ``alone.on_weighed`` the gain (None: it could not tell, and the conversation is kept)."""
         ...
+
+
+@dataclass(frozen=True)
+class StandAlone:
+    """The user's words without the conversation (``LocalScheduling.stream_weighed``): a small model answers a
+    question that stands alone better without earlier exchanges, and a follow-up only with them (``app.policy``)."""
+
+    messages: list[Message]
+    min_gain_nats: float
+    on_weighed: Callable[[float | None], None] | None = None
 
 
 def scheduling_of(llm: ChatLLM) -> LocalScheduling | None:

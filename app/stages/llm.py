@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 
-from app.stages.base import ChatLLM, GenerationSettings, Message, ToolCall, ToolSpec
+from app.stages.base import ChatLLM, GenerationSettings, Message, StandAlone, ToolCall, ToolSpec
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,14 @@ def _ends_a_sentence(token_text: str) -> bool:
     """A token that is only a sentence's final punctuation ("." "?" "!" "。", with or without spaces)."""
     stripped = token_text.strip()
     return bool(stripped) and all(char in SENTENCE_ENDS for char in stripped)
+
+
+def _mean_of_words(first, span: tuple[int, int]) -> float | None:
+    """The mean log-probability of the words at ``span`` (first token, count), from a request's first output
+    (its ``prompt_logprobs`` start at the span's first token); None where it has none."""
+    if first is None or not first.prompt_logprobs or len(first.prompt_logprobs) < span[1]:
+        return None
+    return sum(first.prompt_logprobs[: span[1]]) / span[1]
 
 
 def _is_json(text: str) -> bool:
@@ -158,6 +166,7 @@ class EngineChatLLM:
         self.description = self.engine.engine.describe()  # the kernels in use, for the start-up line
         self.settings = settings or GenerationSettings()
         self.context_tokens: int | None = self.engine.engine.max_model_len
+        self._engine_ids: dict[str, str] = {}  # a reply's request id -> the engine's (``stream_weighed``)
 
     def count_tokens(self, messages: list[Message]) -> int:
         return len(self.engine.apply_chat_template(messages))
@@ -251,16 +260,20 @@ class EngineChatLLM:
             await outputs.aclose()  # aborts the request (and frees its KV blocks) if unfinished
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        self.engine.abort(self._engine_id(request_id))
 
     def pause(self, request_id: str, max_s: float) -> None:
-        self.engine.pause(request_id, max_s)
+        self.engine.pause(self._engine_id(request_id), max_s)
 
     def resume(self, request_id: str) -> None:
-        self.engine.resume(request_id)
+        self.engine.resume(self._engine_id(request_id))
 
     def yield_to_others(self, request_id: str, max_s: float) -> None:
-        self.engine.yield_to_others(request_id, max_s)
+        self.engine.yield_to_others(self._engine_id(request_id), max_s)
+
+    def _engine_id(self, request_id: str) -> str:
+        """The engine's request that answers the reply ``request_id`` (another when ``stream_weighed`` chose it)."""
+        return self._engine_ids.get(request_id, request_id)
 
     def set_urgent_first_tokens(self, n: int) -> None:
         """How many first tokens of a lone reply decode on every core (the server's solo mode)."""
@@ -269,18 +282,23 @@ class EngineChatLLM:
     def core_lent(self) -> AbstractContextManager[None]:
         return self.engine.core_lent()
 
-    async def warm(self, messages: list[Message], tools: ToolSpec | None = None) -> None:
+    async def warm(self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False) -> None:
         """Prefill ``messages`` (no generation prompt: the next prompt continues them) for one token, so
         their full KV blocks are in the prefix cache when the next turn's prompt arrives; rendered as a request with
-        ``tools`` renders them (the tools in the template or a system note, earlier calls as the format writes them)."""
+        ``tools`` renders them (the tools in the template or a system note, earlier calls as the format writes them).
+        ``score_words``: also score the last (user) message's words, for ``stream_weighed`` to find them scored
+        (``engine.prompt_scores``): the words it would otherwise compute again."""
         from engine import SamplingParams
 
+        span = self._words_span(messages) if score_words and tools is None else None
         if tools is None:
             prompt = self.engine.apply_chat_template(messages, add_generation_prompt=False)
         else:
             plan = self.tool_plan(messages, tools)
             prompt = self.engine.apply_chat_template(plan.messages, add_generation_prompt=False, tools=plan.tools)
-        async for _ in self._text(prompt, SamplingParams(max_tokens=1), f"warm-{uuid.uuid4().hex}"):
+        scored = {} if span is None else {"prompt_logprobs_from": span[0], "prompt_logprobs_to": span[0] + span[1]}
+        params = SamplingParams(max_tokens=1, **scored)
+        async for _ in self._text(prompt, params, f"warm-{uuid.uuid4().hex}"):
             pass
 
     async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:
@@ -319,35 +337,97 @@ class EngineChatLLM:
         ends = [lp for t, lp in first.top if t != token and _ends_a_sentence(decode([t]))]
         return min(1.0, math.exp(first.logprob) + sum(math.exp(lp) for lp in ends))
 
-    async def words_logprob(self, messages: list[Message], user_text: str) -> float | None:
-        """The mean log-probability of ``user_text``'s tokens as the user's message after ``messages``, read from
-        the prompt's own logits (``SamplingParams.prompt_logprobs_from``): the prompt is the reply's up to the
-        words' end, so the prefix cache serves what comes before them and keeps what they add.
+    async def stream_weighed(self, messages: list[Message], alone: StandAlone, request_id: str) -> AsyncIterator[str]:
+        """The reply to ``messages``, or to ``alone.messages`` where the conversation does not make the user's
+        words ``alone.min_gain_nats`` a token likelier (``LocalScheduling.stream_weighed``).
 
-        The words are the tokens between the rendering with an empty message and the template's end of turn;
-        None when the template puts no end-of-turn token after a user message, or renders the two apart.
+        Both requests start together; each scores the words from its own prefill (``prompt_logprobs_from``: the
+        prefix cache serves what comes before them), so the scores come with the first tokens, and the request
+        not chosen is aborted then: one decode step of it is all the choice costs. Its ``request_id`` stays the
+        reply's for ``pause``, ``resume`` and the rest (``_engine_id``). Any failure to score keeps the
+        conversation; the chosen request failing fails the reply, as ``stream`` does.
         """
         from engine import SamplingParams
 
-        if self._turn_end is None or not user_text.strip():
+        spans = [self._words_span(messages), self._words_span(alone.messages)]
+        if spans[0] is None or spans[1] is None:
+            if alone.on_weighed is not None:
+                alone.on_weighed(None)
+            async for delta in self.stream(messages, request_id):
+                yield delta
+            return
+        ids = [request_id, f"{request_id}-alone"]
+        requests = [
+            (
+                self.engine.apply_chat_template(prompt),
+                SamplingParams(
+                    max_tokens=self.settings.max_tokens,
+                    **self.settings.sampling(),
+                    prompt_logprobs_from=span[0],
+                    prompt_logprobs_to=span[0] + span[1],
+                ),
+                engine_id,
+            )
+            for prompt, span, engine_id in zip((messages, alone.messages), spans, ids, strict=True)
+        ]
+        early: list[list] = [[], []]  # each request's outputs until both have their first (the scores)
+        chosen: int | None = None
+        try:
+            async with contextlib.aclosing(self.engine.generate_many(requests)) as outputs:
+                async for index, output in outputs:
+                    if chosen is not None and index != chosen:
+                        continue  # the last outputs of the one not chosen (aborted)
+                    if output.error and (index == 0 or chosen == 1):
+                        raise RuntimeError(f"LLM engine: {output.error}")
+                    if chosen is None:
+                        early[index].append(output)
+                        if output.error:
+                            log.warning("scoring the words alone failed (%s); the conversation is kept", output.error)
+                        if not early[0] or not early[1]:
+                            continue
+                        chosen = self._choose([early[0][0], early[1][0]], spans, alone)
+                        self.engine.abort(ids[1 - chosen])  # frees its KV blocks before the next step
+                        self._engine_ids[request_id] = ids[chosen]
+                    for out in early[chosen] if early[chosen] else [output]:
+                        if out.text_delta:
+                            yield out.text_delta
+                        if out.finished:
+                            return
+                    early = [[], []]
+        finally:
+            self._engine_ids.pop(request_id, None)
+
+    @staticmethod
+    def _choose(firsts: list, spans: list[tuple[int, int]], alone: StandAlone) -> int:
+        """0: the prompt with the conversation, 1: the words alone (their first outputs hold the words' scores)."""
+        means = [
+            None if first.error else _mean_of_words(first, span) for first, span in zip(firsts, spans, strict=True)
+        ]
+        gain = None if means[0] is None or means[1] is None else means[0] - means[1]
+        if alone.on_weighed is not None:
+            alone.on_weighed(gain)
+        return 1 if gain is not None and gain < alone.min_gain_nats else 0
+
+    def _words_span(self, messages: list[Message]) -> tuple[int, int] | None:
+        """Where the last (user) message's words are in the prompt of ``messages``: (first token, how many); None
+        when the template puts no end-of-turn token after a user message, or renders the words apart."""
+        if self._turn_end is None or not messages or messages[-1].get("role") != "user":
+            return None
+        content = messages[-1].get("content")
+        if not isinstance(content, str) or not content.strip():
             return None
         _, after = self._turn_end
 
-        def render(content: str) -> list[int]:
+        def render(text: str) -> list[int]:
             return self.engine.apply_chat_template(
-                [*messages, {"role": "user", "content": content}], add_generation_prompt=False
+                [*messages[:-1], {"role": "user", "content": text}], add_generation_prompt=False
             )
 
-        ids, empty = render(user_text), render("")
+        ids, empty = render(content), render("")
         start, end = len(empty) - after, len(ids) - after
         if start < 1 or end <= start or ids[:start] != empty[:start]:
             return None
-        params = SamplingParams(max_tokens=1, prompt_logprobs_from=start)
-        found = None
-        async with contextlib.aclosing(self._outputs(ids[:end], params, f"words-{uuid.uuid4().hex}")) as outputs:
-            async for output in outputs:
-                found = found or output.prompt_logprobs
-        return sum(found) / len(found) if found else None
+        return start, end - start
 
     @functools.cached_property
     def _turn_end(self) -> tuple[int, int] | None:

@@ -23,7 +23,16 @@ from dataclasses import dataclass
 
 from app import protocol
 from app.audio import float_to_pcm16, trim_leading_quiet
-from app.stages.base import ChatLLM, Message, Synthesizer, ToolCall, ToolSpec, scheduling_of, tool_calling_of
+from app.stages.base import (
+    ChatLLM,
+    Message,
+    StandAlone,
+    Synthesizer,
+    ToolCall,
+    ToolSpec,
+    scheduling_of,
+    tool_calling_of,
+)
 from app.voice.clock import Clock, RunBlocking
 from app.voice.playback import ReplyPlayback
 from app.voice.text import FIRST_PHRASE_MAX_WORDS, SentenceSplitter, loop_end, speakable, words
@@ -97,6 +106,7 @@ class Reply:
         first_piece_words: int = FIRST_PHRASE_MAX_WORDS,
         first_piece_priority: bool = False,
         yield_ahead_s: float = YIELD_AHEAD_S,
+        min_gain_nats: float = 0.0,
         voice: str | None = None,
         tools: ReplyTools | None = None,
         speak: bool = True,
@@ -124,6 +134,7 @@ class Reply:
         self._first_piece_words = first_piece_words
         self._first_piece_priority = first_piece_priority
         self._yield_ahead_s = yield_ahead_s
+        self._min_gain_nats = min_gain_nats  # ``history_relevance_nats``: 0, the conversation always goes
         self._voice = voice
         self._tools = tools
         self.speaks = speak  # False: a text-only reply (the client's ``reply_audio``), no TTS
@@ -166,11 +177,13 @@ class Reply:
         before = self.spoken_before_answer
         return heard[len(before) :].strip() if heard.startswith(before) else ""
 
-    def start(self, messages: list[Message], *, released: bool) -> None:
+    def start(self, messages: list[Message], *, released: bool, alone: list[Message] | None = None) -> None:
+        """Produce the reply to ``messages``; ``alone``: the user's words without the conversation, answered instead
+        when the LLM finds the words stand alone (``history_relevance_nats``; the first round, without tools)."""
         self.released = released
         if released:
             self._released.set()
-        self._task = asyncio.create_task(self._produce(messages), name=f"turn-{self.turn_id}")
+        self._task = asyncio.create_task(self._produce(messages, alone), name=f"turn-{self.turn_id}")
 
     def hold(self) -> None:
         """Send nothing more for now (the user may be going on with their turn); ``release`` resumes."""
@@ -207,6 +220,14 @@ class Reply:
         return metrics
 
     # ------------------------------------------------------------------ production
+    def _on_weighed(self, gain: float | None) -> None:
+        self.metrics.history_gain_nats = gain
+        self.metrics.history_left_out = gain is not None and gain < self._min_gain_nats
+        if self.metrics.history_left_out:
+            log.info(
+                "turn %s: the words stand alone (%.2f nats); answered without the conversation", self.turn_id, gain
+            )
+
     async def _emit(self, item: protocol.ServerMessage | bytes) -> None:
         """Send now if released, else hold it back (speculation). How a call settled is always sent: its call was
         (calls run only while the reply is released), and the client waits for it."""
@@ -224,7 +245,7 @@ class Reply:
             item = item.model_copy(update={"metrics": self.final_metrics()})
         await self._send_json(item)
 
-    async def _produce(self, messages: list[Message]) -> None:
+    async def _produce(self, messages: list[Message], alone: list[Message] | None = None) -> None:
         """LLM tokens -> clauses/sentences -> TTS -> audio, all overlapped; with tools, round after round."""
         pieces: asyncio.Queue[_Piece | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speak(pieces), name=f"tts-{self.turn_id}")
@@ -234,7 +255,9 @@ class Reply:
         rounds = 0
         try:
             while True:
-                calls, repeated, looping = await self._write(messages, spec, pieces, said, answer=rounds > 0)
+                calls, repeated, looping = await self._write(
+                    messages, spec, pieces, said, answer=rounds > 0, alone=alone if rounds == 0 else None
+                )
                 if not calls or repeated or looping or self._tools is None or self._tools.runner is None:
                     break
                 rounds += 1
@@ -265,9 +288,15 @@ class Reply:
         finally:
             await cancel_task(speaker)
 
-    def _llm_stream(self, messages: list[Message], spec: ToolSpec | None) -> AsyncIterator[str | ToolCall]:
-        """The LLM's reply: the plain text stream, or text and calls where tools are in play and the LLM takes them."""
+    def _llm_stream(
+        self, messages: list[Message], spec: ToolSpec | None, alone: list[Message] | None = None
+    ) -> AsyncIterator[str | ToolCall]:
+        """The LLM's reply: the plain text stream (from ``messages`` or ``alone``, as the LLM weighs them), or text and
+        calls where tools are in play and the LLM takes them."""
         calling = tool_calling_of(self._llm) if spec is not None else None
+        if spec is None and alone is not None and self._scheduling is not None and self._min_gain_nats:
+            weighed = StandAlone(alone, self._min_gain_nats, self._on_weighed)
+            return self._scheduling.stream_weighed(messages, weighed, self.request_id)
         if calling is None:
             if spec is not None and spec.tools:
                 log.warning(
@@ -277,14 +306,21 @@ class Reply:
         return calling.stream_tools(messages, self.request_id, spec)
 
     async def _write(
-        self, messages: list[Message], spec: ToolSpec | None, pieces: asyncio.Queue, said: list[str], *, answer: bool
+        self,
+        messages: list[Message],
+        spec: ToolSpec | None,
+        pieces: asyncio.Queue,
+        said: list[str],
+        *,
+        answer: bool,
+        alone: list[Message] | None = None,
     ) -> tuple[list[ToolCall], bool, bool]:
         """One LLM request: its text spoken piece by piece, its calls returned; and whether a guard cut it
         (repeated: a piece said again; looping: a few words said again and again)."""
         splitter = SentenceSplitter(
             first_clause_chars=self._first_clause_chars, first_piece_words=self._first_piece_words
         )
-        stream = self._llm_stream(messages, spec)
+        stream = self._llm_stream(messages, spec, alone)
         round_start = len(self.text_parts)
         calls: list[ToolCall] = []
         repeated = looping = False

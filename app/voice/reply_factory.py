@@ -7,7 +7,6 @@ applies to the next), the client's preferences (system prompt, voice) and the tu
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 import logging
@@ -61,12 +60,11 @@ class ReplyFactory:
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._pending_calls = pending_calls or PendingCalls()
         self._client_results: ClientResults = client_results
-        self._relatedness: tuple[tuple, bool] | None = None  # (words and history, ``_related``'s answer)
 
     def prompt(self, user_text: str | None, language: str | None, *, related: bool = True) -> Fitted:
         """The messages that answer ``user_text``: the system prompt (asking for ``language``) and the history
         (None: the history alone, which ends with the results of the assistant's calls; ``related`` False:
-        without the history, see ``answer_prompt``)."""
+        without the history, see ``alone_prompt``)."""
         settings = self._settings()
         return self._history.prompt(
             reply_in(self._prefs.current.system_prompt, language),
@@ -77,54 +75,24 @@ class ReplyFactory:
             related=related,
         )
 
-    async def answer_prompt(self, user_text: str, language: str | None) -> Fitted:
-        """The prompt a reply to ``user_text`` starts from: ``prompt``, without the conversation when the words
-        stand alone (``history_relevance_nats``)."""
-        return self.prompt(user_text, language, related=await self._related(user_text, language))
-
-    def relevance_prompts(self, language: str | None) -> list[list[Message]]:
-        """How the prompts ``_related`` will score start, to prefill between turns (``PrefixWarmup``): the system
-        prompt with the last exchange (alone, it starts the history's window, warm already); none when the next
-        words will not be weighed."""
-        weighed = self._weighed(language)
-        return [] if weighed is None else [[*weighed[0], *weighed[1]]]
-
-    def _weighed(self, language: str | None) -> tuple[list[Message], list[Message]] | None:
-        """What the next words are weighed against: the system prompt (as a one-message list) and the last
-        exchange; None when they are not weighed (the setting off, no LLM on this machine, no exchange yet)."""
-        if not self._settings().history_relevance_nats or scheduling_of(self._models.llm) is None:
-            return None
-        system_prompt = reply_in(self._prefs.current.system_prompt, language)
-        exchange = self._history.last_exchange(system_prompt)
-        return (self._history.window(system_prompt, []), exchange) if exchange else None
-
-    async def _related(self, user_text: str, language: str | None) -> bool:
-        """Do the words need the conversation? Yes unless the policy asks (``history_relevance_nats`` > 0) and
-        the LLM finds them less than that much likelier (mean nats a token) after the last exchange than alone.
+    def alone_prompt(self, user_text: str, language: str | None) -> list[Message] | None:
+        """``user_text`` without the conversation (but what the system prompt recalls of it), for the reply to be
+        written from where the LLM finds the words stand alone (``Reply.start``); None when it will not weigh
+        them: ``history_relevance_nats`` is 0, the LLM is not on this machine, tools are in play, or the prompt is
+        the same anyway.
 
         Why: SmolLM2-135M shown any earlier exchange answers fewer questions right than asked each alone (one
         exchange costs as much as sixteen messages), yet a follow-up ("And Spain?") needs it; the model's own
-        log-probabilities tell the two apart, in any language (README, "Conversation policy"). Asked once per
-        words and history (the speculation's answer serves the commit); any failure keeps the conversation.
+        log-probabilities tell the two apart, in any language (README, "Conversation policy").
         """
-        weighed = self._weighed(language) if user_text.strip() else None
-        if weighed is None:
-            return True
-        system, exchange = weighed
-        key = (len(self._history.messages), user_text, system[0]["content"])
-        if self._relatedness is not None and self._relatedness[0] == key:
-            return self._relatedness[1]
-        scheduling = scheduling_of(self._models.llm)
-        try:
-            after, alone = await asyncio.gather(
-                scheduling.words_logprob([*system, *exchange], user_text), scheduling.words_logprob(system, user_text)
-            )
-        except Exception:
-            log.exception("scoring the user's words failed; the conversation is kept in the prompt")
-            return True
-        related = after is None or alone is None or after - alone >= self._settings().history_relevance_nats
-        self._relatedness = (key, related)
-        return related
+        if not self._settings().history_relevance_nats or scheduling_of(self._models.llm) is None:
+            return None
+        if self.tool_spec() is not None:
+            return None  # a reply with tools is written from the conversation (``Reply._llm_stream``)
+        alone = self.prompt(user_text, language, related=False)
+        if alone.truncated_chars or alone.messages == self.prompt(user_text, language).messages:
+            return None
+        return alone.messages
 
     def new(self, turn_id: int, user_text: str, language: str | None) -> Reply:
         settings = self._settings()
@@ -141,6 +109,7 @@ class ReplyFactory:
             first_clause_chars=settings.first_clause_chars,
             first_piece_words=settings.first_piece_words,
             yield_ahead_s=settings.llm_yield_ahead_s,
+            min_gain_nats=settings.history_relevance_nats or 0.0,
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
             first_piece_priority=settings.first_piece_priority or self._models.solo,
             voice=self._prefs.voice_for(language),

@@ -117,7 +117,7 @@ class VoiceSession:
             upcoming_prefix=lambda: self._history.upcoming_prefix(self.prefs.system_prompt),
             prompt=lambda text: self._replies.prompt(text, self._turn_language),
             llm_needed=self._llm_needed,
-            also_warm=lambda: self._replies.relevance_prompts(self._turn_language),
+            alone_prompt=lambda text: self._replies.alone_prompt(text, self._turn_language),
         )
 
     # ------------------------------------------------------------------ input
@@ -303,24 +303,34 @@ class VoiceSession:
         self, turn_id: int, text: str, *, speech_end: float, commit: float, language: str | None = None, **figures
     ) -> None:
         await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True, language=language))
-        fitted = await self._replies.answer_prompt(text, self._turn_language)
+        fitted = self._replies.prompt(text, self._turn_language)
+        alone = self._replies.alone_prompt(text, self._turn_language)  # before the words are in the history
         if fitted.truncated_chars:
             text = fitted.messages[-1]["content"]
             left_out = f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out."
             await self._send_json(protocol.Notice(turn_id=turn_id, code="truncated", message=left_out))
         await self._tell_if_voiceless(turn_id)
         self._history.remember({"role": "user", "content": text})
-        self._answer(turn_id, text, fitted.messages, speech_end=speech_end, commit=commit, **figures)
+        self._answer(turn_id, text, fitted.messages, speech_end=speech_end, commit=commit, alone=alone, **figures)
 
     def _answer(
-        self, turn_id: int, text: str, messages: list[Message], *, speech_end: float, commit: float, **figures
+        self,
+        turn_id: int,
+        text: str,
+        messages: list[Message],
+        *,
+        speech_end: float,
+        commit: float,
+        alone: list[Message] | None = None,
+        **figures,
     ) -> None:
-        """Start the reply the user hears (``text``: what it answers, "" for the history's last results)."""
+        """Start the reply the user hears (``text``: what it answers, "" for the history's last results; ``alone``:
+        the words without the conversation, ``ReplyFactory.alone_prompt``)."""
         reply = self._replies.new(turn_id, text, self._turn_language)
         reply.speech_end, reply.commit = speech_end, commit
         reply.metrics = reply.metrics.model_copy(update=figures)
         self._reply = reply
-        reply.start(messages, released=True)
+        reply.start(messages, released=True, alone=alone)
 
     async def _tell_if_voiceless(self, turn_id: int) -> None:
         notice = self._prefs.voiceless_notice(self._turn_language, turn_id)

@@ -19,8 +19,9 @@ from app.voice.reply import cancel_task
 
 log = logging.getLogger(__name__)
 
-WarmPrefix = Callable[[list[Message]], Awaitable[None]]
-"""Prefill these messages into the LLM's prefix cache (the in-process engine's ``warm``)."""
+WarmPrefix = Callable[..., Awaitable[None]]
+"""Prefill these messages into the LLM's prefix cache (the in-process engine's ``warm``; ``score_words``: and
+score the user's words, for a reply that weighs them: ``ReplyFactory.alone_prompt``)."""
 
 
 class PrefixWarmup:
@@ -32,16 +33,15 @@ class PrefixWarmup:
         upcoming_prefix: Callable[[], list[Message]],
         prompt: Callable[[str], Fitted],
         llm_needed: Callable[[], bool],
-        also_warm: Callable[[], list[list[Message]]] = lambda: [],
+        alone_prompt: Callable[[str], list[Message] | None] = lambda text: None,
     ) -> None:
         """``warm_of``: the LLM's prefill, looked up at each warm-up (the LLM may be replaced; None: no prefix cache);
         ``upcoming_prefix``: what the next turn's prompt starts with (the history); ``prompt``: a turn's whole
         prompt; ``llm_needed``: a tail transcription or a reply needs the cores now (no words are prefilled);
-        ``also_warm``: the start of other prompts a turn weighs (``ReplyFactory.relevance_prompts``), prefilled
-        between turns after the main one (not with the words while the user speaks: three prefills then slowed
-        speech recognition and the end-of-turn model on 2 cores, bench voice ASR p50 100 -> 200 ms).
+        ``alone_prompt``: the words without the conversation, when the reply will weigh the two (both are then
+        prefilled with the words scored, so the reply finds the scores and the KV computed).
         """
-        self._also_warm = also_warm
+        self._alone_prompt = alone_prompt
         self._warm_of = warm_of
         self._settings, self._upcoming_prefix, self._prompt, self._llm_needed = (
             settings,
@@ -65,7 +65,7 @@ class PrefixWarmup:
         upcoming = self._upcoming_prefix()
         if self._task is not None:
             self._task.cancel()
-        self._task = asyncio.create_task(self._run(warm, [upcoming, *self._also_warm()]), name="llm-warm")
+        self._task = asyncio.create_task(self._run(warm, [upcoming]), name="llm-warm")
 
     def words_so_far(self, text: str) -> None:
         """Prefill the prompt with the words heard so far, while the user is still speaking.
@@ -85,7 +85,9 @@ class PrefixWarmup:
         fitted = self._prompt(text)
         if fitted.truncated_chars:
             return
-        self._task = asyncio.create_task(self._run(warm, [fitted.messages]), name="llm-warm-words")
+        alone = self._alone_prompt(text)
+        prompts = [fitted.messages] if alone is None else [fitted.messages, alone]
+        self._task = asyncio.create_task(self._run(warm, prompts, score_words=alone is not None), name="llm-warm-words")
 
     async def close(self) -> None:
         """No more warm-ups (the client is gone); the one running is cancelled."""
@@ -94,10 +96,10 @@ class PrefixWarmup:
             await cancel_task(self._task)
 
     @staticmethod
-    async def _run(warm: WarmPrefix, prompts: list[list[Message]]) -> None:
+    async def _run(warm: WarmPrefix, prompts: list[list[Message]], *, score_words: bool = False) -> None:
         try:
             for messages in prompts:
-                await warm(messages)
+                await (warm(messages, score_words=True) if score_words else warm(messages))
         except asyncio.CancelledError:
             raise
         except Exception:  # only an optimisation: the next turn computes it anyway

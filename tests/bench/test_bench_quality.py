@@ -343,7 +343,8 @@ async def test_a_run_resets_before_each_conversation_and_question_and_sums_the_g
         "Tell me a story.": "Once upon a time.",
         "What do bees make?": "Honey.",
     }
-    connection = ScriptedConnection(replies, guards={"What do bees make?": {"guard_loop": 1}})
+    # (the metrics each turn_done carries: a guard fired, the reply was written without the conversation)
+    connection = ScriptedConnection(replies, guards={"What do bees make?": {"guard_loop": 1, "history_left_out": True}})
 
     async def connect(url):
         return connection
@@ -363,3 +364,4 @@ async def test_a_run_resets_before_each_conversation_and_question_and_sums_the_g
     assert all(r.right for r in alone)
     summary = summarize(conversations, alone)
     assert summary["guard_loop_in_conversation"] == 1 and summary["guard_loop_alone"] == 1
+    assert summary["fact_without_the_conversation"] == 1 and summary["follow_up_without_the_conversation"] == 0

@@ -285,3 +285,24 @@ async def test_a_yielding_request_waits_for_the_others_then_goes_on_alone(aengin
     assert not any(step == {"other", "yields"} for step in steps), "it stepped beside a request that needed the steps"
     rest = [o async for o in outputs]  # alone now: it runs although its yield has not ended
     assert sum(len(o.token_ids_delta) for o in [first, *rest]) == 8 and rest[-1].finished
+
+
+async def test_requests_added_together_are_stepped_together_and_closing_aborts_them(aengine, prompts, hf_reference):
+    """``generate_many``: both prompts are in the first step, so each first token comes before either's second (added
+    one by one, the loop may step the first alone); the outputs are each request's own; closing aborts the rest."""
+    requests = [(prompts[i], SamplingParams(max_tokens=8), f"many-{i}") for i in (1, 2)]
+    order, tokens = [], {0: [], 1: []}
+    async for index, out in aengine.generate_many(requests):
+        order.append(index)
+        tokens[index] += out.token_ids_delta
+    assert sorted(order[:2]) == [0, 1]
+    assert [tokens[0], tokens[1]] == [hf_reference(prompts[1], 8), hf_reference(prompts[2], 8)]
+    long = [(prompts[i], SamplingParams(max_tokens=200, ignore_eos=True), f"many-long-{i}") for i in (3, 4)]
+    aborted_before = aengine.stats().get("requests_aborted_total", 0)
+    outputs = aengine.generate_many(long)
+    await anext(outputs)
+    await outputs.aclose()
+    await wait_for(lambda: aengine.stats()["kv_blocks_used"] == 0)
+    assert aengine.stats()["requests_aborted_total"] == aborted_before + 2
+    with pytest.raises(ValueError, match="duplicate request id"):
+        await anext(aengine.generate_many([(prompts[0], None, "twice"), (prompts[1], None, "twice")]))

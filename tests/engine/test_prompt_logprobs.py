@@ -28,11 +28,13 @@ def hf_logprobs(model_path):
     return ref
 
 
-def scored(engine: LLMEngine, prompts: list[list[int]], first: int | list[int]) -> list[tuple[float, ...]]:
-    """Each prompt's log-probabilities from ``first`` on, all requests in the engine at once."""
+def scored(
+    engine: LLMEngine, prompts: list[list[int]], first: int | list[int], to: int | None = None
+) -> list[tuple[float, ...]]:
+    """Each prompt's log-probabilities from ``first`` on (to ``to``), all requests in the engine at once."""
     firsts = first if isinstance(first, list) else [first] * len(prompts)
     ids = [
-        engine.add_request(None, p, SamplingParams(max_tokens=2, prompt_logprobs_from=f))
+        engine.add_request(None, p, SamplingParams(max_tokens=2, prompt_logprobs_from=f, prompt_logprobs_to=to))
         for p, f in zip(prompts, firsts, strict=True)
     ]
     found: dict[str, tuple[float, ...]] = {}
@@ -63,16 +65,48 @@ def test_prompt_logprobs_equal_transformers_alone_batched_and_chunked(make_engin
 
 
 def test_a_cached_prefix_still_gives_the_scored_tokens(make_engine, prompts, hf_logprobs):
-    """The prefix cache serves the tokens before the scored ones, never the scored ones themselves."""
+    """The prefix cache serves the tokens before the scored ones, and the scored ones only once their scores are
+    kept (``engine.prompt_scores``): a prompt scored again is served whole, with the same scores."""
     engine = make_engine(block_size=4)
     prompt = max(prompts, key=len)
     first = len(prompt) - 6
-    scored(engine, [prompt], 1)  # the whole prompt is in the cache now
+    expected = hf_logprobs(prompt)[first - 1 :]
+    engine.add_request(None, prompt, SamplingParams(max_tokens=1))  # the whole prompt is in the cache now
+    while engine.has_unfinished():
+        engine.step()
     before = engine.scheduler.kv.prefix_hit_tokens
     (found,) = scored(engine, [prompt], first)
-    close(found, hf_logprobs(prompt)[first - 1 :])
+    close(found, expected)
     hit = engine.scheduler.kv.prefix_hit_tokens - before
     assert 0 < hit <= first - 1  # served from the cache up to the token before the first scored one
+    before = engine.scheduler.kv.prefix_hit_tokens
+    (again,) = scored(engine, [prompt], first)
+    assert again == found and engine.prompt_scores.hits_total == len(found)
+    assert engine.scheduler.kv.prefix_hit_tokens - before > first  # the scored tokens too, this time
+
+
+def test_scores_kept_serve_a_longer_prompt_up_to_where_it_differs(make_engine, prompts, hf_logprobs):
+    """What a voice turn does: the words heard so far are scored while the user speaks, the reply's prompt adds
+    the rest; each score is the model's after exactly its own prefix."""
+    engine = make_engine(block_size=4)
+    prompt = max(prompts, key=len)
+    first, said = len(prompt) - 8, len(prompt) - 4
+    scored(engine, [prompt[:said]], first)  # the words so far
+    (found,) = scored(engine, [prompt], first)
+    close(found, hf_logprobs(prompt)[first - 1 :])
+    assert engine.prompt_scores.hits_total == said - first  # the shorter prompt's scores, all of them
+
+
+def test_prompt_logprobs_to_ends_the_scored_tokens(make_engine, prompts, hf_logprobs):
+    engine = make_engine()
+    prompt = max(prompts, key=len)
+    first, to = len(prompt) - 8, len(prompt) - 3
+    (found,) = scored(engine, [prompt], first, to)
+    close(found, hf_logprobs(prompt)[first - 1 : to - 1])
+    with pytest.raises(ValueError, match="prompt_logprobs_to"):
+        SamplingParams(prompt_logprobs_from=4, prompt_logprobs_to=4)
+    with pytest.raises(ValueError, match="prompt_logprobs_to"):
+        SamplingParams(prompt_logprobs_to=4)
 
 
 def test_no_prompt_logprobs_unless_asked(engine, prompts):

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from app.stages.base import StandAlone
 from app.stages.llm import EngineChatLLM, GenerationSettings
 from engine.config import EngineConfig
 
@@ -57,18 +58,30 @@ async def test_no_words_no_verdict_and_no_request_left_behind(llm):
     assert llm.engine.engine.stats()["kv_blocks_used"] == 0
 
 
-async def test_a_follow_up_is_far_likelier_after_its_exchange_and_a_question_of_its_own_is_not(llm):
-    """``words_logprob``, what ``history_relevance_nats`` weighs: an elliptical follow-up gains nats a token from
-    the exchange it follows; a question that stands alone gains about nothing (probe: +2.2 against -0.3)."""
+async def test_a_follow_up_is_answered_with_its_exchange_and_a_question_of_its_own_without(llm):
+    """``stream_weighed``, what ``history_relevance_nats`` uses: an elliptical follow-up gains nats a token from the
+    exchange it follows; a question that stands alone gains about nothing (probe: +2.2 against +0.6). Both prompts
+    start at once; the one chosen goes on under the reply's request id, the other is aborted at its first token."""
     exchange = [
         {"role": "user", "content": "What is the capital of Italy?"},
         {"role": "assistant", "content": "The capital of Italy is Rome."},
     ]
+    aborted_before = llm.engine.engine.stats()["requests_aborted_total"]
 
-    async def gain(words: str) -> float:
-        after = await llm.words_logprob([*CONVERSATION, *exchange], words)
-        alone = await llm.words_logprob(CONVERSATION, words)
-        assert after is not None and alone is not None and after < 0 and alone < 0
-        return after - alone
+    async def weigh(words: str, request_id: str) -> tuple[float, str]:
+        said = {"role": "user", "content": words}
+        gains: list[float | None] = []
+        alone = StandAlone([*CONVERSATION, said], min_gain_nats=1.4, on_weighed=gains.append)
+        answered_by = None
+        async for _ in llm.stream_weighed([*CONVERSATION, *exchange, said], alone, request_id):
+            answered_by = answered_by or llm._engine_id(request_id)
+        [gain] = gains
+        assert gain is not None
+        return gain, answered_by
 
-    assert await gain("And what about Spain?") > await gain("How many legs does a spider have?") + 0.8  # 2.2, 0.6
+    follow_up, follow_up_by = await weigh("And what about Spain?", "follow-up")
+    own, own_by = await weigh("How many legs does a spider have?", "own")
+    assert follow_up > own + 0.8  # 2.2, 0.6
+    assert (follow_up_by, own_by) == ("follow-up", "own-alone")
+    assert llm._engine_ids == {} and llm.engine.engine.stats()["kv_blocks_used"] == 0
+    assert llm.engine.engine.stats()["requests_aborted_total"] == aborted_before + 2

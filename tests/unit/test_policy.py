@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from app import protocol
 from app.config import Settings
 from app.policy import POLICIES, SETTINGS, ConversationPolicy, model_name, policy_for
 from app.stages.base import GenerationSettings
@@ -214,7 +215,7 @@ def test_words_that_stand_alone_are_asked_without_the_conversation_but_with_what
 async def test_the_conversation_goes_with_words_it_makes_likelier_and_not_with_others(conversation):
     conv = conversation(llm_pieces=["Rome."], history_relevance_nats=1.0, max_history_messages=16)
     conv.llm.words_logprobs = {
-        ("assistant", "And Spain?"): -2.0,  # after the last exchange
+        ("assistant", "And Spain?"): -2.0,  # after the conversation
         ("system", "And Spain?"): -5.0,  # alone: 3 nats a token less likely
         ("assistant", "What is two plus two?"): -2.4,
         ("system", "What is two plus two?"): -2.5,  # 0.1 nats: it stands alone
@@ -226,34 +227,23 @@ async def test_the_conversation_goes_with_words_it_makes_likelier_and_not_with_o
     assert [m["role"] for m in first] == ["system", "user"]
     assert [m["content"] for m in follow_up[1:]] == ["What is the capital of Italy?", "Rome.", "And Spain?"]
     assert [m["role"] for m in alone] == ["system", "user"] and alone[-1]["content"] == "What is two plus two?"
-    # the first turn has no exchange to weigh; each later one was scored with it and without it, once
-    assert [(m[-1]["role"], said) for m, said in conv.llm.words_asked] == [
-        ("assistant", "And Spain?"),
-        ("system", "And Spain?"),
-        ("assistant", "What is two plus two?"),
-        ("system", "What is two plus two?"),
-    ]
+    # the first turn has nothing to weigh (its prompt is the same either way); each later one was weighed once
+    assert conv.llm.weighed == [("And Spain?", 3.0), ("What is two plus two?", pytest.approx(0.1))]
+    gains = [done.metrics.history_gain_nats for done in conv.of(protocol.TurnDone)]
+    assert gains == [None, 3.0, pytest.approx(0.1)]  # each turn tells its client
     assert len(conv.session.history) == 6  # what is left out of a prompt is still remembered
-    # while the user listened, the system prompt with only the last exchange was prefilled (scoring then computes
-    # only the words); the history's window holds more than that exchange by then
-    exchange = [{"role": "user", "content": "And Spain?"}, {"role": "assistant", "content": "Rome."}]
-    assert any(warmed[0]["role"] == "system" and warmed[1:] == exchange for warmed in conv.llm.warmed)
 
 
-async def test_with_the_setting_at_zero_or_a_failing_score_the_conversation_is_always_sent(conversation):
+async def test_with_the_setting_at_zero_or_words_it_cannot_score_the_conversation_is_always_sent(conversation):
     conv = conversation(llm_pieces=["Rome."], history_relevance_nats=0.0)
     for text in ("What is the capital of Italy?", "What is two plus two?"):
         await conv.type(text)
         conv.clock.advance(5.0)
-    assert conv.llm.words_asked == [] and len(conv.llm.calls[-1]) == 4
+    assert conv.llm.weighed == [] and len(conv.llm.calls[-1]) == 4
 
-    failing = conversation(llm_pieces=["Rome."], history_relevance_nats=1.0)
-
-    async def broken(messages, user_text):
-        raise RuntimeError("engine down")
-
-    failing.llm.words_logprob = broken
+    unscored = conversation(llm_pieces=["Rome."], history_relevance_nats=1.0)
     for text in ("What is the capital of Italy?", "What is two plus two?"):
-        await failing.type(text)
-        failing.clock.advance(5.0)
-    assert len(failing.llm.calls[-1]) == 4 and failing.llm.calls[-1][-1]["content"] == "What is two plus two?"
+        await unscored.type(text)
+        unscored.clock.advance(5.0)
+    assert unscored.llm.weighed == [("What is two plus two?", None)]
+    assert len(unscored.llm.calls[-1]) == 4 and unscored.llm.calls[-1][-1]["content"] == "What is two plus two?"

@@ -6,8 +6,6 @@ client is checked in test_conversation; here, which tail text starts, keeps or c
 
 from __future__ import annotations
 
-import asyncio
-
 from fakes import StandInReply
 
 from app.voice.context import Fitted
@@ -20,9 +18,9 @@ class HeldReply(StandInReply):
 
     speech_end = 0.0
 
-    def start(self, messages: list[dict], *, released: bool) -> None:
+    def start(self, messages: list[dict], *, released: bool, alone: list[dict] | None = None) -> None:
         self.log.append("start (released)" if released else "start (held)")
-        self.messages = messages
+        self.messages, self.alone = messages, alone
 
 
 class Scene:
@@ -34,23 +32,21 @@ class Scene:
         self.made: list[HeldReply] = []
         self.languages: list[str | None] = []
         self.speculation = Speculation(self, language=lambda: self.language)
-        self.prompt_gate: asyncio.Event | None = None  # (if set) making a prompt waits for it
 
-    async def answer_prompt(self, user_text: str, language: str | None) -> Fitted:
-        if self.prompt_gate is not None:
-            await self.prompt_gate.wait()
+    def prompt(self, user_text: str, language: str | None) -> Fitted:
         cut = max(0, len(user_text) - self.max_chars)
         return Fitted([{"role": "user", "content": user_text[: self.max_chars]}], truncated_chars=cut)
+
+    def alone_prompt(self, user_text: str, language: str | None) -> list[dict]:
+        return [{"role": "system", "content": f"Answer in {language}."}, {"role": "user", "content": user_text}]
 
     def new(self, turn_id: int, user_text: str, language: str | None) -> HeldReply:
         self.languages.append(language)
         self.made.append(HeldReply(turn_id, user_text))
         return self.made[-1]
 
-    async def pause(self, text: str, speech_end: float = 5.0, *, settle: bool = True) -> None:
+    async def pause(self, text: str, speech_end: float = 5.0) -> None:
         await self.speculation.start(TailText(turn_id=1, text=text, speech_end=speech_end))
-        if settle:
-            await self.speculation.settled()
 
 
 async def test_a_tail_starts_a_held_reply_in_the_turn_s_language():
@@ -60,6 +56,11 @@ async def test_a_tail_starts_a_held_reply_in_the_turn_s_language():
     [reply] = scene.made
     assert reply.log == ["start (held)"] and reply.speech_end == 7.5
     assert reply.messages == [{"role": "user", "content": "Wie spät ist es?"}]
+    # the reply may weigh the words without the conversation too (``Reply.start``), in the same language
+    assert reply.alone == [
+        {"role": "system", "content": "Answer in de."},
+        {"role": "user", "content": "Wie spät ist es?"},
+    ]
     assert scene.languages == ["de"] and scene.speculation.running
 
 
@@ -106,30 +107,3 @@ async def test_cancel_and_take_without_a_speculation_do_nothing():
     await scene.speculation.cancel()
     assert await scene.speculation.take("Hi.") is None
     assert not scene.made and not scene.speculation.running
-
-
-async def test_a_start_makes_its_prompt_in_the_background_and_a_commit_of_its_words_waits_for_it():
-    """The prompt may wait on the LLM (``ReplyFactory.answer_prompt``): the session's events go on meanwhile."""
-    scene = Scene()
-    scene.prompt_gate = asyncio.Event()
-    await scene.pause("What is the capital of France?", settle=False)
-    assert scene.made == [] and scene.speculation.running
-    taking = asyncio.create_task(scene.speculation.take("What is the capital of France?"))
-    await asyncio.sleep(0)
-    assert not taking.done()
-    scene.prompt_gate.set()
-    reply = await taking
-    assert reply is scene.made[0] and reply.log == ["start (held)"] and not scene.speculation.running
-
-
-async def test_a_start_still_making_its_prompt_starts_nothing_once_other_words_come():
-    scene = Scene()
-    scene.prompt_gate = asyncio.Event()
-    await scene.pause("What is the capital of France?", settle=False)
-    assert await scene.speculation.take("What is the capital of Spain?") is None  # committed other words
-    await scene.pause("Tell me about Paris.", settle=False)
-    await scene.pause("Tell me about Paris. And London too.", settle=False)  # the user went on
-    scene.prompt_gate.set()
-    await scene.speculation.settled()
-    [reply] = scene.made
-    assert reply.user_text == "Tell me about Paris. And London too." and reply.log == ["start (held)"]

@@ -27,16 +27,20 @@ class Scene:
         self.failure: Exception | None = None
         self.llm_needed = False
         self.truncated_chars = 0
+        self.scored: list[bool] = []
+        self.alone: list[dict] | None = None  # what alone_prompt says (None: the words are not weighed)
         self.warmup = PrefixWarmup(
             lambda: self._warm if warms else None,
             settings=lambda: self.settings,
             upcoming_prefix=lambda: HISTORY,
             prompt=self._prompt,
             llm_needed=lambda: self.llm_needed,
+            alone_prompt=lambda text: None if self.alone is None else [*self.alone, {"role": "user", "content": text}],
         )
 
-    async def _warm(self, messages) -> None:
+    async def _warm(self, messages, *, score_words: bool = False) -> None:
         self.warmed.append(messages)
+        self.scored.append(score_words)
         if self.gate is not None:
             await self.gate.wait()
         if self.failure is not None:
@@ -85,6 +89,18 @@ async def test_the_words_so_far_are_warmed_unless_a_warm_up_runs():
     scene.warmup.words_so_far("What is the capital of")
     await scene.settle()
     assert scene.warmed == [said("What is"), said("What is the capital of")] == scene.finished
+
+
+async def test_words_a_reply_will_weigh_are_warmed_scored_in_both_prompts():
+    scene = Scene()
+    scene.warmup.words_so_far("What is")
+    await scene.settle()
+    scene.alone = [{"role": "system", "content": "Be brief."}]
+    scene.warmup.words_so_far("What is two")
+    await scene.settle()
+    alone = [*scene.alone, {"role": "user", "content": "What is two"}]
+    assert scene.warmed == [said("What is"), said("What is two"), alone]
+    assert scene.scored == [False, True, True]
 
 
 async def test_no_words_are_warmed_when_the_llm_is_needed_the_prompt_is_cut_or_the_setting_is_off():
