@@ -66,9 +66,9 @@ POLICIES: dict[str, ConversationPolicy] = {
     "default": ConversationPolicy(),
     # its last reply only (what a follow-up needs; the earlier ones it copied), and DRY against copying and loops;
     # no recalled statements: 4 recalled 5/8 user facts against 2/8, but 18/40 facts against 20, 3/8 follow-ups
-    # against 5; 2: 4/8, 20/40, 3/8, and 3/72 copied against 1. With relevance_nats 0.9 and 4 statements: 28/40
-    # facts (26 alone), 4/8 user facts, 0 copied, 0 earlier answers, but a spoken reply ~230 ms later: not yet
-    # (README, "Conversation policy")
+    # against 5; 2: 4/8, 20/40, 3/8, and 3/72 copied against 1. With relevance_nats 0.9 and 4 statements: 27-28/40
+    # facts (26 alone), 3-4/8 user facts, 0-2 copied, 0 earlier answers, but the reply's first token ~80 ms later
+    # for one user and ~150 ms for four (two prompts prefilled): not yet (README, "Conversation policy")
     "smollm2-135m": ConversationPolicy(history_replies="last", dry_multiplier=0.8),
 }
 
