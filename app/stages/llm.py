@@ -341,8 +341,10 @@ class EngineChatLLM:
         """The reply to ``messages``, or to ``alone.messages`` where the conversation does not make the user's
         words ``alone.min_gain_nats`` a token likelier (``LocalScheduling.stream_weighed``).
 
-        Both requests start together; each scores the words from its own prefill (``prompt_logprobs_from``: the
-        prefix cache serves what comes before them), so the scores come with the first tokens, and the request
+        Both requests start together (``generate_many``); each scores the words from its own prefill
+        (``prompt_logprobs_from``/``_to``: the prefix cache serves what comes before them, and the words too where
+        the warm-up scored them while the user spoke, ``warm(score_words=True)``), so the scores come with the
+        first tokens, and the request
         not chosen is aborted then: one decode step of it is all the choice costs. Its ``request_id`` stays the
         reply's for ``pause``, ``resume`` and the rest (``_engine_id``). Any failure to score keeps the
         conversation; the chosen request failing fails the reply, as ``stream`` does.
