@@ -46,7 +46,7 @@ def _ends_a_sentence(token_text: str) -> bool:
 def _mean_of_words(first, span: tuple[int, int]) -> float | None:
     """The mean log-probability of the words at ``span`` (first token, count), from a request's first output
     (its ``prompt_logprobs`` start at the span's first token); None where it has none."""
-    if first is None or not first.prompt_logprobs or len(first.prompt_logprobs) < span[1]:
+    if not first.prompt_logprobs or len(first.prompt_logprobs) < span[1]:
         return None
     return sum(first.prompt_logprobs[: span[1]]) / span[1]
 

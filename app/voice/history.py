@@ -159,14 +159,6 @@ class History:
 
         return fit_to_context(messages, count, max(64, min(limits) - reply_tokens))
 
-    def last_exchange(self, system_prompt: str) -> list[Message]:
-        """The user's message that the last reply shown answered, and that reply (empty: no such pair)."""
-        shown = self.window(system_prompt)[1:]
-        for index in range(len(shown) - 1, 0, -1):
-            if _is_reply(shown[index]) and shown[index - 1]["role"] == "user":
-                return shown[index - 1 : index + 1]
-        return []
-
     def upcoming_prefix(self, system_prompt: str) -> list[Message]:
         """What the next turn's prompt will start with (to prefill while the user listens)."""
         return self.window(system_prompt, [*self.messages, {"role": "user", "content": ""}])[:-1]

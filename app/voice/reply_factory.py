@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
 from collections.abc import Callable
 
 from app import protocol
@@ -23,8 +22,6 @@ from app.voice.prefs import Preferences
 from app.voice.reply import Reply, ReplyTools, SendBytes, SendJson
 from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner, load_server_tools
 from app.voice.warmup import WarmPrefix
-
-log = logging.getLogger(__name__)
 
 OnMetrics = Callable[[protocol.TurnMetrics], None]
 
@@ -75,11 +72,11 @@ class ReplyFactory:
             related=related,
         )
 
-    def alone_prompt(self, user_text: str, language: str | None) -> list[Message] | None:
+    def alone_prompt(self, user_text: str, language: str | None, related: list[Message]) -> list[Message] | None:
         """``user_text`` without the conversation (but what the system prompt recalls of it), for the reply to be
         written from where the LLM finds the words stand alone (``Reply.start``); None when it will not weigh
         them: ``history_relevance_nats`` is 0, the LLM is not on this machine, tools are in play, or the prompt is
-        the same anyway.
+        the same as ``related`` (``prompt``'s messages for the words, which the caller has made already).
 
         Why: SmolLM2-135M shown any earlier exchange answers fewer questions right than asked each alone (one
         exchange costs as much as sixteen messages), yet a follow-up ("And Spain?") needs it; the model's own
@@ -90,7 +87,7 @@ class ReplyFactory:
         if self.tool_spec() is not None:
             return None  # a reply with tools is written from the conversation (``Reply._llm_stream``)
         alone = self.prompt(user_text, language, related=False)
-        if alone.truncated_chars or alone.messages == self.prompt(user_text, language).messages:
+        if alone.truncated_chars or alone.messages == related:
             return None
         return alone.messages
 

@@ -117,7 +117,7 @@ class VoiceSession:
             upcoming_prefix=lambda: self._history.upcoming_prefix(self.prefs.system_prompt),
             prompt=lambda text: self._replies.prompt(text, self._turn_language),
             llm_needed=self._llm_needed,
-            alone_prompt=lambda text: self._replies.alone_prompt(text, self._turn_language),
+            alone_prompt=lambda text, related: self._replies.alone_prompt(text, self._turn_language, related),
         )
 
     # ------------------------------------------------------------------ input
@@ -304,7 +304,8 @@ class VoiceSession:
     ) -> None:
         await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True, language=language))
         fitted = self._replies.prompt(text, self._turn_language)
-        alone = self._replies.alone_prompt(text, self._turn_language)  # before the words are in the history
+        # before the words are in the history
+        alone = self._replies.alone_prompt(text, self._turn_language, fitted.messages)
         if fitted.truncated_chars:
             text = fitted.messages[-1]["content"]
             left_out = f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out."

@@ -38,7 +38,9 @@ class Speculation:
         reply = self._replies.new(tail.turn_id, tail.text, language)
         reply.speech_end = tail.speech_end
         self._reply = reply
-        reply.start(fitted.messages, released=False, alone=self._replies.alone_prompt(tail.text, language))
+        reply.start(
+            fitted.messages, released=False, alone=self._replies.alone_prompt(tail.text, language, fitted.messages)
+        )
 
     async def cancel(self) -> None:
         reply, self._reply = self._reply, None

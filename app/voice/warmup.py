@@ -33,7 +33,7 @@ class PrefixWarmup:
         upcoming_prefix: Callable[[], list[Message]],
         prompt: Callable[[str], Fitted],
         llm_needed: Callable[[], bool],
-        alone_prompt: Callable[[str], list[Message] | None] = lambda text: None,
+        alone_prompt: Callable[[str, list[Message]], list[Message] | None] = lambda text, related: None,
     ) -> None:
         """``warm_of``: the LLM's prefill, looked up at each warm-up (the LLM may be replaced; None: no prefix cache);
         ``upcoming_prefix``: what the next turn's prompt starts with (the history); ``prompt``: a turn's whole
@@ -85,7 +85,7 @@ class PrefixWarmup:
         fitted = self._prompt(text)
         if fitted.truncated_chars:
             return
-        alone = self._alone_prompt(text)
+        alone = self._alone_prompt(text, fitted.messages)
         prompts = [fitted.messages] if alone is None else [fitted.messages, alone]
         self._task = asyncio.create_task(self._run(warm, prompts, score_words=alone is not None), name="llm-warm-words")
 

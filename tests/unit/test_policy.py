@@ -198,10 +198,6 @@ async def test_a_session_recalls_the_user_s_statements_as_its_setting_says(conve
 def test_words_that_stand_alone_are_asked_without_the_conversation_but_with_what_it_recalls():
     history = History(16, "last", statements=4)
     _told(history)
-    assert history.last_exchange("Be brief.") == [
-        {"role": "user", "content": "What is the capital of Italy?"},
-        {"role": "assistant", "content": "Rome."},
-    ]
     alone = history.prompt(
         "Be brief.", "What is two plus two?", _NO_LLM, context_tokens=None, reply_tokens=8, related=False
     )
@@ -209,7 +205,6 @@ def test_words_that_stand_alone_are_asked_without_the_conversation_but_with_what
         {"role": "system", "content": "Be brief. The user told you earlier: My name is Maya."},
         {"role": "user", "content": "What is two plus two?"},
     ]
-    assert History(16, "none").last_exchange("Be brief.") == []
 
 
 async def test_the_conversation_goes_with_words_it_makes_likelier_and_not_with_others(conversation):

@@ -37,7 +37,7 @@ class Scene:
         cut = max(0, len(user_text) - self.max_chars)
         return Fitted([{"role": "user", "content": user_text[: self.max_chars]}], truncated_chars=cut)
 
-    def alone_prompt(self, user_text: str, language: str | None) -> list[dict]:
+    def alone_prompt(self, user_text: str, language: str | None, related: list[dict]) -> list[dict]:
         return [{"role": "system", "content": f"Answer in {language}."}, {"role": "user", "content": user_text}]
 
     def new(self, turn_id: int, user_text: str, language: str | None) -> HeldReply:

@@ -35,7 +35,9 @@ class Scene:
             upcoming_prefix=lambda: HISTORY,
             prompt=self._prompt,
             llm_needed=lambda: self.llm_needed,
-            alone_prompt=lambda text: None if self.alone is None else [*self.alone, {"role": "user", "content": text}],
+            alone_prompt=lambda text, related: (
+                None if self.alone is None else [*self.alone, {"role": "user", "content": text}]
+            ),
         )
 
     async def _warm(self, messages, *, score_words: bool = False) -> None:
