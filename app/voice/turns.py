@@ -148,6 +148,14 @@ class Endpointer:
     incomplete_threshold: float = 0.2
     weights: SignalWeights = SignalWeights()
 
+    def sound_matters(
+        self, text: str | None, language: str | None = None, text_probability: float | None = None
+    ) -> bool:
+        """Whether some end-of-turn model verdict would change ``required_silence_ms`` for these words and the
+        LLM's P: the rule is monotone in the sound's P, so comparing its two extremes (as clipped) tells."""
+        ends = {self.required_silence_ms(text, sound, language, text_probability) for sound in (0.0, 1.0)}
+        return len(ends) > 1 or self.required_silence_ms(text, None, language, text_probability) not in ends
+
     def required_silence_ms(
         self,
         text: str | None,

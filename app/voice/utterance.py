@@ -181,6 +181,8 @@ class _Utterance:
     text_asked_at: float | None = None  # when the LLM was asked, while its verdict is awaited
     text_task: asyncio.Task | None = None
     verdict_pending: bool = False  # the tail's words are in, the end-of-turn model's verdict is not yet
+    heard_whole: np.ndarray | None = None  # what the end-of-turn model hears at this pause (asked for it or not)
+    sound_task: asyncio.Task | None = None  # the end-of-turn model asked after the LLM (``_ask_the_sound``)
     language: str | None = None  # what ASR heard the tail in
     asr_ms: float = 0.0
     partial_task: asyncio.Task | None = None
@@ -198,7 +200,7 @@ class _Utterance:
 
     def cancel_jobs(self) -> None:
         self.forget_early_tail()
-        for task in (self.tail_task, self.partial_task, self.text_task):
+        for task in (self.tail_task, self.partial_task, self.text_task, self.sound_task):
             if task is not None:
                 task.cancel()
 
@@ -336,13 +338,13 @@ class UtteranceTracker:
             # Long utterance: freeze the text so far, decode only what follows (with it as context).
             utterance.stable_text = utterance.text()
             utterance.stable_until = utterance.pause + TAIL_PAD_MS * SAMPLES_PER_MS
-        for task in (utterance.tail_task, utterance.text_task):
+        for task in (utterance.tail_task, utterance.text_task, utterance.sound_task):
             if task is not None and not task.done():
                 task.cancel()  # its transcription, the end-of-turn model after it, the LLM's verdict
         utterance.pause, utterance.tail_task, utterance.tail_text = None, None, None
         utterance.turn_probability = utterance.turn_ms = None
         utterance.text_probability = utterance.text_ms = utterance.text_asked_at = utterance.text_task = None
-        utterance.verdict_pending = False
+        utterance.verdict_pending, utterance.heard_whole, utterance.sound_task = False, None, None
         await self._emit(Resumed(utterance.turn_id))
 
     async def _on_pause(self, sample: int) -> None:
@@ -405,8 +407,8 @@ class UtteranceTracker:
             probability = None
         return probability, (self._clock.now() - started) * 1000
 
-    def _ask_the_llm(self, utterance: _Utterance) -> None:
-        """Ask the LLM whether the words end the turn (not where the words' own cue already waits).
+    def _ask_the_llm(self, utterance: _Utterance) -> bool:
+        """Ask the LLM whether the words end the turn (not where the words' own cue already waits); False: not asked.
 
         Apart from the tail's task: a commit never waits for this verdict (``_commit`` waits for the
         words), and the endpoint waits for it only until the silence reaches ``text_wait_ms`` (``_maybe_commit``): a
@@ -414,9 +416,10 @@ class UtteranceTracker:
         """
         judge, text = self._text_turn_end, utterance.text()
         if judge is None or not text.strip() or is_filler(text) or looks_unfinished(text, utterance.language):
-            return
+            return False
         utterance.text_asked_at = self._clock.now()
         utterance.text_task = asyncio.create_task(self._llm_verdict(utterance, judge, text), name="llm-turn-end")
+        return True
 
     async def _llm_verdict(self, utterance: _Utterance, judge: TextTurnEnd, text: str) -> None:
         started = self._clock.now()
@@ -427,7 +430,29 @@ class UtteranceTracker:
             probability = None
         utterance.text_probability, utterance.text_asked_at = probability, None
         utterance.text_ms = (self._clock.now() - started) * 1000
+        if self._sound_matters(utterance):
+            await self._ask_the_sound(utterance)
         await self._maybe_commit(utterance)
+
+    def _sound_matters(self, utterance: _Utterance) -> bool:
+        """Whether the end-of-turn model's verdict could change this pause's endpoint, given the words and the
+        LLM's (``Endpointer.sound_matters``); not asked already."""
+        if utterance.turn_probability is not None or utterance.sound_task is not None:
+            return False
+        endpointer = self.options.endpointer
+        return endpointer.sound_matters(utterance.text(), utterance.language, utterance.text_probability)
+
+    async def _ask_the_sound(self, utterance: _Utterance) -> None:
+        """The end-of-turn model's verdict, asked after the LLM's (``_finish_tail``); the endpoint waits for it."""
+        current = asyncio.current_task()
+        if utterance.heard_whole is None or utterance.sound_task not in (None, current):
+            return  # (asked already)
+        utterance.sound_task = current
+        utterance.verdict_pending = True
+        try:
+            utterance.turn_probability, utterance.turn_ms = await self._detect_turn_end(utterance.heard_whole)
+        finally:
+            utterance.verdict_pending = False
 
     async def _transcribe_tail(self, audio: np.ndarray, context: str) -> tuple[Transcription | None, float]:
         started = self._clock.now()
@@ -435,17 +460,22 @@ class UtteranceTracker:
         return result, (self._clock.now() - started) * 1000
 
     async def _finish_tail(self, utterance: _Utterance, job: _TailJob, whole: np.ndarray) -> None:
-        """At the pause: ask the end-of-turn model (beside ASR, on another core); once the tail is
-        heard, ask the LLM whether the words end the turn and tell the session (it may speculate);
-        once the model has answered too, see if the turn ends (and again once the LLM has).
+        """At the pause: once the tail is heard, ask the LLM whether the words end the turn and tell the
+        session (it may speculate); see if the turn ends once the verdicts are in.
 
-        The words are told without waiting for the model: a speculative reply needs only them, and
-        the model, started later (at the pause) and slowed by the transcription beside it, often
-        answered after them (``turn_detect`` ~110-280 ms with one user, ``asr_compute`` ~170-270).
+        The end-of-turn model (the sound) is asked at the pause, beside ASR on another core, only where the
+        LLM gives no verdict; with the LLM's, it is asked after it, and only where it could change the
+        endpoint (``Endpointer.sound_matters``: the words' P between ~2e-4 and ~0.09). Why: its ~100 ms
+        of CPU at the pause slowed the tail's transcription and the speculative reply's first tokens beside
+        it (one user, heard p50 779 -> 569 ms without it), while on the labelled set the words decide
+        nearly alone (accuracy 93.1 % words, 92.2 % both: README, "How a turn flows").
+        The words are told without waiting for the model: a speculative reply needs only them.
         The LLM is asked just before the session speculates, so both requests' short prefills of the
         words (the rest of the prompt is in the prefix cache) share the engine's next step.
         """
-        turn_end = asyncio.ensure_future(self._detect_turn_end(whole))
+        utterance.heard_whole = whole
+        asked_later = self._text_turn_end is not None  # the LLM is asked first; the sound where it matters
+        turn_end = None if asked_later else asyncio.ensure_future(self._detect_turn_end(whole))
         try:
             result, asr_ms = await job.task
             if utterance.pause is None:
@@ -454,14 +484,18 @@ class UtteranceTracker:
             utterance.language = result.language if result is not None and result.language else None
             utterance.asr_ms = asr_ms
             utterance.verdict_pending = True
-            self._ask_the_llm(utterance)
+            asked = self._ask_the_llm(utterance)
             if utterance is self._utterance:  # (else already being committed; _commit reads tail_text)
                 speech_end = self._arrivals.time_of(utterance.pause)
                 await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
-            utterance.turn_probability, utterance.turn_ms = await turn_end
+            if turn_end is None and not asked and self._sound_matters(utterance):
+                turn_end = asyncio.ensure_future(self._detect_turn_end(whole))  # no LLM verdict will come
+            if turn_end is not None:
+                utterance.turn_probability, utterance.turn_ms = await turn_end
         finally:  # when this one is cancelled (the user went on), so are its jobs
             job.task.cancel()
-            turn_end.cancel()
+            if turn_end is not None:
+                turn_end.cancel()
         utterance.verdict_pending = False
         await self._maybe_commit(utterance)
 
@@ -492,18 +526,26 @@ class UtteranceTracker:
             if silence_ms >= endpointer.unfinished_silence_ms:
                 await self._commit(utterance)  # ASR or the end-of-turn model is late: commit and wait for it
             return
-        if utterance.text_asked_at is not None and silence_ms < self.options.text_wait_ms:
-            return  # the LLM has not answered yet: past this silence the other cues decide (a later verdict counts)
+        if utterance.text_asked_at is not None:
+            if silence_ms < self.options.text_wait_ms:
+                return  # the LLM has not answered yet: past this silence the other cues decide (a later verdict counts)
+            if self._sound_matters(utterance):  # they include the sound: asked now
+                utterance.sound_task = asyncio.create_task(self._sound_then_commit(utterance), name="turn-end-sound")
+                return
         required = endpointer.required_silence_ms(
             utterance.text(), utterance.turn_probability, utterance.language, utterance.text_probability
         )
         if silence_ms >= required:
             await self._commit(utterance)
 
+    async def _sound_then_commit(self, utterance: _Utterance) -> None:
+        await self._ask_the_sound(utterance)
+        await self._maybe_commit(utterance)
+
     async def _commit(self, utterance: _Utterance, forced: bool = False) -> None:
         self._utterance = None
         commit = self._clock.now()
-        for task in (utterance.partial_task, utterance.text_task):
+        for task in (utterance.partial_task, utterance.text_task, utterance.sound_task):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()  # (an LLM verdict still awaited is no longer needed: its request is aborted)
         tail = utterance.tail_task

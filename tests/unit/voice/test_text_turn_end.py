@@ -115,7 +115,8 @@ async def test_a_late_llm_leaves_the_endpoint_to_the_other_cues_after_a_short_wa
     assert 400 <= waited_ms <= 400 + VAD_WINDOW_MS + 2 * FRAME_MS
     assert conv.llm.turn_end_cancelled == 1  # its request is aborted at the commit
     await conv.settle()
-    assert conv.of(protocol.TurnDone)[-1].metrics.turn_text_probability is None
+    metrics = conv.of(protocol.TurnDone)[-1].metrics
+    assert metrics.turn_text_probability is None and metrics.turn_probability == 0.95  # the sound, asked at 400 ms
 
 
 async def test_a_verdict_within_the_wait_still_holds_a_mid_clause_pause(conversation):
@@ -128,3 +129,35 @@ async def test_a_verdict_within_the_wait_still_holds_a_mid_clause_pause(conversa
     assert not conv.finals()
     waited_ms = 900 + await conv.silence_until(committed(conv)) * 1000
     assert UNFINISHED_MS <= waited_ms <= UNFINISHED_MS + VAD_WINDOW_MS + FRAME_MS
+
+
+# ------------------------------------------------------------------ the sound, asked only where it matters
+def test_the_sound_matters_only_where_the_words_leave_the_endpoint_open():
+    endpointer = Endpointer()
+    assert not endpointer.sound_matters(COMMAND, "en", 0.9)  # finished whatever it sounds like
+    assert not endpointer.sound_matters("Play me the latest", "en", 1e-9)  # unfinished whatever it sounds like
+    assert not endpointer.sound_matters("I need to buy milk and", "en", None)  # the words' own cue waits
+    assert endpointer.sound_matters(COMMAND, "en", 0.02) and endpointer.sound_matters(COMMAND, "en", None)
+
+
+@pytest.mark.parametrize(("words", "text_probability"), [(COMMAND, 0.9), ("I would like to hear", 1e-9)])
+async def test_the_sound_is_not_asked_where_the_llm_s_verdict_decides(conversation, words, text_probability):
+    conv = conversation(turn_probability=0.5, text_probability=text_probability)
+    await conv.speak(1.0, words)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    expected = COMPLETE_MS if text_probability > 0.5 else UNFINISHED_MS
+    assert expected <= waited_ms <= expected + VAD_WINDOW_MS + FRAME_MS
+    await conv.settle()
+    metrics = conv.of(protocol.TurnDone)[-1].metrics
+    assert metrics.turn_probability is None and metrics.turn_detect_ms is None
+
+
+@pytest.mark.parametrize(("sound", "expected"), [(0.9, COMPLETE_MS), (0.1, ENDPOINT_MS)])
+async def test_where_the_llm_leaves_it_open_the_sound_is_asked_after_it_and_decides(conversation, sound, expected):
+    conv = conversation(turn_probability=sound, text_probability=0.02)
+    await conv.speak(1.0, COMMAND)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    assert expected <= waited_ms <= expected + VAD_WINDOW_MS + FRAME_MS
+    await conv.settle()
+    metrics = conv.of(protocol.TurnDone)[-1].metrics
+    assert metrics.turn_probability == sound and metrics.turn_text_probability == 0.02
