@@ -182,6 +182,7 @@ class _Utterance:
     text_task: asyncio.Task | None = None
     verdict_pending: bool = False  # the tail's words are in, the end-of-turn model's verdict is not yet
     heard_whole: np.ndarray | None = None  # what the end-of-turn model hears at this pause (asked for it or not)
+    sound_asked: bool = False  # the end-of-turn model was asked at this pause
     sound_task: asyncio.Task | None = None  # the end-of-turn model asked after the LLM (``_ask_the_sound``)
     language: str | None = None  # what ASR heard the tail in
     asr_ms: float = 0.0
@@ -225,6 +226,7 @@ class UtteranceTracker:
         text_turn_end: TextTurnEnd | None = None,
         language: Callable[[], str | None] = lambda: None,
         early_tail: Callable[[], bool] = lambda: True,
+        sound_after_words: Callable[[], bool] = lambda: True,
     ) -> None:
         self._vad = vad
         self._asr = asr
@@ -232,6 +234,8 @@ class UtteranceTracker:
         self._text_turn_end = text_turn_end
         self._language = language  # read at each call, so a session's config applies to the next words
         self._early_tail = early_tail  # read at each quiet window: tail_start_ms applies, or the pause
+        # read at each pause: the end-of-turn model is asked after the LLM, where it matters, or at the pause
+        self._sound_after_words = sound_after_words
         self._emit = emit
         self._next_turn_id = next_turn_id
         self._clock = clock
@@ -345,6 +349,7 @@ class UtteranceTracker:
         utterance.turn_probability = utterance.turn_ms = None
         utterance.text_probability = utterance.text_ms = utterance.text_asked_at = utterance.text_task = None
         utterance.verdict_pending, utterance.heard_whole, utterance.sound_task = False, None, None
+        utterance.sound_asked = False
         await self._emit(Resumed(utterance.turn_id))
 
     async def _on_pause(self, sample: int) -> None:
@@ -437,7 +442,7 @@ class UtteranceTracker:
     def _sound_matters(self, utterance: _Utterance) -> bool:
         """Whether the end-of-turn model's verdict could change this pause's endpoint, given the words and the
         LLM's (``Endpointer.sound_matters``); not asked already."""
-        if utterance.turn_probability is not None or utterance.sound_task is not None:
+        if utterance.sound_asked:
             return False
         endpointer = self.options.endpointer
         return endpointer.sound_matters(utterance.text(), utterance.language, utterance.text_probability)
@@ -447,7 +452,7 @@ class UtteranceTracker:
         current = asyncio.current_task()
         if utterance.heard_whole is None or utterance.sound_task not in (None, current):
             return  # (asked already)
-        utterance.sound_task = current
+        utterance.sound_task, utterance.sound_asked = current, True
         utterance.verdict_pending = True
         try:
             utterance.turn_probability, utterance.turn_ms = await self._detect_turn_end(utterance.heard_whole)
@@ -463,19 +468,24 @@ class UtteranceTracker:
         """At the pause: once the tail is heard, ask the LLM whether the words end the turn and tell the
         session (it may speculate); see if the turn ends once the verdicts are in.
 
-        The end-of-turn model (the sound) is asked at the pause, beside ASR on another core, only where the
-        LLM gives no verdict; with the LLM's, it is asked after it, and only where it could change the
-        endpoint (``Endpointer.sound_matters``: the words' P between ~2e-4 and ~0.09). Why: its ~100 ms
-        of CPU at the pause slowed the tail's transcription and the speculative reply's first tokens beside
-        it (one user, heard p50 779 -> 569 ms without it), while on the labelled set the words decide
-        nearly alone (accuracy 93.1 % words, 92.2 % both: README, "How a turn flows").
+        With ``sound_after_words`` (while one session is open) and the LLM's verdict, the end-of-turn model
+        (the sound) is asked after that verdict, and only where it could change the endpoint
+        (``Endpointer.sound_matters``: the words' P between ~2e-4 and ~0.09), or once the LLM is late past
+        ``text_wait_ms``. Why: its ~100 ms of CPU at the pause slowed the tail's transcription and the
+        speculative reply's first tokens beside it (one user, heard p50 715 -> 618 ms in ``bench voice``),
+        while on the labelled set the words decide nearly alone (accuracy 93.1 % words, 92.2 % both: README,
+        "How a turn flows"). Otherwise it is asked at the pause, beside ASR on another core: with several
+        users the LLM's verdict is often late, and the sound asked only then made the endpoint p50 594 ms
+        instead of 398.
         The words are told without waiting for the model: a speculative reply needs only them.
         The LLM is asked just before the session speculates, so both requests' short prefills of the
         words (the rest of the prompt is in the prefix cache) share the engine's next step.
         """
         utterance.heard_whole = whole
-        asked_later = self._text_turn_end is not None  # the LLM is asked first; the sound where it matters
+        # the LLM is asked first, the sound where it matters (``sound_after_words``)
+        asked_later = self._text_turn_end is not None and self._sound_after_words()
         turn_end = None if asked_later else asyncio.ensure_future(self._detect_turn_end(whole))
+        utterance.sound_asked = turn_end is not None
         try:
             result, asr_ms = await job.task
             if utterance.pause is None:
@@ -490,13 +500,15 @@ class UtteranceTracker:
                 await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
             if turn_end is None and not asked and self._sound_matters(utterance):
                 turn_end = asyncio.ensure_future(self._detect_turn_end(whole))  # no LLM verdict will come
+                utterance.sound_asked = True
             if turn_end is not None:
                 utterance.turn_probability, utterance.turn_ms = await turn_end
         finally:  # when this one is cancelled (the user went on), so are its jobs
             job.task.cancel()
             if turn_end is not None:
                 turn_end.cancel()
-        utterance.verdict_pending = False
+        if utterance.sound_task is None or utterance.sound_task.done():  # (else the sound asked after the LLM holds it)
+            utterance.verdict_pending = False
         await self._maybe_commit(utterance)
 
     def _maybe_partial(self, utterance: _Utterance) -> None:
@@ -530,6 +542,7 @@ class UtteranceTracker:
             if silence_ms < self.options.text_wait_ms:
                 return  # the LLM has not answered yet: past this silence the other cues decide (a later verdict counts)
             if self._sound_matters(utterance):  # they include the sound: asked now
+                utterance.sound_asked = True
                 utterance.sound_task = asyncio.create_task(self._sound_then_commit(utterance), name="turn-end-sound")
                 return
         required = endpointer.required_silence_ms(
