@@ -214,9 +214,8 @@ class Settings(BaseSettings):
     solo_speedups: bool = Field(
         True,
         description="while one session is open: first_piece_priority, a reply's first 12 tokens on "
-        "the LLM's prefill threads, the tail transcribed after tail_start_ms of quiet (with several "
-        "sessions all three slow everyone), and the end-of-turn model asked after the LLM's verdict, only "
-        "where it could change the endpoint",
+        "the LLM's prefill threads, and the tail transcribed after tail_start_ms of quiet (with several "
+        "sessions all three slow everyone)",
     )
     asr_window_s: float = Field(6.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
 

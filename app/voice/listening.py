@@ -98,8 +98,6 @@ def listen(
         text_turn_end=TextTurnEnd(models.llm, prompt) if prompt is not None and settings.turn_text_signal else None,
         language=language,
         early_tail=lambda: models.solo,  # several sessions share Whisper: no transcriptions wasted on gaps
-        # several sessions: the LLM's verdict often comes late, so the sound is not left to wait for it
-        sound_after_words=lambda: models.solo,
         options=TrackerOptions(
             endpointer=endpointer(settings),
             partial_interval_ms=settings.partial_interval_ms,

@@ -226,7 +226,6 @@ class UtteranceTracker:
         text_turn_end: TextTurnEnd | None = None,
         language: Callable[[], str | None] = lambda: None,
         early_tail: Callable[[], bool] = lambda: True,
-        sound_after_words: Callable[[], bool] = lambda: True,
     ) -> None:
         self._vad = vad
         self._asr = asr
@@ -234,8 +233,6 @@ class UtteranceTracker:
         self._text_turn_end = text_turn_end
         self._language = language  # read at each call, so a session's config applies to the next words
         self._early_tail = early_tail  # read at each quiet window: tail_start_ms applies, or the pause
-        # read at each pause: the end-of-turn model is asked after the LLM, where it matters, or at the pause
-        self._sound_after_words = sound_after_words
         self._emit = emit
         self._next_turn_id = next_turn_id
         self._clock = clock
@@ -468,22 +465,20 @@ class UtteranceTracker:
         """At the pause: once the tail is heard, ask the LLM whether the words end the turn and tell the
         session (it may speculate); see if the turn ends once the verdicts are in.
 
-        With ``sound_after_words`` (while one session is open) and the LLM's verdict, the end-of-turn model
-        (the sound) is asked after that verdict, and only where it could change the endpoint
-        (``Endpointer.sound_matters``: the words' P between ~2e-4 and ~0.09), or once the LLM is late past
-        ``text_wait_ms``. Why: its ~100 ms of CPU at the pause slowed the tail's transcription and the
-        speculative reply's first tokens beside it (one user, heard p50 715 -> 618 ms in ``bench voice``),
-        while on the labelled set the words decide nearly alone (accuracy 93.1 % words, 92.2 % both: README,
-        "How a turn flows"). Otherwise it is asked at the pause, beside ASR on another core: with several
-        users the LLM's verdict is often late, and the sound asked only then made the endpoint p50 594 ms
-        instead of 398.
+        Where the LLM is asked, the end-of-turn model (the sound) is asked after its verdict, and only where it
+        could change the endpoint (``Endpointer.sound_matters``: the words' P between ~2e-4 and ~0.09); not
+        when the verdict is late past ``text_wait_ms`` (the words' own cue decides then: a sound asked at
+        that point made four users' endpoint p50 594 ms instead of 398). Where it is not, the sound is asked at
+        the pause, beside ASR on another core. Why: its ~100 ms of CPU at the pause slowed the tail's
+        transcription and the speculative reply's first tokens beside it (one user, heard p50 715 -> 618 ms in
+        ``bench voice``), while on the labelled set the words decide nearly alone (accuracy 93.1 % words,
+        92.2 % both: README, "How a turn flows").
         The words are told without waiting for the model: a speculative reply needs only them.
         The LLM is asked just before the session speculates, so both requests' short prefills of the
         words (the rest of the prompt is in the prefix cache) share the engine's next step.
         """
         utterance.heard_whole = whole
-        # the LLM is asked first, the sound where it matters (``sound_after_words``)
-        asked_later = self._text_turn_end is not None and self._sound_after_words()
+        asked_later = self._text_turn_end is not None  # the LLM is asked first, the sound where it matters
         turn_end = None if asked_later else asyncio.ensure_future(self._detect_turn_end(whole))
         utterance.sound_asked = turn_end is not None
         try:
@@ -538,22 +533,15 @@ class UtteranceTracker:
             if silence_ms >= endpointer.unfinished_silence_ms:
                 await self._commit(utterance)  # ASR or the end-of-turn model is late: commit and wait for it
             return
-        if utterance.text_asked_at is not None:
-            if silence_ms < self.options.text_wait_ms:
-                return  # the LLM has not answered yet: past this silence the other cues decide (a later verdict counts)
-            if self._sound_matters(utterance):  # they include the sound: asked now
-                utterance.sound_asked = True
-                utterance.sound_task = asyncio.create_task(self._sound_then_commit(utterance), name="turn-end-sound")
-                return
+        if utterance.text_asked_at is not None and silence_ms < self.options.text_wait_ms:
+            # the LLM has not answered yet: past this silence the words' own cue decides (a later verdict counts;
+            # the sound is not asked then, see ``_finish_tail``)
+            return
         required = endpointer.required_silence_ms(
             utterance.text(), utterance.turn_probability, utterance.language, utterance.text_probability
         )
         if silence_ms >= required:
             await self._commit(utterance)
-
-    async def _sound_then_commit(self, utterance: _Utterance) -> None:
-        await self._ask_the_sound(utterance)
-        await self._maybe_commit(utterance)
 
     async def _commit(self, utterance: _Utterance, forced: bool = False) -> None:
         self._utterance = None

@@ -116,7 +116,8 @@ async def test_a_late_llm_leaves_the_endpoint_to_the_other_cues_after_a_short_wa
     assert conv.llm.turn_end_cancelled == 1  # its request is aborted at the commit
     await conv.settle()
     metrics = conv.of(protocol.TurnDone)[-1].metrics
-    assert metrics.turn_text_probability is None and metrics.turn_probability == 0.95  # the sound, asked at 400 ms
+    # the words' own cue decided: the sound is not asked for a late verdict (it made the endpoint ~200 ms later)
+    assert metrics.turn_text_probability is None and metrics.turn_probability is None
 
 
 async def test_a_verdict_within_the_wait_still_holds_a_mid_clause_pause(conversation):
@@ -143,7 +144,6 @@ def test_the_sound_matters_only_where_the_words_leave_the_endpoint_open():
 @pytest.mark.parametrize(("words", "text_probability"), [(COMMAND, 0.9), ("I would like to hear", 1e-9)])
 async def test_the_sound_is_not_asked_where_the_llm_s_verdict_decides(conversation, words, text_probability):
     conv = conversation(turn_probability=0.5, text_probability=text_probability)
-    conv.session.models.solo = True  # one session open (with several, the sound is asked at each pause, below)
     await conv.speak(1.0, words)
     waited_ms = await conv.silence_until(committed(conv)) * 1000
     expected = COMPLETE_MS if text_probability > 0.5 else UNFINISHED_MS
@@ -156,19 +156,9 @@ async def test_the_sound_is_not_asked_where_the_llm_s_verdict_decides(conversati
 @pytest.mark.parametrize(("sound", "expected"), [(0.9, COMPLETE_MS), (0.1, ENDPOINT_MS)])
 async def test_where_the_llm_leaves_it_open_the_sound_is_asked_after_it_and_decides(conversation, sound, expected):
     conv = conversation(turn_probability=sound, text_probability=0.02)
-    conv.session.models.solo = True
     await conv.speak(1.0, COMMAND)
     waited_ms = await conv.silence_until(committed(conv)) * 1000
     assert expected <= waited_ms <= expected + VAD_WINDOW_MS + FRAME_MS
     await conv.settle()
     metrics = conv.of(protocol.TurnDone)[-1].metrics
     assert metrics.turn_probability == sound and metrics.turn_text_probability == 0.02
-
-
-async def test_with_several_sessions_the_sound_is_asked_at_each_pause(conversation):
-    # the LLM's verdict often comes late then: a sound asked only after it made the endpoint ~200 ms later
-    conv = conversation(turn_probability=0.5, text_probability=0.9)
-    await conv.speak(1.0, COMMAND)
-    await conv.silence_until(committed(conv))
-    await conv.settle()
-    assert conv.of(protocol.TurnDone)[-1].metrics.turn_probability == 0.5
