@@ -432,7 +432,11 @@ class UtteranceTracker:
             probability = None
         utterance.text_probability, utterance.text_asked_at = probability, None
         utterance.text_ms = (self._clock.now() - started) * 1000
-        if self._sound_matters(utterance):
+        in_time = (
+            utterance.pause is not None
+            and self._audio_end - utterance.pause < self.options.text_wait_ms * SAMPLES_PER_MS
+        )
+        if in_time and self._sound_matters(utterance):  # (a late verdict: the words' cue decides, see ``_finish_tail``)
             await self._ask_the_sound(utterance)
         await self._maybe_commit(utterance)
 
@@ -470,8 +474,8 @@ class UtteranceTracker:
         when the verdict is late past ``text_wait_ms`` (the words' own cue decides then: a sound asked at
         that point made four users' endpoint p50 594 ms instead of 398). Where it is not, the sound is asked at
         the pause, beside ASR on another core. Why: its ~100 ms of CPU at the pause slowed the tail's
-        transcription and the speculative reply's first tokens beside it (one user, heard p50 715 -> 618 ms in
-        ``bench voice``), while on the labelled set the words decide nearly alone (accuracy 93.1 % words,
+        transcription and the speculative reply's first tokens beside it (one user, heard p50 715 -> 508-618 ms
+        in ``bench voice``), while on the labelled set the words decide nearly alone (accuracy 93.1 % words,
         92.2 % both: README, "How a turn flows").
         The words are told without waiting for the model: a speculative reply needs only them.
         The LLM is asked just before the session speculates, so both requests' short prefills of the
@@ -493,7 +497,7 @@ class UtteranceTracker:
             if utterance is self._utterance:  # (else already being committed; _commit reads tail_text)
                 speech_end = self._arrivals.time_of(utterance.pause)
                 await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
-            if turn_end is None and not asked and self._sound_matters(utterance):
+            if turn_end is None and not asked and not is_filler(utterance.text()) and self._sound_matters(utterance):
                 turn_end = asyncio.ensure_future(self._detect_turn_end(whole))  # no LLM verdict will come
                 utterance.sound_asked = True
             if turn_end is not None:

@@ -162,3 +162,17 @@ async def test_where_the_llm_leaves_it_open_the_sound_is_asked_after_it_and_deci
     await conv.settle()
     metrics = conv.of(protocol.TurnDone)[-1].metrics
     assert metrics.turn_probability == sound and metrics.turn_text_probability == 0.02
+
+
+async def test_a_verdict_that_comes_after_the_wait_does_not_ask_the_sound(conversation):
+    # a longer endpoint than the LLM's wait, so the turn is still open when the verdict comes
+    conv = conversation(turn_probability=0.9, text_probability=0.02, endpoint_silence_ms=600, turn_text_wait_ms=400)
+    conv.llm.text_turn_gate = gate = asyncio.Event()
+    await conv.speak(1.0, COMMAND)
+    await conv.silence(0.46)
+    assert not conv.finals()
+    gate.set()
+    await conv.silence_until(committed(conv))
+    await conv.settle()
+    metrics = conv.of(protocol.TurnDone)[-1].metrics
+    assert metrics.turn_text_probability == 0.02 and metrics.turn_probability is None
