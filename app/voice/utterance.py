@@ -474,8 +474,8 @@ class UtteranceTracker:
         when the verdict is late past ``text_wait_ms`` (the words' own cue decides then: a sound asked at
         that point made four users' endpoint p50 594 ms instead of 398). Where it is not, the sound is asked at
         the pause, beside ASR on another core. Why: its ~100 ms of CPU at the pause slowed the tail's
-        transcription and the speculative reply's first tokens beside it (one user, heard p50 715 -> 508-618 ms
-        in ``bench voice``), while on the labelled set the words decide nearly alone (accuracy 93.1 % words,
+        transcription and the speculative reply's first tokens beside it (one user, heard p50 699 -> 589 ms
+        in ``bench voice``, three runs each), while on the labelled set the words decide nearly alone (accuracy 93.1 % words,
         92.2 % both: README, "How a turn flows").
         The words are told without waiting for the model: a speculative reply needs only them.
         The LLM is asked just before the session speculates, so both requests' short prefills of the
