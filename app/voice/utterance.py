@@ -183,7 +183,7 @@ class _Utterance:
     verdict_pending: bool = False  # the tail's words are in, the end-of-turn model's verdict is not yet
     heard_whole: np.ndarray | None = None  # what the end-of-turn model hears at this pause (asked for it or not)
     sound_asked: bool = False  # the end-of-turn model was asked at this pause
-    sound_task: asyncio.Task | None = None  # the end-of-turn model asked after the LLM (``_ask_the_sound``)
+    sound_running: bool = False  # the end-of-turn model asked after the LLM, in its task (``_ask_the_sound``)
     language: str | None = None  # what ASR heard the tail in
     asr_ms: float = 0.0
     partial_task: asyncio.Task | None = None
@@ -201,7 +201,7 @@ class _Utterance:
 
     def cancel_jobs(self) -> None:
         self.forget_early_tail()
-        for task in (self.tail_task, self.partial_task, self.text_task, self.sound_task):
+        for task in (self.tail_task, self.partial_task, self.text_task):
             if task is not None:
                 task.cancel()
 
@@ -339,14 +339,13 @@ class UtteranceTracker:
             # Long utterance: freeze the text so far, decode only what follows (with it as context).
             utterance.stable_text = utterance.text()
             utterance.stable_until = utterance.pause + TAIL_PAD_MS * SAMPLES_PER_MS
-        for task in (utterance.tail_task, utterance.text_task, utterance.sound_task):
+        for task in (utterance.tail_task, utterance.text_task):
             if task is not None and not task.done():
                 task.cancel()  # its transcription, the end-of-turn model after it, the LLM's verdict
         utterance.pause, utterance.tail_task, utterance.tail_text = None, None, None
         utterance.turn_probability = utterance.turn_ms = None
         utterance.text_probability = utterance.text_ms = utterance.text_asked_at = utterance.text_task = None
-        utterance.verdict_pending, utterance.heard_whole, utterance.sound_task = False, None, None
-        utterance.sound_asked = False
+        utterance.verdict_pending, utterance.heard_whole, utterance.sound_asked = False, None, False
         await self._emit(Resumed(utterance.turn_id))
 
     async def _on_pause(self, sample: int) -> None:
@@ -449,16 +448,15 @@ class UtteranceTracker:
         return endpointer.sound_matters(utterance.text(), utterance.language, utterance.text_probability)
 
     async def _ask_the_sound(self, utterance: _Utterance) -> None:
-        """The end-of-turn model's verdict, asked after the LLM's (``_finish_tail``); the endpoint waits for it."""
-        current = asyncio.current_task()
-        if utterance.heard_whole is None or utterance.sound_task not in (None, current):
-            return  # (asked already)
-        utterance.sound_task, utterance.sound_asked = current, True
-        utterance.verdict_pending = True
+        """The end-of-turn model's verdict, asked in the LLM's verdict task after it (``_finish_tail``; cancelled
+        with that task); the endpoint waits for it."""
+        if utterance.heard_whole is None:
+            return
+        utterance.sound_asked = utterance.sound_running = utterance.verdict_pending = True
         try:
             utterance.turn_probability, utterance.turn_ms = await self._detect_turn_end(utterance.heard_whole)
         finally:
-            utterance.verdict_pending = False
+            utterance.sound_running = utterance.verdict_pending = False
 
     async def _transcribe_tail(self, audio: np.ndarray, context: str) -> tuple[Transcription | None, float]:
         started = self._clock.now()
@@ -506,7 +504,7 @@ class UtteranceTracker:
             job.task.cancel()
             if turn_end is not None:
                 turn_end.cancel()
-        if utterance.sound_task is None or utterance.sound_task.done():  # (else the sound asked after the LLM holds it)
+        if not utterance.sound_running:  # (else the sound asked after the LLM holds the endpoint)
             utterance.verdict_pending = False
         await self._maybe_commit(utterance)
 
@@ -550,7 +548,7 @@ class UtteranceTracker:
     async def _commit(self, utterance: _Utterance, forced: bool = False) -> None:
         self._utterance = None
         commit = self._clock.now()
-        for task in (utterance.partial_task, utterance.text_task, utterance.sound_task):
+        for task in (utterance.partial_task, utterance.text_task):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()  # (an LLM verdict still awaited is no longer needed: its request is aborted)
         tail = utterance.tail_task
