@@ -28,7 +28,24 @@ def settings_from_args(args: argparse.Namespace):
     return load_settings(**{name: getattr(args, name) for name in Settings.model_fields})
 
 
+def let_idle_threads_sleep() -> None:
+    """Idle OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``), unless the user set a policy.
+
+    The LLM (torch) and Whisper (CTranslate2) each bring their own OpenMP runtime, whose threads by default
+    spin for a while after each parallel region, waiting for the next. In the voice server the stages take
+    turns on the same few cores, so that spinning took the cores from the next stage: on the 2-core VM the
+    first piece's synthesis (Piper alone: ~100 ms for 4 words) took 150-570 ms in the server, beside two
+    spinning threads at 100-270 ms of CPU each; with the policy 136-168 ms (README, "Where the turn-taking
+    defaults come from"). Set before either library loads (the runtime reads it once); the engine's own
+    server (``parley engine serve``, one library on its cores) keeps the default, where spinning is faster.
+    """
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _serve(args: argparse.Namespace) -> int:
+    let_idle_threads_sleep()
     import uvicorn
     from pydantic import ValidationError
 
