@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from app.audio import ASR_SAMPLE_RATE
+from app.stages.onnx import cpu_session
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ class SmartTurn:
     """
 
     def __init__(self, path: str | Path | None = None, threads: int = 1) -> None:
-        import onnxruntime
         from faster_whisper.feature_extractor import FeatureExtractor
 
         model = Path(path) if path else bundled_model_path()
@@ -56,11 +56,7 @@ class SmartTurn:
                 "Smart Turn v3 model not found: install it with `pip install --no-deps pipecat-ai==1.14.0` "
                 "(or set turn_model=none)"
             )
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        self.session = onnxruntime.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+        self.session = cpu_session(model, threads, log_severity=3)
         self._features = FeatureExtractor(feature_size=80, chunk_length=WINDOW_S)
         self._lock = threading.Lock()  # the feature extractor keeps buffers
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from app.audio import resample
 from app.stages.base import Synthesizer
+from app.stages.onnx import cpu_session
 from app.stages.scheduling import DeadlineLock
 
 __all__ = ["BUNDLED_VOICE", "PiperSynthesizer", "Synthesizer"]
@@ -73,9 +74,9 @@ class PiperSynthesizer:
                 raise FileNotFoundError(f"Piper voice {voice!r}: needs the .onnx file and its .onnx.json beside it")
         loaded = PiperVoice.load(str(model), config_path=str(config))
         if self._threads:  # Piper's own session uses every core; on a shared CPU that fights ASR and the LLM
-            loaded.session = _session(model, self._threads)
+            loaded.session = cpu_session(model, self._threads)
             if self._urgent_threads != self._threads:
-                urgent = dataclasses.replace(loaded, session=_session(model, self._urgent_threads))
+                urgent = dataclasses.replace(loaded, session=cpu_session(model, self._urgent_threads))
                 list(urgent.synthesize("Hello."))  # its first run initializes lazily; not on a user's turn
                 self._urgent_voices[name] = urgent
         self._voices[name] = loaded
@@ -95,15 +96,6 @@ class PiperSynthesizer:
         rate = chosen.config.sample_rate
         for chunk in chunks:
             yield chunk if rate == self.sample_rate else resample(chunk, rate, self.sample_rate)
-
-
-def _session(model: str | Path, threads: int):
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    return onnxruntime.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
 
 
 def _language_of(voice) -> str:

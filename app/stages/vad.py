@@ -10,9 +10,9 @@ import os
 from typing import Protocol
 
 import numpy as np
-import onnxruntime
 
 from app.stages.base import VadConfig, VadEvent
+from app.stages.onnx import cpu_session
 
 WINDOW = 512  # samples per model call at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous window the v6 model expects in front
@@ -32,13 +32,7 @@ class SileroVad:
     """The shared ONNX session (thread-safe for concurrent ``run`` calls)."""
 
     def __init__(self, path: str | None = None) -> None:
-        opts = onnxruntime.SessionOptions()
-        opts.inter_op_num_threads = 1
-        opts.intra_op_num_threads = 1
-        opts.log_severity_level = 4
-        self.session = onnxruntime.InferenceSession(
-            path or _default_model_path(), providers=["CPUExecutionProvider"], sess_options=opts
-        )
+        self.session = cpu_session(path or _default_model_path(), 1, log_severity=4)
 
     def probability(self, window_with_context: np.ndarray, state: tuple[np.ndarray, np.ndarray]):
         prob, h, c = self.session.run(None, {"input": window_with_context[None, :], "h": state[0], "c": state[1]})
