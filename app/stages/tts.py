@@ -73,12 +73,14 @@ class PiperSynthesizer:
             if not Path(model).is_file() or not Path(config).is_file():
                 raise FileNotFoundError(f"Piper voice {voice!r}: needs the .onnx file and its .onnx.json beside it")
         loaded = PiperVoice.load(str(model), config_path=str(config))
-        if self._threads:  # Piper's own session uses every core; on a shared CPU that fights ASR and the LLM
-            loaded.session = cpu_session(model, self._threads)
-            if self._urgent_threads != self._threads:
-                urgent = dataclasses.replace(loaded, session=cpu_session(model, self._urgent_threads))
-                list(urgent.synthesize("Hello."))  # its first run initializes lazily; not on a user's turn
-                self._urgent_voices[name] = urgent
+        # threads bounded (every core fights ASR and the LLM on a shared CPU), and idle ones sleeping (Piper's own
+        # session spins them); None: every core
+        threads = self._threads or os.cpu_count() or 1
+        loaded.session = cpu_session(model, threads)
+        if self._urgent_threads != threads:
+            urgent = dataclasses.replace(loaded, session=cpu_session(model, self._urgent_threads))
+            list(urgent.synthesize("Hello."))  # its first run initializes lazily; not on a user's turn
+            self._urgent_voices[name] = urgent
         self._voices[name] = loaded
         return name
 

@@ -25,3 +25,13 @@ def test_piper_sessions_do_not_spin():
     for voice in (tts._voices[name], tts._urgent_voices[name]):
         assert spinning(voice.session) == "0"
         assert voice.session.get_session_options().intra_op_num_threads in (1, 2)
+
+
+def test_piper_on_every_core_does_not_spin():
+    import os
+
+    from app.stages.tts import PiperSynthesizer
+
+    session = PiperSynthesizer(threads=None).voice.session
+    assert spinning(session) == "0"
+    assert session.get_session_options().intra_op_num_threads == (os.cpu_count() or 1)
