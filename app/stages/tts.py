@@ -74,10 +74,9 @@ class PiperSynthesizer:
                 raise FileNotFoundError(f"Piper voice {voice!r}: needs the .onnx file and its .onnx.json beside it")
         loaded = PiperVoice.load(str(model), config_path=str(config))
         # threads bounded (every core fights ASR and the LLM on a shared CPU), and idle ones sleeping (Piper's own
-        # session spins them); None: every core
-        threads = self._threads or os.cpu_count() or 1
-        loaded.session = cpu_session(model, threads)
-        if self._urgent_threads != threads:
+        # session spins them); None: ONNX Runtime's own count (a thread per physical core), as Piper's session had
+        loaded.session = cpu_session(model, self._threads or 0)
+        if self._threads and self._urgent_threads != self._threads:
             urgent = dataclasses.replace(loaded, session=cpu_session(model, self._urgent_threads))
             list(urgent.synthesize("Hello."))  # its first run initializes lazily; not on a user's turn
             self._urgent_voices[name] = urgent

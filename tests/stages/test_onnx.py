@@ -13,8 +13,15 @@ def spinning(session) -> str:
     return session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
 
 
-def test_the_vad_session_does_not_spin():
-    assert spinning(SileroVad().session) == "0"
+def options(session):
+    return session.get_session_options()
+
+
+def test_the_vad_session_does_not_spin_and_keeps_one_thread():
+    session = SileroVad().session
+    assert spinning(session) == "0"
+    assert (options(session).intra_op_num_threads, options(session).inter_op_num_threads) == (1, 1)
+    assert options(session).log_severity_level == 4
 
 
 def test_piper_sessions_do_not_spin():
@@ -22,16 +29,15 @@ def test_piper_sessions_do_not_spin():
 
     tts = PiperSynthesizer(threads=1, urgent_threads=2)
     name = tts.voices[0]
-    for voice in (tts._voices[name], tts._urgent_voices[name]):
+    for voice, threads in ((tts._voices[name], 1), (tts._urgent_voices[name], 2)):
         assert spinning(voice.session) == "0"
-        assert voice.session.get_session_options().intra_op_num_threads in (1, 2)
+        assert options(voice.session).intra_op_num_threads == threads
 
 
-def test_piper_on_every_core_does_not_spin():
-    import os
-
+def test_piper_on_onnx_runtimes_own_thread_count_does_not_spin():
     from app.stages.tts import PiperSynthesizer
 
-    session = PiperSynthesizer(threads=None).voice.session
-    assert spinning(session) == "0"
-    assert session.get_session_options().intra_op_num_threads == (os.cpu_count() or 1)
+    tts = PiperSynthesizer(threads=None)
+    assert spinning(tts.voice.session) == "0"
+    assert options(tts.voice.session).intra_op_num_threads == 0  # ONNX Runtime's default count
+    assert not tts._urgent_voices  # as before: no second session without a bound
