@@ -20,19 +20,30 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
 
 from engine.tools.formats import ToolFormat
+
+if TYPE_CHECKING:
+    import llguidance
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHED_GRAMMARS = 64
 
 
+def _llguidance():
+    """llguidance, imported on first use: the engine runs without it until a request has a grammar
+    (``parley doctor`` on a bare GPU machine, which has torch and transformers but not llguidance)."""
+    import llguidance
+
+    return llguidance
+
+
 def schema_grammar(schema: dict) -> str:
     """A grammar for one JSON value that matches ``schema`` (``response_format``)."""
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    return _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
 
 
 def _call_schema(name: str, parameters: dict, args_key: str) -> dict:
@@ -65,7 +76,7 @@ def tool_call_grammar(
         between = {"llama3": '"; "', "hermes": '"\\n"'}.get(fmt.name, '"\\n"')
         rules.insert(0, f"start: {call}" + (f" ({between} {call})*" if parallel else ""))
         rules.append(f"call: %json {_with_style(one)}")
-    return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
+    return _llguidance().LLMatcher.grammar_from_lark("\n".join(rules))
 
 
 def _with_style(schema: dict) -> str:
@@ -96,7 +107,7 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
+                import llguidance.hf  # on first use, as _llguidance()
 
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
@@ -115,7 +126,7 @@ class GrammarCompiler:
             if compiled is not None:
                 self._compiled.move_to_end(grammar)
                 return compiled.deep_copy()
-        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # unlocked: it may take a while
+        compiled = _llguidance().LLMatcher(tokenizer, grammar, log_level=0)  # unlocked: it may take a while
         if compiled.is_error():
             raise ValueError(compiled.get_error())
         with self._lock:
@@ -158,7 +169,7 @@ def grammar_bias(states: Sequence[GrammarState], vocab: int) -> torch.Tensor:
         states[0].matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
     else:
         if _executor is None:
-            _executor = llguidance.LLExecutor()
+            _executor = _llguidance().LLExecutor()
         _executor.unsafe_compute_mask_ptr(
             [(s.matcher, i) for i, s in enumerate(states)], bits.data_ptr(), words * 4, len(states)
         )

