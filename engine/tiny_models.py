@@ -208,6 +208,29 @@ def load_reference(path: Path, family: str, dtype=None, device: str = "cpu"):
     return model.to(device).eval()
 
 
+# transformers' cached generate for the tiny Phi-3: before 5.2x (seen on 5.17) a sequence that crosses the
+# pre-training length keeps the keys it cached with the short factors, so the reference disagrees with the same
+# version's full forward; recomputing every step (no cache) gives the full forward's tokens in every version
+REFERENCE_GENERATE = {"phi3": {"use_cache": False}}
+
+
+def reference_generate(model, prompt: list[int], new: int, family: str | None = None) -> list[int]:
+    """transformers' greedy ``new`` tokens after ``prompt`` (the engine's reference; no eos stops it)."""
+    import torch
+
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            **REFERENCE_GENERATE.get(family or "", {}),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def save_byte_tokenizer(path: Path) -> None:
     """A byte-level tokenizer (token id = byte value, no merges) with a plain chat template, saved in ``path``.
 

@@ -23,7 +23,13 @@ from engine.model_runner import perplexity
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledChunk
 from engine.step_inputs import prepare_inputs
-from engine.tiny_models import FAMILY_CONFIGS, PHI3_ORIGINAL_LEN, build_family_model, load_reference
+from engine.tiny_models import (
+    FAMILY_CONFIGS,
+    PHI3_ORIGINAL_LEN,
+    build_family_model,
+    load_reference,
+    reference_generate,
+)
 
 # random-weight models, but a minute and a half of CPU in all: `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.models
@@ -61,12 +67,7 @@ def reference(family_path):
 
     @functools.cache
     def tokens(family: str, prompt: tuple[int, ...], new: int = NEW) -> list[int]:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model(family).generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None
-            )
-        return out[0, len(prompt) :].tolist()
+        return reference_generate(model(family), list(prompt), new, family)
 
     tokens.model = model
     return tokens
