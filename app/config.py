@@ -201,7 +201,7 @@ class Settings(BaseSettings):
     )
     first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
     first_piece_words: int = Field(
-        4,
+        3,  # as app.voice.text.FIRST_PHRASE_MAX_WORDS, where the figures are
         ge=2,
         le=30,
         description="a reply's first piece is cut after this many words when no clause or sentence ends sooner",

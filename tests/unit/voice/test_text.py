@@ -1,3 +1,5 @@
+import pytest
+
 from app.voice.text import SentenceSplitter, loop_end, speakable, without_trailing_loop, words
 
 
@@ -55,21 +57,35 @@ def test_long_first_sentence_without_commas_is_cut_before_a_joining_word():
         "that they are very loyal companions.",
         "Dogs love walks and treats.",  # only the first piece is cut early
     ]
-    # with the default cap of 4 a joining word ends it from the third word on
+    # with the default cap of 3 a joining word ends it from the third word on
     assert stream(SentenceSplitter(first_clause_chars=16), text)[:2] == [
         "The fun fact",
-        "about dogs is that they are very loyal",  # the second piece: at most twice the first's cap
+        "about dogs is that they are",  # the second piece: at most twice the first's cap
     ]
 
 
-def test_first_piece_is_capped_at_four_words_when_nothing_joins():
+def test_first_piece_is_capped_at_three_words_when_nothing_joins():
     words_only = "one two three four five six seven eight."
     assert stream(SentenceSplitter(first_clause_chars=16), words_only) == [
-        "one two three four",
-        "five six seven eight.",
+        "one two three",
+        "four five six seven eight.",
     ]
-    # a first sentence no longer than the cap is said whole
+    # a first sentence one word past the cap, whose third word leads to the fourth, is said whole
     assert stream(SentenceSplitter(first_clause_chars=16), "Paris is in France. It is big.")[0] == "Paris is in France."
+
+
+@pytest.mark.parametrize(
+    ("text", "first"),
+    [
+        ("Today is a day of celebration.", "Today is a day"),
+        ("The capital of France is Paris.", "The capital of France"),
+        ("I think your idea is great.", "I think your idea"),
+        ("The weather today is sunny.", "The weather today"),  # nothing leads: the cap
+    ],
+)
+def test_a_piece_cut_at_its_cap_does_not_end_on_an_article_or_a_preposition(text, first):
+    """ "Today is a" was said with a falling end, as if finished: the cap takes the word it leads to."""
+    assert stream(SentenceSplitter(first_clause_chars=16), text)[0] == first
 
 
 def test_the_first_piece_s_word_cap_is_a_setting():
@@ -130,16 +146,16 @@ def test_the_second_piece_is_at_most_twice_the_first_piece_s_cap():
     text = "Today is a day of celebration, a day of new beginnings, and a day of hope. It is big."
     assert stream(SentenceSplitter(first_clause_chars=16), text) == [
         "Today is a day",
-        "of celebration, a day of new beginnings,",  # a clause break once it has 3 words
-        "and a day of hope.",
+        "of celebration, a day of new",  # twice the cap of 3 (its clause break came at 2 words, under 3)
+        "beginnings, and a day of hope.",
         "It is big.",
     ]
     # without a clause break: before a joining word after the first piece's cap, else at twice it
     text = "The best book to read is a classic novel called The Nightingale by Emily Bronte. Yes."
     assert stream(SentenceSplitter(first_clause_chars=16), text)[:3] == [
         "The best book",
-        "to read is a classic novel called The",
-        "Nightingale by Emily Bronte.",
+        "to read is a classic novel",
+        "called The Nightingale by Emily Bronte.",
     ]
     long = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen."
     pieces = stream(SentenceSplitter(first_clause_chars=16, first_piece_words=6), long)
