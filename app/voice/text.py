@@ -24,7 +24,7 @@ _LEADING_WORDS = frozenset(
 # The first piece is what the user waits for: the LLM writes it and TTS speaks it before any audio
 # starts, so it is short (the setting ``first_piece_words``, this by default); the price is a short first
 # sentence said in two pieces. A joining word ends the piece from two words before it (at least 3).
-# 4 -> 3 words with the leading words below: one user's heard p50 516 -> 500 ms, four users' 855 -> 710 ms,
+# 4 -> 3 words with the leading words above: one user's heard p50 516 -> 500 ms, four users' 855 -> 710 ms,
 # no underruns (README).
 FIRST_PHRASE_MAX_WORDS = 3
 # The second piece is written and spoken while the first one plays (about a second of audio), so it
