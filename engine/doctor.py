@@ -195,6 +195,12 @@ def token_exact(path: Path, device: str, cuda_graphs: bool = True, family: str |
     return same == len(prompts), f"{same}/{len(prompts)} prompts token-exact ({new} tokens each{note})"
 
 
+def family_quantizations(device: str) -> tuple[str, ...]:
+    """The quantizations the family check runs on ``device``: int4 runs on the CPU kernel only (the engine refuses
+    it on CUDA)."""
+    return ("int8", "int4") if device == "cpu" else ("int8",)
+
+
 def quantized_perplexity_ratios(path: Path, device: str) -> dict[str, float]:
     """int8 (and on the CPU int4) perplexity over fp32's on a tiny family model's own greedy text (a broken
     quantized layer shows there; random text is near uniform for every precision)."""
@@ -211,8 +217,7 @@ def quantized_perplexity_ratios(path: Path, device: str) -> dict[str, float]:
     ids = [t for p, out in zip(prompts, text, strict=True) for t in p + out]
     reference = fp32.perplexity(ids)
     ratios = {}
-    # int4 runs on the CPU kernel only (the engine refuses it on CUDA)
-    for quantization in ("int8", "int4") if device == "cpu" else ("int8",):
+    for quantization in family_quantizations(device):
         eng = LLMEngine(
             EngineConfig(model=str(path), dtype="bfloat16", quantization=quantization, device=device, num_blocks=32)
         )
@@ -442,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
                     return ok, f"perplexity / fp32's: {detail}", {q: round(r, 4) for q, r in ratios.items()}
 
                 ratios = rep.test(
-                    f"{family} tiny model {'int8/int4' if device == 'cpu' else 'int8'} perplexity ratio",
+                    f"{family} tiny model {'/'.join(family_quantizations(device))} perplexity ratio",
                     device,
                     family_quantized,
                 )
