@@ -32,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.prompt_scores import PromptScoreCache, prefix_keys
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplerRow, SamplingParams, make_generator, sample, token_logprobs
+from engine.sampling import SamplerRow, SamplingParams, make_generator, position_logprobs, sample, token_logprobs
 from engine.scheduler import RequestRejected, Scheduler
 from engine.tools.grammar import GrammarCompiler, GrammarState
 from engine.weights import generation_defaults, resolve_model
@@ -188,13 +188,19 @@ class LLMEngine:
             bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
             if bad is not None:  # it would fail the embedding lookup of a whole batch
                 raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-            bad = next((t for t in (*params.stop_token_ids, *(t for t, _ in params.logit_bias)) if t >= vocab), None)
+            named = (*params.stop_token_ids, *(t for t, _ in params.logit_bias), *params.prompt_logprobs_token_ids)
+            bad = next((t for t in named if t >= vocab), None)
             if bad is not None:
                 raise RequestRejected(
-                    f"token id {bad} (stop_token_ids, logit_bias) is outside the vocabulary [0, {vocab})"
+                    f"token id {bad} (stop_token_ids, logit_bias, prompt_logprobs_token_ids) is outside the vocabulary"
+                    f" [0, {vocab})"
                 )
             grammar = self._grammar_state(params.grammar)
-            if params.prompt_logprobs_from is not None and self.kv.enable_prefix_caching:
+            if (
+                params.prompt_logprobs_from is not None
+                and self.kv.enable_prefix_caching
+                and not params.prompt_logits_read
+            ):
                 req.score_keys = prefix_keys(req.prompt_token_ids)
                 first = params.prompt_logprobs_from
                 req.prompt_logprobs = self.prompt_scores.lookup(req.score_keys[: req.scored_to], first)
@@ -373,6 +379,9 @@ class LLMEngine:
             and new_token_ids
             and len(req.output_token_ids) == len(new_token_ids)
             else None,
+            prompt_top_logprobs=tuple(req.prompt_top_logprobs)
+            if req.params.prompt_logits_read and new_token_ids and len(req.output_token_ids) == len(new_token_ids)
+            else None,
         )
         if finished:
             del self._states[req.request_id]
@@ -384,11 +393,16 @@ class LLMEngine:
         position (rows in position order per request: ``engine.step_inputs.prepare_inputs``)."""
         requests = [self.scheduler.requests[rid] for rid, _ in rows]
         targets = torch.tensor([req.prompt_token_ids[p + 1] for req, (_, p) in zip(requests, rows, strict=True)])
-        found = logits.float().log_softmax(-1).gather(1, targets.to(logits.device)[:, None])[:, 0].tolist()
-        for req, (_, position), logprob in zip(requests, rows, found, strict=True):
+        logprobs = logits.float().log_softmax(-1)
+        found = logprobs.gather(1, targets.to(logits.device)[:, None])[:, 0].tolist()
+        for row, (req, (_, position), logprob) in enumerate(zip(requests, rows, found, strict=True)):
             req.prompt_logprobs.append(logprob)
             if req.score_keys:  # kept for a later prompt with the same tokens (``engine.prompt_scores``)
                 self.prompt_scores.store(req.score_keys[position + 1], logprob)
+            if req.params.prompt_logits_read:
+                req.prompt_top_logprobs.append(
+                    position_logprobs(logprobs[row], req.prompt_token_ids[position + 1], req.params)
+                )
 
     def _sample(self, sample_ids: list[str], logits) -> tuple[dict[str, int], dict[str, str], dict[str, TokenLogprobs]]:
         """One token per sampling request (with its logprobs if asked), or an error for the requests whose row failed.

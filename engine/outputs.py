@@ -12,6 +12,9 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+    # the log-probabilities of the token ids the request named, whatever their rank
+    # (``SamplingParams.prompt_logprobs_token_ids``), in the order named
+    named: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,3 +43,6 @@ class RequestOutput:
     # with ``SamplingParams.prompt_logprobs_from``: the log-probability of each prompt token from there on (to
     # ``prompt_logprobs_to``), in the output that brings the first token
     prompt_logprobs: tuple[float, ...] | None = None
+    # with ``SamplingParams.prompt_top_logprobs`` or ``prompt_logprobs_token_ids``: for each of those prompt tokens,
+    # its log-probability with the likeliest tokens' and the named tokens' at its position
+    prompt_top_logprobs: tuple[TokenLogprobs, ...] | None = None

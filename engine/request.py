@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.outputs import TokenLogprobs
 from engine.sampling import SamplingParams
 
 
@@ -41,6 +42,8 @@ class Request:
     # log-probabilities of prompt tokens [params.prompt_logprobs_from, ...), filled as the prefill computes them
     # (or found already computed: ``engine.prompt_scores``)
     prompt_logprobs: list[float] = field(default_factory=list)
+    # beside it, where the request reads the scored positions' distributions (``SamplingParams.prompt_top_logprobs``)
+    prompt_top_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with prompt_logprobs_from: ``engine.prompt_scores.prefix_keys`` of the prompt, to keep each score under
     score_keys: list[int] = field(default_factory=list)
     # hashes of the full blocks of all_token_ids, grown lazily by the KV cache manager

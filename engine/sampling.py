@@ -55,6 +55,11 @@ class SamplingParams:
     (``RequestOutput.prompt_logprobs``), from the raw logits, up to ``prompt_logprobs_to`` (exclusive; None:
     the prompt's end); the prefix cache serves only the tokens before them unless their scores were kept
     (``engine.prompt_scores``), so they are computed (a voice turn scores the user's words: ``app.stages.llm``).
+    ``prompt_top_logprobs``: with each scored prompt token, also the log-probabilities of that many likeliest
+    tokens at its position, and ``prompt_logprobs_token_ids``: of these tokens, whatever their rank
+    (``RequestOutput.prompt_top_logprobs``); both need the position's logits, so such a request computes its
+    scored tokens even where their scores were kept (a voice reply reads the end-of-turn verdict at the user's
+    last word from its own prefill: ``app.stages.llm``).
     ``dry_*``: llama.cpp's DRY ("don't repeat yourself") penalty, off while ``dry_multiplier`` is 0
     (see ``_apply_dry``). ``grammar``: an llguidance grammar the tokens must follow
     (``engine.tools.grammar``). ``skip_special_tokens``: leave special tokens out of the text (a
@@ -78,6 +83,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs_from: int | None = None
     prompt_logprobs_to: int | None = None
+    prompt_top_logprobs: int | None = None
+    prompt_logprobs_token_ids: tuple[int, ...] = ()
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
@@ -94,6 +101,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
+        object.__setattr__(self, "prompt_logprobs_token_ids", tuple(int(t) for t in self.prompt_logprobs_token_ids))
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -131,6 +139,14 @@ class SamplingParams:
             self.prompt_logprobs_from is None or self.prompt_logprobs_to <= self.prompt_logprobs_from
         ):
             raise ValueError("prompt_logprobs_to must come with prompt_logprobs_from, and after it")
+        if (
+            self.prompt_top_logprobs is not None or self.prompt_logprobs_token_ids
+        ) and self.prompt_logprobs_from is None:
+            raise ValueError("prompt_top_logprobs and prompt_logprobs_token_ids must come with prompt_logprobs_from")
+        if self.prompt_top_logprobs is not None and not 0 <= self.prompt_top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_top_logprobs must be in [0, {MAX_LOGPROBS}]")
+        if len(self.prompt_logprobs_token_ids) > MAX_LOGPROBS or any(t < 0 for t in self.prompt_logprobs_token_ids):
+            raise ValueError(f"prompt_logprobs_token_ids holds at most {MAX_LOGPROBS} token ids >= 0")
         if not 0 <= self.dry_multiplier <= MAX_DRY_MULTIPLIER:
             raise ValueError(f"dry_multiplier must be in [0, {MAX_DRY_MULTIPLIER}]")
         if not 1 < self.dry_base <= MAX_DRY_BASE:
@@ -143,6 +159,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def prompt_logits_read(self) -> bool:
+        """Whether the scored prompt positions' distributions are reported, not only their tokens' scores."""
+        return self.prompt_top_logprobs is not None or bool(self.prompt_logprobs_token_ids)
 
     @property
     def penalized(self) -> bool:
@@ -504,3 +525,18 @@ def token_logprobs(logits: torch.Tensor, rows: list[SamplerRow], tokens: list[in
         top = tuple(zip(top_i[j][:k], top_v[j][:k], strict=True))
         out[i] = TokenLogprobs(tokens[i], chosen[j], top)
     return out
+
+
+def position_logprobs(logprobs: torch.Tensor, token: int, params: SamplingParams) -> TokenLogprobs:
+    """One scored prompt position, from its log-softmaxed raw logits (a vocabulary row): ``token``'s (the prompt's
+    next token) log-probability, the ``prompt_top_logprobs`` likeliest tokens' and the named tokens'."""
+    k = params.prompt_top_logprobs or 0
+    top_v, top_i = logprobs.topk(k) if k else (logprobs[:0], logprobs[:0].long())
+    named = params.prompt_logprobs_token_ids
+    named_v = logprobs[torch.tensor(named, dtype=torch.long, device=logprobs.device)].tolist() if named else []
+    return TokenLogprobs(
+        token,
+        float(logprobs[token]),
+        tuple(zip(top_i.tolist(), top_v.tolist(), strict=True)),
+        tuple(zip(named, named_v, strict=True)),
+    )

@@ -47,6 +47,8 @@ class ScriptedLLM:
         self.turn_end_asked: list[tuple[list[dict], str]] = []  # (conversation, words) of each end-of-turn ask
         self.text_turn_gate: asyncio.Event | None = None  # (if set) the end-of-turn verdict waits for it
         self.turn_end_cancelled = 0
+        self.reads_turn_end = False  # whether a speculative reply reads the verdict from its prefill (the engine's way)
+        self.turn_end_read: list[tuple[list[dict], str]] = []  # (conversation, words) of each verdict a reply read
         self.gate_was_open_early = False
         self.words_logprobs: dict[tuple[str, str], float] = {}  # how stream_weighed scores words (see there)
         self.weighed: list[tuple[str, float | None]] = []  # (the words, the gain) of each stream_weighed
@@ -112,6 +114,27 @@ class ScriptedLLM:
         if isinstance(self.text_turn_probability, Exception):
             raise self.text_turn_probability
         return self.text_turn_probability
+
+    def turn_end_position(self, messages):
+        """Where a reply reads the end-of-turn verdict (any position: scripted), when ``reads_turn_end``."""
+        return len(messages) if self.reads_turn_end else None
+
+    async def stream_reading_turn_end(self, messages, request_id, verdict):
+        """``stream``, giving ``verdict`` what ``end_of_turn_probability`` would say (after ``text_turn_gate``), with
+        the first piece; recorded in ``turn_end_read`` (conversation, words)."""
+        self.turn_end_read.append(([dict(m) for m in messages[:-1]], messages[-1]["content"]))
+        try:
+            first = True
+            async for piece in self.stream(messages, request_id):
+                if first:
+                    if self.text_turn_gate is not None:
+                        await self.text_turn_gate.wait()
+                    probability = self.text_turn_probability
+                    verdict.set(None if isinstance(probability, Exception) else probability)
+                    first = False
+                yield piece
+        finally:
+            verdict.set(None)
 
     async def stream_weighed(self, messages, alone, request_id):
         """``stream`` of ``messages`` or ``alone.messages``, as the engine chooses: ``words_logprobs`` maps (the role

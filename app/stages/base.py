@@ -8,6 +8,7 @@ loaded once, for all sessions, by ``registry``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -209,6 +210,20 @@ class LocalScheduling(Protocol):
         """
         ...
 
+    def turn_end_position(self, messages: list[Message]) -> int | None:
+        """Where the reply's own prompt for ``messages`` gives ``end_of_turn_probability`` of its last (user) message's
+        words: the index of the token after the words bare of their final punctuation, when the reply's prompt
+        starts with the tokens the verdict's prompt has; None where it does not (``stream_reading_turn_end``)."""
+        ...
+
+    def stream_reading_turn_end(
+        self, messages: list[Message], request_id: str, verdict: TurnEndVerdict
+    ) -> AsyncIterator[str]:
+        """``stream`` of the reply to ``messages`` that also gives ``verdict`` (taken at ``turn_end_position``) the
+        end-of-turn probability, read from the reply's own prefill with its first token: the verdict's prompt is the
+        reply's up to the user's last word, so one prefill serves both (None if the reply ends before it)."""
+        ...
+
     def stream_weighed(self, messages: list[Message], alone: StandAlone, request_id: str) -> AsyncIterator[str]:
         """``stream`` of the reply to ``messages`` (the conversation and the user's words), or of the reply to
         ``alone.messages`` (the same words without it) when the conversation makes the words less than
@@ -216,6 +231,36 @@ class LocalScheduling(Protocol):
         so choosing costs no request before the reply; the other is aborted at its first token. Tells
         ``alone.on_weighed`` the gain (None: it could not tell, and the conversation is kept)."""
         ...
+
+
+class TurnEndVerdict:
+    """The LLM's probability that the user's words end their turn, to come from a speculative reply's own prefill.
+
+    The utterance tracker offers one with the words (``TailText``); a reply that can read it at the words' end in
+    its prompt takes it (``take``, with that position: ``LocalScheduling.turn_end_position``) and sets it with its
+    first token, else the tracker asks the LLM apart (``end_of_turn_probability``). Why: asked apart, the verdict's
+    prefill of the words and the reply's ran side by side on the same cores, and the reply's first token came
+    ~28 ms later (bundled model, 2 cores; README, "How a turn flows").
+    """
+
+    def __init__(self) -> None:
+        self.position: int | None = None  # where the taking reply reads it (None: not taken)
+        self._result: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def taken(self) -> bool:
+        return self.position is not None
+
+    def take(self, position: int) -> None:
+        self.position = position
+
+    def set(self, probability: float | None) -> None:
+        """The verdict (None: the reply could not read it); only the first counts."""
+        if not self._result.done():
+            self._result.set_result(probability)
+
+    async def wait(self) -> float | None:
+        return await self._result
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,15 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 
-from app.stages.base import ChatLLM, GenerationSettings, Message, StandAlone, ToolCall, ToolSpec
+from app.stages.base import (
+    ChatLLM,
+    GenerationSettings,
+    Message,
+    StandAlone,
+    ToolCall,
+    ToolSpec,
+    TurnEndVerdict,
+)
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -312,10 +320,71 @@ class EngineChatLLM:
         few tokens, so the prefix cache holds nearly all of it); one step reads the log-probabilities from the
         raw logits. The end-of-turn token is forced (a logit bias, which applies after the log-probabilities
         are read) so its own is reported whatever its rank; a sentence's end counts among the 20 likeliest.
+        A speculative reply reads the same from its own prefill instead (``stream_reading_turn_end``).
         """
         from engine import SamplingParams
         from engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
+        ids = self._turn_end_prompt(messages, user_text)
+        if ids is None:
+            return None
+        token, _ = self._turn_end
+        params = SamplingParams(max_tokens=1, logprobs=MAX_LOGPROBS, logit_bias={token: MAX_LOGIT_BIAS})
+        first = None
+        async with contextlib.aclosing(self._outputs(ids, params, f"turn-end-{uuid.uuid4().hex}")) as outputs:
+            async for output in outputs:
+                first = first or (output.logprobs[0] if output.logprobs else None)
+        if first is None:
+            return None
+        return self._turn_end_probability(first.logprob, first.top)
+
+    def turn_end_position(self, messages: list[Message]) -> int | None:
+        if not messages or messages[-1].get("role") != "user" or not isinstance(messages[-1].get("content"), str):
+            return None
+        bare = self._turn_end_prompt(messages[:-1], messages[-1]["content"])
+        if bare is None:
+            return None
+        reply = self.engine.apply_chat_template(messages)
+        return len(bare) if len(reply) > len(bare) and reply[: len(bare)] == bare else None
+
+    async def stream_reading_turn_end(
+        self, messages: list[Message], request_id: str, verdict: TurnEndVerdict
+    ) -> AsyncIterator[str]:
+        """The reply's prefill scores the token after the words (``prompt_logprobs_from``): its distribution there
+        gives ``end_of_turn_probability``'s two terms, the end-of-turn token's log-probability (named, whatever its
+        rank) and the 20 likeliest; the position's logits are computed, so the prefix cache serves only what comes
+        before it (one token more than a plain reply computes)."""
+        from engine import SamplingParams
+        from engine.sampling import MAX_LOGPROBS
+
+        position = verdict.position
+        if position is None or self._turn_end is None:
+            verdict.set(None)
+            async for delta in self.stream(messages, request_id):
+                yield delta
+            return
+        token, _ = self._turn_end
+        params = SamplingParams(
+            max_tokens=self.settings.max_tokens,
+            **self.settings.sampling(),
+            prompt_logprobs_from=position,
+            prompt_logprobs_to=position + 1,
+            prompt_top_logprobs=MAX_LOGPROBS,
+            prompt_logprobs_token_ids=(token,),
+        )
+        try:
+            async for output in self._outputs(self.engine.apply_chat_template(messages), params, request_id):
+                if output.prompt_top_logprobs:
+                    there = output.prompt_top_logprobs[0]
+                    verdict.set(self._turn_end_probability(there.named[0][1], there.top))
+                if output.text_delta:
+                    yield output.text_delta
+        finally:
+            verdict.set(None)  # (no-op once set) the reply failed or was stopped before its first token
+
+    def _turn_end_prompt(self, messages: list[Message], user_text: str) -> list[int] | None:
+        """The verdict's prompt: ``messages`` and the user's message holding ``user_text`` bare of its final
+        punctuation, left open (cut before the end-of-turn token); None without that token or words."""
         text = user_text.strip().rstrip(".?!…。？！ ")
         if self._turn_end is None or not text:
             return None
@@ -326,16 +395,14 @@ class EngineChatLLM:
         cut = len(ids) - after
         if cut <= 0 or ids[cut] != token:
             return None
-        params = SamplingParams(max_tokens=1, logprobs=MAX_LOGPROBS, logit_bias={token: MAX_LOGIT_BIAS})
-        first = None
-        async with contextlib.aclosing(self._outputs(ids[:cut], params, f"turn-end-{uuid.uuid4().hex}")) as outputs:
-            async for output in outputs:
-                first = first or (output.logprobs[0] if output.logprobs else None)
-        if first is None:
-            return None
+        return ids[:cut]
+
+    def _turn_end_probability(self, end_logprob: float, top: tuple[tuple[int, float], ...]) -> float:
+        """P(end of turn) at the words' end: the end-of-turn token's, and the likeliest sentence ends' (``top``)."""
+        token, _ = self._turn_end
         decode = self.engine.tokenizer.decode
-        ends = [lp for t, lp in first.top if t != token and _ends_a_sentence(decode([t]))]
-        return min(1.0, math.exp(first.logprob) + sum(math.exp(lp) for lp in ends))
+        ends = [lp for t, lp in top if t != token and _ends_a_sentence(decode([t]))]
+        return min(1.0, math.exp(end_logprob) + sum(math.exp(lp) for lp in ends))
 
     async def stream_weighed(self, messages: list[Message], alone: StandAlone, request_id: str) -> AsyncIterator[str]:
         """The reply to ``messages``, or to ``alone.messages`` where the conversation does not make the user's

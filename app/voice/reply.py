@@ -30,6 +30,7 @@ from app.stages.base import (
     Synthesizer,
     ToolCall,
     ToolSpec,
+    TurnEndVerdict,
     scheduling_of,
     tool_calling_of,
 )
@@ -128,6 +129,7 @@ class Reply:
         self.commit = 0.0  # wall time the turn was committed (0 while speculative)
         self._llm, self._tts = llm, tts
         self._scheduling = scheduling_of(llm)  # None: the LLM is not on our cores, nothing to pause or yield
+        self._turn_end: TurnEndVerdict | None = None  # the end-of-turn verdict this reply reads (``start``)
         self._send_json, self._send_bytes = send_json, send_bytes
         self._clock, self._run = clock, run_blocking
         self._first_clause_chars = first_clause_chars
@@ -177,9 +179,19 @@ class Reply:
         before = self.spoken_before_answer
         return heard[len(before) :].strip() if heard.startswith(before) else ""
 
-    def start(self, messages: list[Message], *, released: bool, alone: list[Message] | None = None) -> None:
+    def start(
+        self,
+        messages: list[Message],
+        *,
+        released: bool,
+        alone: list[Message] | None = None,
+        turn_end: TurnEndVerdict | None = None,
+    ) -> None:
         """Produce the reply to ``messages``; ``alone``: the user's words without the conversation, answered instead
-        when the LLM finds the words stand alone (``history_relevance_nats``; the first round, without tools)."""
+        when the LLM finds the words stand alone (``history_relevance_nats``; the first round, without tools);
+        ``turn_end``: the end-of-turn verdict this (speculative) reply reads from its prefill, taken for it
+        (``ReplyFactory.take_turn_end``); it is set with the first token, or to None if the reply never gets there."""
+        self._turn_end = turn_end
         self.released = released
         if released:
             self._released.set()
@@ -203,6 +215,13 @@ class Reply:
     async def cancel(self) -> None:
         if self._task is not None:
             await cancel_task(self._task)
+        self._turn_end_unread()
+
+    def _turn_end_unread(self) -> None:
+        """The reply will not read the end-of-turn verdict it took: the utterance tracker is told None."""
+        turn_end, self._turn_end = self._turn_end, None
+        if turn_end is not None:
+            turn_end.set(None)
 
     def final_metrics(self) -> protocol.TurnMetrics:
         metrics = self.metrics.model_copy()
@@ -286,6 +305,7 @@ class Reply:
                 self._on_failed(self)
             await self._emit(protocol.Error(code="turn_failed", message=f"could not answer: {exc}"))
         finally:
+            self._turn_end_unread()
             await cancel_task(speaker)
 
     def _llm_stream(
@@ -294,6 +314,10 @@ class Reply:
         """The LLM's reply: the plain text stream (from ``messages`` or ``alone``, as the LLM weighs them), or text and
         calls where tools are in play and the LLM takes them."""
         calling = tool_calling_of(self._llm) if spec is not None else None
+        turn_end = self._turn_end  # (kept until the reply ends, which sets it None if the request never did)
+        if spec is None and alone is None and turn_end is not None and self._scheduling is not None:
+            return self._scheduling.stream_reading_turn_end(messages, self.request_id, turn_end)
+        self._turn_end_unread()
         if spec is None and alone is not None and self._scheduling is not None and self._min_gain_nats:
             weighed = StandAlone(alone, self._min_gain_nats, self._on_weighed)
             return self._scheduling.stream_weighed(messages, weighed, self.request_id)

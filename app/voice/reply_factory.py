@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from app import protocol
 from app.config import Settings
-from app.stages.base import Message, ToolSpec, VoiceStages, scheduling_of
+from app.stages.base import Message, ToolSpec, TurnEndVerdict, VoiceStages, scheduling_of
 from app.voice.clock import Clock, RunBlocking
 from app.voice.context import Fitted
 from app.voice.history import History
@@ -90,6 +90,19 @@ class ReplyFactory:
         if alone.truncated_chars or alone.messages == related:
             return None
         return alone.messages
+
+    def take_turn_end(self, verdict: TurnEndVerdict | None, messages: list[Message]) -> TurnEndVerdict | None:
+        """``verdict`` taken, for the reply to ``messages`` to read from its prefill, where that reply can: the plain
+        text path (no tools) of an LLM on this machine whose reply prompt continues the verdict's
+        (``LocalScheduling.turn_end_position``); None otherwise (the tracker then asks the LLM apart)."""
+        scheduling = scheduling_of(self._models.llm)
+        if verdict is None or scheduling is None or self.tool_spec() is not None:
+            return None
+        position = scheduling.turn_end_position(messages)
+        if position is None:
+            return None
+        verdict.take(position)
+        return verdict
 
     def new(self, turn_id: int, user_text: str, language: str | None) -> Reply:
         settings = self._settings()

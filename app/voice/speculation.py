@@ -1,8 +1,9 @@
 """The speculative reply: started at a pause in the user's speech, held back, used only if the turn ends there.
 
 At a pause the tail of the utterance is transcribed; answering it at once, unheard, means the
-reply is already under way when the endpoint commits the turn. If the committed text is the
-speculated one the held reply is handed over (the session releases it); any other text, or the
+reply is already under way when the endpoint commits the turn. The reply also gives the LLM's
+end-of-turn verdict on the words where it can (``TurnEndVerdict``), read from its own prefill. If the committed
+text is the speculated one the held reply is handed over (the session releases it); any other text, or the
 user going on, cancels it. The session (``app.voice.session``) says when; replies come from the
 ``ReplyFactory`` and the turn's language from a callable, read at each use.
 """
@@ -38,9 +39,9 @@ class Speculation:
         reply = self._replies.new(tail.turn_id, tail.text, language)
         reply.speech_end = tail.speech_end
         self._reply = reply
-        reply.start(
-            fitted.messages, released=False, alone=self._replies.alone_prompt(tail.text, language, fitted.messages)
-        )
+        alone = self._replies.alone_prompt(tail.text, language, fitted.messages)
+        turn_end = self._replies.take_turn_end(tail.verdict, fitted.messages) if alone is None else None
+        reply.start(fitted.messages, released=False, alone=alone, turn_end=turn_end)
 
     async def cancel(self) -> None:
         reply, self._reply = self._reply, None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from app.audio import ASR_SAMPLE_RATE
-from app.stages.base import SpeechRecognizer, Transcription, TurnDetector, VoiceActivity
+from app.stages.base import SpeechRecognizer, Transcription, TurnDetector, TurnEndVerdict, VoiceActivity
 from app.voice.clock import ArrivalClock, Clock, RunBlocking
 from app.voice.text import text_after, without_trailing_loop
 from app.voice.turns import Endpointer, PartialStabilizer, is_filler, looks_unfinished
@@ -97,6 +98,9 @@ class TailText:
     text: str
     speech_end: float
     language: str | None = None
+    # the LLM's end-of-turn verdict on ``text``, offered to a speculative reply to read from its own prefill
+    # (``TurnEndVerdict``); None where the LLM is not asked (a filler, words that end mid-clause, no text signal)
+    verdict: TurnEndVerdict | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -408,24 +412,36 @@ class UtteranceTracker:
             probability = None
         return probability, (self._clock.now() - started) * 1000
 
-    def _ask_the_llm(self, utterance: _Utterance) -> bool:
-        """Ask the LLM whether the words end the turn (not where the words' own cue already waits); False: not asked.
+    def _llm_asked(self, utterance: _Utterance) -> bool:
+        """Whether the LLM is asked if the words end the turn: not where the words' own cue already waits."""
+        text = utterance.text()
+        return (
+            self._text_turn_end is not None
+            and bool(text.strip())
+            and not is_filler(text)
+            and not looks_unfinished(text, utterance.language)
+        )
+
+    def _ask_the_llm(self, utterance: _Utterance, verdict: TurnEndVerdict) -> bool:
+        """Await the LLM's verdict on whether the words end the turn: from the speculative reply that took
+        ``verdict``, else asked apart (``TextTurnEnd``). True: asked.
 
         Apart from the tail's task: a commit never waits for this verdict (``_commit`` waits for the
         words), and the endpoint waits for it only until the silence reaches ``text_wait_ms`` (``_maybe_commit``): a
         busy engine (several users) then costs a confident turn end at most that silence, not the LLM's delay.
         """
         judge, text = self._text_turn_end, utterance.text()
-        if judge is None or not text.strip() or is_filler(text) or looks_unfinished(text, utterance.language):
+        if judge is None:
             return False
         utterance.text_asked_at = self._clock.now()
-        utterance.text_task = asyncio.create_task(self._llm_verdict(utterance, judge, text), name="llm-turn-end")
+        ask = verdict.wait if verdict.taken else functools.partial(judge, text)
+        utterance.text_task = asyncio.create_task(self._llm_verdict(utterance, ask), name="llm-turn-end")
         return True
 
-    async def _llm_verdict(self, utterance: _Utterance, judge: TextTurnEnd, text: str) -> None:
+    async def _llm_verdict(self, utterance: _Utterance, ask: Callable[[], Awaitable[float | None]]) -> None:
         started = self._clock.now()
         try:
-            probability = await judge(text)
+            probability = await ask()
         except Exception:  # the sound and the words' cue still decide
             log.warning("the LLM's end-of-turn probability failed; using the other cues", exc_info=True)
             probability = None
@@ -475,11 +491,12 @@ class UtteranceTracker:
         transcription and the speculative reply's first tokens beside it (one user, heard p50 699 -> 589 ms
         in ``bench voice``, three runs each), while on the labelled set the words decide nearly alone (accuracy 93.1 % words,
         92.2 % both: README, "How a turn flows").
-        The words are told without waiting for the model: a speculative reply needs only them.
-        The LLM is asked just before the session speculates, so its short prefill of the words (the rest of
-        the prompt is in the prefix cache) goes first: its verdict ~40 ms after the words, the reply's first
-        token ~50 ms after that. Asked after the reply, the first token came ~20 ms sooner, but not the first
-        piece, and the verdict ~90 ms later (endpoint p50 231 -> 312 ms, ``bench voice``, 8 turns each).
+        The words are told without waiting for the model: a speculative reply needs only them. The LLM's verdict
+        comes from the speculative reply's own prefill where it takes it (``TurnEndVerdict``): the verdict's prompt
+        is the reply's up to the words' end, so one prefill gives both, the verdict with the reply's first token.
+        Asked apart (no speculation, or one that cannot read it), its prefill of the words ran beside the reply's;
+        asked first, the verdict came ~40 ms after the words and the reply's first token ~50 ms after that (asked
+        after the reply, the verdict came ~90 ms later: endpoint p50 231 -> 312 ms, ``bench voice``, 8 turns each).
         """
         utterance.heard_whole = whole
         asked_later = self._text_turn_end is not None  # the LLM is asked first, the sound where it matters
@@ -493,10 +510,12 @@ class UtteranceTracker:
             utterance.language = result.language if result is not None and result.language else None
             utterance.asr_ms = asr_ms
             utterance.verdict_pending = True
-            asked = self._ask_the_llm(utterance)
+            verdict = TurnEndVerdict() if self._llm_asked(utterance) else None
             if utterance is self._utterance:  # (else already being committed; _commit reads tail_text)
                 speech_end = self._arrivals.time_of(utterance.pause)
-                await self._emit(TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language))
+                tail = TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language, verdict)
+                await self._emit(tail)  # a speculative reply may take the verdict, to read it from its own prefill
+            asked = verdict is not None and self._ask_the_llm(utterance, verdict)
             if turn_end is None and not asked and not is_filler(utterance.text()) and self._sound_matters(utterance):
                 turn_end = asyncio.ensure_future(self._detect_turn_end(whole))  # no LLM verdict will come
                 utterance.sound_asked = True

@@ -120,3 +120,74 @@ def test_no_prompt_logprobs_unless_asked(engine, prompts):
 def test_prompt_logprobs_from_must_be_a_position_with_a_token_before_it():
     with pytest.raises(ValueError, match="prompt_logprobs_from"):
         SamplingParams(prompt_logprobs_from=0)
+
+
+@pytest.fixture(scope="module")
+def hf_distributions(model_path):
+    """Each position's next-token log-probabilities over the vocabulary, from transformers (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, local_files_only=True).eval()
+
+    def ref(prompt: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+    return ref
+
+
+def distributions(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    """Each request's ``prompt_top_logprobs`` (all requests in the engine at once)."""
+    ids = [engine.add_request(None, p, q) for p, q in zip(prompts, params, strict=True)]
+    found: dict[str, tuple] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            if out.prompt_top_logprobs is not None:
+                assert out.request_id not in found, "they come once, with the first token"
+                found[out.request_id] = out.prompt_top_logprobs
+    return [found.get(i) for i in ids]
+
+
+def test_prompt_top_logprobs_and_named_tokens_equal_transformers(make_engine, prompts, hf_distributions):
+    """What a voice reply reads at the user's last word (the end-of-turn verdict): the likeliest tokens there and a
+    named token's log-probability whatever its rank, from the reply's own prefill, batched beside a request that
+    asks for none, with a prefix that was cached, and chunked."""
+    prompt = max(prompts, key=len)
+    at = len(prompt) - 3  # the position whose next token (prompt[at]) is scored
+    expected = hf_distributions(prompt)[at - 1]
+    rare = int(expected.argsort()[len(expected) // 2])  # a token of middling rank, far outside any top 20
+    params = SamplingParams(
+        max_tokens=2,
+        prompt_logprobs_from=at,
+        prompt_logprobs_to=at + 1,
+        prompt_top_logprobs=5,
+        prompt_logprobs_token_ids=(rare, int(prompt[at])),
+    )
+    for engine in (make_engine(block_size=4), make_engine(max_num_batched_tokens=8, enable_prefix_caching=False)):
+        engine.generate([prompt[: at + 1]], SamplingParams(max_tokens=1))  # its start is in the prefix cache now
+        found, plain = distributions(engine, [prompt, prompts[0]], [params, SamplingParams(max_tokens=2)])
+        assert plain is None
+        (position,) = found
+        assert position.token_id == prompt[at] and abs(position.logprob - expected[prompt[at]].item()) < 2e-3
+        want_top = expected.topk(5)
+        assert [t for t, _ in position.top] == want_top.indices.tolist()
+        assert max(abs(lp - w) for (_, lp), w in zip(position.top, want_top.values.tolist(), strict=True)) < 2e-3
+        assert [t for t, _ in position.named] == [rare, prompt[at]]
+        assert abs(position.named[0][1] - expected[rare].item()) < 5e-3
+        assert position.named[1][1] == position.logprob
+
+
+def test_prompt_distributions_need_scored_positions_and_known_tokens(engine, prompts):
+    with pytest.raises(ValueError, match="prompt_logprobs_from"):
+        SamplingParams(prompt_top_logprobs=3)
+    with pytest.raises(ValueError, match="prompt_top_logprobs"):
+        SamplingParams(prompt_logprobs_from=2, prompt_top_logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs_token_ids"):
+        SamplingParams(prompt_logprobs_from=2, prompt_logprobs_token_ids=(-1,))
+    vocab = engine.runner.model.args.vocab_size
+    rid = engine.add_request(
+        None, prompts[0], SamplingParams(prompt_logprobs_from=2, prompt_logprobs_token_ids=(vocab,))
+    )
+    (out,) = [o for o in engine.step() if o.request_id == rid]
+    assert out.finish_reason == "error" and "prompt_logprobs_token_ids" in out.error

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from app.stages.base import StandAlone
+from app.stages.base import StandAlone, TurnEndVerdict
 from app.stages.llm import EngineChatLLM, GenerationSettings
 from engine.config import EngineConfig
 
@@ -85,3 +85,37 @@ async def test_a_follow_up_is_answered_with_its_exchange_and_a_question_of_its_o
     assert (follow_up_by, own_by) == ("follow-up", "own-alone")
     assert llm._engine_ids == {} and llm.engine.engine.stats()["kv_blocks_used"] == 0
     assert llm.engine.engine.stats()["requests_aborted_total"] == aborted_before + 2
+
+
+async def _read_by_reply(llm, messages: list[dict], request_id: str) -> tuple[float | None, str]:
+    """The verdict a reply to ``messages`` reads from its own prefill, and the reply's text."""
+    verdict = TurnEndVerdict()
+    position = llm.turn_end_position(messages)
+    assert position is not None
+    verdict.take(position)
+    text = "".join([delta async for delta in llm.stream_reading_turn_end(messages, request_id, verdict)])
+    return await verdict.wait(), text
+
+
+@pytest.mark.parametrize(("finished", "cut"), PAIRS[:3])
+async def test_a_reply_reads_the_verdict_from_its_own_prefill_as_the_verdict_asked_apart(llm, finished, cut):
+    """One prefill for both (``TurnEndVerdict``): the reply's prompt up to the user's last word is the verdict's,
+    so the distribution there gives the same P; and the reply is written (its greedy tokens may differ from a plain
+    ``stream``'s: bfloat16 sums differ a little where the prefix cache served other positions)."""
+    for words in (finished, cut, finished.rstrip(".?")):
+        messages = [*CONVERSATION, {"role": "user", "content": words}]
+        apart = await llm.end_of_turn_probability(CONVERSATION, words)
+        read, text = await _read_by_reply(llm, messages, f"read-{words}")
+        # the same P up to bfloat16 sums (batched or cached differently): well within what the endpoint's rule sees
+        assert math.log10(read) == pytest.approx(math.log10(apart), abs=0.3), (words, read, apart)
+        assert text.strip()
+    assert llm.engine.engine.stats()["kv_blocks_used"] == 0
+
+
+async def test_a_reply_whose_prompt_does_not_continue_the_verdict_s_reads_none(llm):
+    assert llm.turn_end_position([*CONVERSATION, {"role": "user", "content": " ?"}]) is None  # no words
+    assert llm.turn_end_position([*CONVERSATION, {"role": "assistant", "content": "Hi."}]) is None  # not the user's
+    verdict = TurnEndVerdict()  # (not taken): the reply is written as ``stream`` writes it, the verdict None
+    messages = [*CONVERSATION, {"role": "user", "content": "What time is it?"}]
+    text = "".join([delta async for delta in llm.stream_reading_turn_end(messages, "untaken", verdict)])
+    assert text and await verdict.wait() is None

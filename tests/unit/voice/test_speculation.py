@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fakes import StandInReply
 
+from app.stages.base import TurnEndVerdict
 from app.voice.context import Fitted
 from app.voice.speculation import Speculation
 from app.voice.utterance import TailText
@@ -18,9 +19,9 @@ class HeldReply(StandInReply):
 
     speech_end = 0.0
 
-    def start(self, messages: list[dict], *, released: bool, alone: list[dict] | None = None) -> None:
+    def start(self, messages: list[dict], *, released: bool, alone: list[dict] | None = None, turn_end=None) -> None:
         self.log.append("start (released)" if released else "start (held)")
-        self.messages, self.alone = messages, alone
+        self.messages, self.alone, self.turn_end = messages, alone, turn_end
 
 
 class Scene:
@@ -32,21 +33,31 @@ class Scene:
         self.made: list[HeldReply] = []
         self.languages: list[str | None] = []
         self.speculation = Speculation(self, language=lambda: self.language)
+        self.weighs = True  # whether replies may be written from the words alone (``alone_prompt``)
+        self.reads_turn_end = True  # whether the LLM can read the end-of-turn verdict from a reply's prefill
 
     def prompt(self, user_text: str, language: str | None) -> Fitted:
         cut = max(0, len(user_text) - self.max_chars)
         return Fitted([{"role": "user", "content": user_text[: self.max_chars]}], truncated_chars=cut)
 
-    def alone_prompt(self, user_text: str, language: str | None, related: list[dict]) -> list[dict]:
+    def alone_prompt(self, user_text: str, language: str | None, related: list[dict]) -> list[dict] | None:
+        if not self.weighs:
+            return None
         return [{"role": "system", "content": f"Answer in {language}."}, {"role": "user", "content": user_text}]
+
+    def take_turn_end(self, verdict: TurnEndVerdict | None, messages: list[dict]) -> TurnEndVerdict | None:
+        if verdict is None or not self.reads_turn_end:
+            return None
+        verdict.take(len(messages))
+        return verdict
 
     def new(self, turn_id: int, user_text: str, language: str | None) -> HeldReply:
         self.languages.append(language)
         self.made.append(HeldReply(turn_id, user_text))
         return self.made[-1]
 
-    async def pause(self, text: str, speech_end: float = 5.0) -> None:
-        await self.speculation.start(TailText(turn_id=1, text=text, speech_end=speech_end))
+    async def pause(self, text: str, speech_end: float = 5.0, verdict: TurnEndVerdict | None = None) -> None:
+        await self.speculation.start(TailText(turn_id=1, text=text, speech_end=speech_end, verdict=verdict))
 
 
 async def test_a_tail_starts_a_held_reply_in_the_turn_s_language():
@@ -107,3 +118,35 @@ async def test_cancel_and_take_without_a_speculation_do_nothing():
     await scene.speculation.cancel()
     assert await scene.speculation.take("Hi.") is None
     assert not scene.made and not scene.speculation.running
+
+
+async def test_a_plain_reply_takes_the_end_of_turn_verdict_to_read_from_its_prefill():
+    """One prefill for the reply and the verdict (``TurnEndVerdict``): taken by the reply written from the
+    conversation; not by one that may be written from the words alone (two requests), nor where the LLM cannot read
+    it, nor for a tail that offers none: then the tracker asks the LLM apart."""
+    scene = Scene()
+    scene.weighs = False
+    offered = TurnEndVerdict()
+    await scene.pause("What time is it?", verdict=offered)
+    assert scene.made[-1].turn_end is offered and offered.taken and offered.position == 1
+
+    scene.weighs = True
+    offered = TurnEndVerdict()
+    await scene.pause("What time is it now?", verdict=offered)
+    assert scene.made[-1].turn_end is None and not offered.taken
+
+    scene.weighs, scene.reads_turn_end = False, False
+    offered = TurnEndVerdict()
+    await scene.pause("What time is it in Oslo?", verdict=offered)
+    assert scene.made[-1].turn_end is None and not offered.taken
+
+    scene.reads_turn_end = True
+    await scene.pause("Is it late?")
+    assert scene.made[-1].turn_end is None
+
+
+async def test_an_over_long_tail_takes_no_verdict():
+    scene = Scene(max_chars=10)
+    offered = TurnEndVerdict()
+    await scene.pause("Tell me everything about the history of Rome.", verdict=offered)
+    assert not scene.made and not offered.taken

@@ -62,15 +62,33 @@ def test_the_combination_grows_with_each_signal_and_is_the_sound_s_alone_without
 
 
 # ------------------------------------------------------------------ in a conversation
-async def test_a_command_ends_after_the_short_silence(conversation):
+# how the verdict comes: from the speculative reply's own prefill (the engine's way), or asked apart
+READ_BY_REPLY = pytest.mark.parametrize("read_by_reply", [True, False], ids=["read by the reply", "asked apart"])
+
+
+@READ_BY_REPLY
+async def test_a_command_ends_after_the_short_silence(conversation, read_by_reply):
     conv = conversation(turn_probability=SOUND_MISJUDGES, text_probability=0.4, system_prompt="Be brief.")
+    conv.llm.reads_turn_end = read_by_reply
     await conv.speak(1.0, COMMAND)
     waited_ms = await conv.silence_until(committed(conv)) * 1000
     assert COMPLETE_MS <= waited_ms <= COMPLETE_MS + VAD_WINDOW_MS + FRAME_MS
-    [(asked_with, words)] = conv.llm.turn_end_asked  # with the conversation its reply is asked with
+    # one way or the other, never both; with the conversation its reply is asked with
+    read, asked = conv.llm.turn_end_read, conv.llm.turn_end_asked
+    [(asked_with, words)] = read if read_by_reply else asked
+    assert not (asked if read_by_reply else read)
     assert words == COMMAND and asked_with[0] == {"role": "system", "content": "Be brief."}
     await conv.settle()
     assert conv.of(protocol.TurnDone)[-1].metrics.turn_text_probability == 0.4
+
+
+async def test_without_a_speculative_reply_the_verdict_is_asked_apart(conversation):
+    conv = conversation(turn_probability=SOUND_MISJUDGES, text_probability=0.4, speculative_reply=False)
+    conv.llm.reads_turn_end = True
+    await conv.speak(1.0, COMMAND)
+    waited_ms = await conv.silence_until(committed(conv)) * 1000
+    assert COMPLETE_MS <= waited_ms <= COMPLETE_MS + VAD_WINDOW_MS + FRAME_MS
+    assert [words for _, words in conv.llm.turn_end_asked] == [COMMAND] and conv.llm.turn_end_read == []
 
 
 @pytest.mark.parametrize("how", ["remote LLM", "turned off", "failed"])
@@ -90,8 +108,10 @@ async def test_without_the_llm_s_signal_a_command_waits_as_the_sound_says(conver
     assert bool(conv.llm.turn_end_asked) == (how == "failed")
 
 
-async def test_a_mid_clause_pause_both_signals_doubt_waits(conversation):
+@READ_BY_REPLY
+async def test_a_mid_clause_pause_both_signals_doubt_waits(conversation, read_by_reply):
     conv = conversation(turn_probability=SOUND_MISJUDGES, text_probability=1e-9)
+    conv.llm.reads_turn_end = read_by_reply
     await conv.speak(1.0, "I would like to hear")
     await conv.silence(0.9)
     assert not conv.finals()
@@ -106,22 +126,28 @@ async def test_words_that_end_mid_clause_are_not_asked_about(conversation):
     assert conv.llm.turn_end_asked == []
 
 
-async def test_a_late_llm_leaves_the_endpoint_to_the_other_cues_after_a_short_wait(conversation):
+@READ_BY_REPLY
+async def test_a_late_llm_leaves_the_endpoint_to_the_other_cues_after_a_short_wait(conversation, read_by_reply):
     conv = conversation(turn_probability=0.95, text_probability=1e-9, turn_text_wait_ms=400)
+    conv.llm.reads_turn_end = read_by_reply
     conv.llm.text_turn_gate = asyncio.Event()  # the engine is busy: no verdict comes
     await conv.speak(1.0, COMMAND)
     waited_ms = await conv.silence_until(committed(conv)) * 1000
     # the sound says the turn is over: the endpoint waits for the LLM until 400 ms of silence, no longer
     assert 400 <= waited_ms <= 400 + VAD_WINDOW_MS + 2 * FRAME_MS
-    assert conv.llm.turn_end_cancelled == 1  # its request is aborted at the commit
+    # a verdict asked apart is aborted at the commit; one the reply reads is the reply's, which goes on
+    assert conv.llm.turn_end_cancelled == (0 if read_by_reply else 1)
+    conv.llm.text_turn_gate.set()  # the engine gets to the reply (and the verdict it reads: too late to count)
     await conv.settle()
     metrics = conv.of(protocol.TurnDone)[-1].metrics
     # the words' own cue decided: the sound is not asked for a late verdict (it made the endpoint ~200 ms later)
     assert metrics.turn_text_probability is None and metrics.turn_probability is None
 
 
-async def test_a_verdict_within_the_wait_still_holds_a_mid_clause_pause(conversation):
+@READ_BY_REPLY
+async def test_a_verdict_within_the_wait_still_holds_a_mid_clause_pause(conversation, read_by_reply):
     conv = conversation(turn_probability=0.95, text_probability=1e-9, turn_text_wait_ms=400)
+    conv.llm.reads_turn_end = read_by_reply
     conv.llm.text_turn_gate = gate = asyncio.Event()
     await conv.speak(1.0, "Read me the latest")  # sounds finished; the LLM reads it as not
     await conv.silence(0.3)
