@@ -28,23 +28,28 @@ def hf_logprobs(model_path):
     return ref
 
 
+def first_outputs(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    """Each request's output that brought its first token (the prompt's scores come with it, once), all requests
+    in the engine at once."""
+    ids = [engine.add_request(None, p, q) for p, q in zip(prompts, params, strict=True)]
+    found: dict[str, object] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            if out.token_ids_delta and out.request_id not in found:
+                found[out.request_id] = out
+            else:
+                assert out.prompt_logprobs is None and out.prompt_top_logprobs is None, "they come once"
+    return [found[i] for i in ids]
+
+
 def scored(
     engine: LLMEngine, prompts: list[list[int]], first: int | list[int], to: int | None = None
 ) -> list[tuple[float, ...]]:
     """Each prompt's log-probabilities from ``first`` on (to ``to``), all requests in the engine at once."""
     firsts = first if isinstance(first, list) else [first] * len(prompts)
-    ids = [
-        engine.add_request(None, p, SamplingParams(max_tokens=2, prompt_logprobs_from=f, prompt_logprobs_to=to))
-        for p, f in zip(prompts, firsts, strict=True)
-    ]
-    found: dict[str, tuple[float, ...]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.finish_reason != "error", out.error
-            if out.prompt_logprobs is not None:
-                assert out.request_id not in found, "prompt log-probabilities come once"
-                found[out.request_id] = out.prompt_logprobs
-    return [found[i] for i in ids]
+    params = [SamplingParams(max_tokens=2, prompt_logprobs_from=f, prompt_logprobs_to=to) for f in firsts]
+    return [out.prompt_logprobs for out in first_outputs(engine, prompts, params)]
 
 
 def close(found, expected) -> None:
@@ -136,19 +141,6 @@ def hf_distributions(model_path):
     return ref
 
 
-def distributions(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
-    """Each request's ``prompt_top_logprobs`` (all requests in the engine at once)."""
-    ids = [engine.add_request(None, p, q) for p, q in zip(prompts, params, strict=True)]
-    found: dict[str, tuple] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.finish_reason != "error", out.error
-            if out.prompt_top_logprobs is not None:
-                assert out.request_id not in found, "they come once, with the first token"
-                found[out.request_id] = out.prompt_top_logprobs
-    return [found.get(i) for i in ids]
-
-
 def test_prompt_top_logprobs_and_named_tokens_equal_transformers(make_engine, prompts, hf_distributions):
     """What a voice reply reads at the user's last word (the end-of-turn verdict): the likeliest tokens there and a
     named token's log-probability whatever its rank, from the reply's own prefill, batched beside a request that
@@ -166,9 +158,9 @@ def test_prompt_top_logprobs_and_named_tokens_equal_transformers(make_engine, pr
     )
     for engine in (make_engine(block_size=4), make_engine(max_num_batched_tokens=8, enable_prefix_caching=False)):
         engine.generate([prompt[: at + 1]], SamplingParams(max_tokens=1))  # its start is in the prefix cache now
-        found, plain = distributions(engine, [prompt, prompts[0]], [params, SamplingParams(max_tokens=2)])
-        assert plain is None
-        (position,) = found
+        found, plain = first_outputs(engine, [prompt, prompts[0]], [params, SamplingParams(max_tokens=2)])
+        assert plain.prompt_top_logprobs is None and plain.prompt_logprobs is None
+        (position,) = found.prompt_top_logprobs
         assert position.token_id == prompt[at] and abs(position.logprob - expected[prompt[at]].item()) < 2e-3
         want_top = expected.topk(5)
         assert [t for t, _ in position.top] == want_top.indices.tolist()
