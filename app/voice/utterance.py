@@ -422,21 +422,17 @@ class UtteranceTracker:
             and not looks_unfinished(text, utterance.language)
         )
 
-    def _ask_the_llm(self, utterance: _Utterance, verdict: TurnEndVerdict) -> bool:
-        """Await the LLM's verdict on whether the words end the turn: from the speculative reply that took
-        ``verdict``, else asked apart (``TextTurnEnd``). True: asked.
+    def _ask_the_llm(self, utterance: _Utterance, verdict: TurnEndVerdict) -> None:
+        """Await the LLM's verdict on whether the words end the turn (where ``_llm_asked``): from the speculative
+        reply that took ``verdict``, else asked apart (``TextTurnEnd``).
 
         Apart from the tail's task: a commit never waits for this verdict (``_commit`` waits for the
         words), and the endpoint waits for it only until the silence reaches ``text_wait_ms`` (``_maybe_commit``): a
         busy engine (several users) then costs a confident turn end at most that silence, not the LLM's delay.
         """
-        judge, text = self._text_turn_end, utterance.text()
-        if judge is None:
-            return False
         utterance.text_asked_at = self._clock.now()
-        ask = verdict.wait if verdict.taken else functools.partial(judge, text)
+        ask = verdict.wait if verdict.taken else functools.partial(self._text_turn_end, utterance.text())
         utterance.text_task = asyncio.create_task(self._llm_verdict(utterance, ask), name="llm-turn-end")
-        return True
 
     async def _llm_verdict(self, utterance: _Utterance, ask: Callable[[], Awaitable[float | None]]) -> None:
         started = self._clock.now()
@@ -515,7 +511,9 @@ class UtteranceTracker:
                 speech_end = self._arrivals.time_of(utterance.pause)
                 tail = TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language, verdict)
                 await self._emit(tail)  # a speculative reply may take the verdict, to read it from its own prefill
-            asked = verdict is not None and self._ask_the_llm(utterance, verdict)
+            asked = verdict is not None
+            if verdict is not None:
+                self._ask_the_llm(utterance, verdict)
             if turn_end is None and not asked and not is_filler(utterance.text()) and self._sound_matters(utterance):
                 turn_end = asyncio.ensure_future(self._detect_turn_end(whole))  # no LLM verdict will come
                 utterance.sound_asked = True
