@@ -111,6 +111,21 @@ class Settings(BaseSettings):
         description="the conversation is sent only with words it makes at least this much likelier "
         "(mean nats a token, by the LLM on this machine), 0: always " + POLICY_DEFAULT,
     )
+    history_relevance_margin_nats: float = Field(
+        0.3,
+        ge=0.0,
+        le=10.0,
+        description="a spoken reply starts on the one prompt the words heard so far choose when their gain is at "
+        "least this far from history_relevance_nats (weighed while the user spoke); nearer, see "
+        "history_relevance_spoken",
+    )
+    history_relevance_spoken: Literal["heard", "both"] = Field(
+        "heard",
+        description="a spoken turn whose words heard so far did not choose (too few heard, or too near "
+        "history_relevance_nats): 'heard' keeps the conversation, so its reply starts as soon as an unweighed one; "
+        "'both' starts the reply on both prompts to weigh all the words (its first token ~100 ms later on two cores). Typed turns "
+        "always weigh all their words",
+    )
     llm_max_tokens: int | None = Field(None, ge=1, le=4096, description=POLICY_DEFAULT)
     llm_temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy " + POLICY_DEFAULT)
     llm_top_p: float | None = Field(None, gt=0.0, le=1.0, description=POLICY_DEFAULT)

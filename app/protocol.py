@@ -283,6 +283,10 @@ class TurnMetrics(BaseModel):
         "history_relevance_nats the reply was written without it",
     )
     history_left_out: bool = Field(False, description="the reply was written without the conversation (it gained less)")
+    history_weighed_early: bool = Field(
+        False,
+        description="history_gain_nats is that of the words heard while the user spoke (the reply started on one prompt)",
+    )
     speculative: bool = Field(False, description="the reply was started before the endpoint and released")
     barge_in: bool = Field(False, description="the user interrupted the reply")
     # The reply guards (``app.voice.reply``): how often each cut this turn's reply short. Absent when none did.

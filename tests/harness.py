@@ -99,9 +99,13 @@ class ScriptedLLM:
             self.cores_lent -= 1
 
     async def warm(self, messages, tools=None, *, score_words=False):
+        """Recorded; with ``score_words``, the words' mean log-probability as ``stream_weighed`` finds it."""
         self.warmed.append([dict(m) for m in messages])
         self.warmed_tools.append(tools)
         self.warmed_scored.append(score_words)
+        if score_words:
+            return self.words_logprobs.get((messages[-2]["role"] if len(messages) > 1 else "", messages[-1]["content"]))
+        return None
 
     async def end_of_turn_probability(self, messages, user_text):
         self.turn_end_asked.append((([dict(m) for m in messages]), user_text))

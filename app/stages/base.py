@@ -196,10 +196,13 @@ class LocalScheduling(Protocol):
         """While open, another model (the end-of-turn model) runs on one core: the LLM steps on the others."""
         ...
 
-    async def warm(self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False) -> None:
+    async def warm(
+        self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False
+    ) -> float | None:
         """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache); ``tools``:
         the later request's, which change how the prompt is rendered (``ToolCalling``); ``score_words``: also the
-        scores of the last user message's words that ``stream_weighed`` reads."""
+        scores of the last user message's words that ``stream_weighed`` reads, and return their mean log-probability
+        a token (None without ``score_words``, or where they could not be scored)."""
         ...
 
     async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:

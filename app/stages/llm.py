@@ -290,12 +290,15 @@ class EngineChatLLM:
     def core_lent(self) -> AbstractContextManager[None]:
         return self.engine.core_lent()
 
-    async def warm(self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False) -> None:
+    async def warm(
+        self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False
+    ) -> float | None:
         """Prefill ``messages`` (no generation prompt: the next prompt continues them) for one token, so
         their full KV blocks are in the prefix cache when the next turn's prompt arrives; rendered as a request with
         ``tools`` renders them (the tools in the template or a system note, earlier calls as the format writes them).
         ``score_words``: also score the last (user) message's words, for ``stream_weighed`` to find them scored
-        (``engine.prompt_scores``): the words it would otherwise compute again."""
+        (``engine.prompt_scores``): the words it would otherwise compute again; their mean log-probability a token is
+        returned (None without ``score_words`` or where they could not be scored)."""
         from engine import SamplingParams
 
         span = self._words_span(messages) if score_words and tools is None else None
@@ -306,8 +309,10 @@ class EngineChatLLM:
             prompt = self.engine.apply_chat_template(plan.messages, add_generation_prompt=False, tools=plan.tools)
         scored = {} if span is None else {"prompt_logprobs_from": span[0], "prompt_logprobs_to": span[0] + span[1]}
         params = SamplingParams(max_tokens=1, **scored)
-        async for _ in self._text(prompt, params, f"warm-{uuid.uuid4().hex}"):
-            pass
+        first = None
+        async for output in self._outputs(prompt, params, f"warm-{uuid.uuid4().hex}"):
+            first = first or output
+        return None if span is None or first is None else _mean_of_words(first, span)
 
     async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:
         """How likely the user's words end here: P(the template's end-of-turn token) + P(a sentence's end), after

@@ -186,12 +186,17 @@ class Reply:
         released: bool,
         alone: list[Message] | None = None,
         turn_end: TurnEndVerdict | None = None,
+        weighed: float | None = None,
     ) -> None:
         """Produce the reply to ``messages``; ``alone``: the user's words without the conversation, answered instead
         when the LLM finds the words stand alone (``history_relevance_nats``; the first round, without tools);
         ``turn_end``: the end-of-turn verdict this (speculative) reply reads from its prefill, taken for it
-        (``ReplyFactory.take_turn_end``); it is set with the first token, or to None if the reply never gets there."""
+        (``ReplyFactory.take_turn_end``); it is set with the first token, or to None if the reply never gets there;
+        ``weighed``: the gain on which ``messages`` were chosen before the reply (``ReplyFactory.weigh``), reported."""
         self._turn_end = turn_end
+        if weighed is not None:
+            self.metrics.history_weighed_early = True
+            self._on_weighed(weighed)
         self.released = released
         if released:
             self._released.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from app import protocol
 from app.config import Settings
@@ -24,6 +25,34 @@ from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunne
 from app.voice.warmup import WarmPrefix
 
 OnMetrics = Callable[[protocol.TurnMetrics], None]
+
+
+@dataclass(frozen=True)
+class Weighing:
+    """What a reply starts on (``ReplyFactory.weigh``): ``messages``, and ``alone`` where the reply still weighs the
+    words itself (``Reply.start``); ``gain``: the gain the choice was made on before the reply (None: not made)."""
+
+    messages: list[Message]
+    alone: list[Message] | None = None
+    gain: float | None = None
+
+
+def weigh_heard(
+    related: list[Message],
+    alone: list[Message] | None,
+    heard_gain: float | None,
+    *,
+    threshold: float,
+    margin: float,
+    undecided_both: bool = True,
+) -> Weighing:
+    """``ReplyFactory.weigh`` with its settings given: ``heard_gain`` chooses one prompt where it is ``margin`` or more
+    from ``threshold`` (under it: ``alone``), else the reply weighs both (``undecided_both``) or keeps ``related``."""
+    if alone is None:
+        return Weighing(related)
+    if heard_gain is None or abs(heard_gain - threshold) < margin:
+        return Weighing(related, alone) if undecided_both else Weighing(related)
+    return Weighing(alone if heard_gain < threshold else related, gain=heard_gain)
 
 
 class ReplyFactory:
@@ -90,6 +119,24 @@ class ReplyFactory:
         if alone.truncated_chars or alone.messages == related:
             return None
         return alone.messages
+
+    def weigh(
+        self, related: list[Message], alone: list[Message] | None, heard_gain: float | None, *, spoken: bool
+    ) -> Weighing:
+        """The prompt a reply starts on: ``related`` (the conversation and the words) where ``alone`` is None (no
+        weighing, ``alone_prompt``); else the one ``heard_gain`` chooses (the gain of the words heard so far,
+        ``PrefixWarmup.heard_gain``) where it is ``history_relevance_margin_nats`` or more from the threshold; else
+        both, for the reply to weigh all the words (``Reply.start``), but for a ``spoken`` turn with
+        ``history_relevance_spoken`` "heard": it keeps the conversation (the default before the weighing).
+
+        Why: a reply started on both prompts prefills the words twice at the pause, and the verdict apart (the first
+        token ~100 ms later on two cores); the words heard while the user spoke nearly always choose as all of them
+        do (README, "Conversation policy"), and the one prompt also reads the end-of-turn verdict (``take_turn_end``).
+        """
+        settings = self._settings()
+        threshold, margin = settings.history_relevance_nats or 0.0, settings.history_relevance_margin_nats
+        both = not spoken or settings.history_relevance_spoken == "both"
+        return weigh_heard(related, alone, heard_gain, threshold=threshold, margin=margin, undecided_both=both)
 
     def take_turn_end(self, verdict: TurnEndVerdict | None, messages: list[Message]) -> TurnEndVerdict | None:
         """``verdict`` taken, for the reply to ``messages`` to read from its prefill, where that reply can: the plain

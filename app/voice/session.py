@@ -95,7 +95,11 @@ class VoiceSession:
             pending_calls=self._pending_calls,
             client_results=client_tool_results,
         )
-        self._speculation = Speculation(self._replies, language=lambda: self._turn_language)
+        self._speculation = Speculation(
+            self._replies,
+            language=lambda: self._turn_language,
+            heard_gain=lambda text, related: self._warmup.heard_gain(text, related),
+        )
         self._barge_in = BargeIn(
             reply=lambda: self._reply,
             hear=lambda: self._tracker.transcribe_speech_so_far(),
@@ -174,7 +178,7 @@ class VoiceSession:
             self._continued.abandon()
             await self._interrupt_reply()
             now = self._clock.now()
-            await self._start_turn(next(self._turn_ids), message.text, speech_end=now, commit=now)
+            await self._start_turn(next(self._turn_ids), message.text, speech_end=now, commit=now, spoken=False)
         elif isinstance(message, protocol.Reset):
             self._continued.abandon()
             await self._interrupt_reply()
@@ -300,7 +304,15 @@ class VoiceSession:
 
     # ------------------------------------------------------------------ replies
     async def _start_turn(
-        self, turn_id: int, text: str, *, speech_end: float, commit: float, language: str | None = None, **figures
+        self,
+        turn_id: int,
+        text: str,
+        *,
+        speech_end: float,
+        commit: float,
+        language: str | None = None,
+        spoken: bool = True,
+        **figures,
     ) -> None:
         await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True, language=language))
         fitted = self._replies.prompt(text, self._turn_language)
@@ -312,7 +324,18 @@ class VoiceSession:
             await self._send_json(protocol.Notice(turn_id=turn_id, code="truncated", message=left_out))
         await self._tell_if_voiceless(turn_id)
         self._history.remember({"role": "user", "content": text})
-        self._answer(turn_id, text, fitted.messages, speech_end=speech_end, commit=commit, alone=alone, **figures)
+        heard_gain = self._warmup.heard_gain(text, fitted.messages) if spoken else None
+        weighing = self._replies.weigh(fitted.messages, alone, heard_gain, spoken=spoken)
+        self._answer(
+            turn_id,
+            text,
+            weighing.messages,
+            speech_end=speech_end,
+            commit=commit,
+            alone=weighing.alone,
+            weighed=weighing.gain,
+            **figures,
+        )
 
     def _answer(
         self,
@@ -323,15 +346,16 @@ class VoiceSession:
         speech_end: float,
         commit: float,
         alone: list[Message] | None = None,
+        weighed: float | None = None,
         **figures,
     ) -> None:
-        """Start the reply the user hears (``text``: what it answers, "" for the history's last results; ``alone``:
-        the words without the conversation, ``ReplyFactory.alone_prompt``)."""
+        """Start the reply the user hears (``text``: what it answers, "" for the history's last results; ``alone``
+        and ``weighed``: how the reply weighs the conversation, ``ReplyFactory.weigh``)."""
         reply = self._replies.new(turn_id, text, self._turn_language)
         reply.speech_end, reply.commit = speech_end, commit
         reply.metrics = reply.metrics.model_copy(update=figures)
         self._reply = reply
-        reply.start(messages, released=True, alone=alone)
+        reply.start(messages, released=True, alone=alone, weighed=weighed)
 
     async def _tell_if_voiceless(self, turn_id: int) -> None:
         notice = self._prefs.voiceless_notice(self._turn_language, turn_id)

@@ -12,15 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from app.stages.base import Message
 from app.voice.reply import Reply
 from app.voice.reply_factory import ReplyFactory
 from app.voice.utterance import TailText
 
 
 class Speculation:
-    def __init__(self, replies: ReplyFactory, language: Callable[[], str | None]) -> None:
-        """``language``: the language of the turn being answered, when known."""
-        self._replies, self._language = replies, language
+    def __init__(
+        self,
+        replies: ReplyFactory,
+        language: Callable[[], str | None],
+        heard_gain: Callable[[str, list[Message]], float | None] = lambda text, related: None,
+    ) -> None:
+        """``language``: the language of the turn being answered, when known; ``heard_gain``: what the words heard
+        so far gained from the conversation (``PrefixWarmup.heard_gain``)."""
+        self._replies, self._language, self._heard_gain = replies, language, heard_gain
         self._reply: Reply | None = None  # a reply to the utterance in progress, held back
 
     @property
@@ -40,8 +47,11 @@ class Speculation:
         reply.speech_end = tail.speech_end
         self._reply = reply
         alone = self._replies.alone_prompt(tail.text, language, fitted.messages)
-        turn_end = self._replies.take_turn_end(tail.verdict, fitted.messages) if alone is None else None
-        reply.start(fitted.messages, released=False, alone=alone, turn_end=turn_end)
+        weighing = self._replies.weigh(
+            fitted.messages, alone, self._heard_gain(tail.text, fitted.messages), spoken=True
+        )
+        turn_end = self._replies.take_turn_end(tail.verdict, weighing.messages) if weighing.alone is None else None
+        reply.start(weighing.messages, released=False, alone=weighing.alone, turn_end=turn_end, weighed=weighing.gain)
 
     async def cancel(self) -> None:
         reply, self._reply = self._reply, None

@@ -87,6 +87,25 @@ async def test_a_follow_up_is_answered_with_its_exchange_and_a_question_of_its_o
     assert llm.engine.engine.stats()["requests_aborted_total"] == aborted_before + 2
 
 
+async def test_the_warm_up_scores_the_words_as_the_weighed_reply_does(llm):
+    """``warm(score_words=True)`` returns the words' mean log-probability a token, which the prefix warm-up weighs the
+    words heard so far with (``PrefixWarmup.heard_gain``): the gain of the two prompts is ``stream_weighed``'s."""
+    exchange = [
+        {"role": "user", "content": "What is the capital of Italy?"},
+        {"role": "assistant", "content": "The capital of Italy is Rome."},
+    ]
+    said = {"role": "user", "content": "And what about Spain?"}
+    related, alone = [*CONVERSATION, *exchange, said], [*CONVERSATION, said]
+    warmed = await llm.warm(related, score_words=True) - await llm.warm(alone, score_words=True)
+    gains: list[float | None] = []
+    async for _ in llm.stream_weighed(related, StandAlone(alone, 1.4, gains.append), "weighed"):
+        pass
+    assert gains[0] is not None and abs(warmed - gains[0]) < 0.1  # the same scores (bfloat16 sums may differ)
+    assert warmed > 1.0  # a follow-up: 2.2 nats a token
+    assert await llm.warm(related) is None  # not asked to score
+    assert llm.engine.engine.stats()["kv_blocks_used"] == 0
+
+
 async def _read_by_reply(llm, messages: list[dict], request_id: str) -> tuple[float | None, str]:
     """The verdict a reply to ``messages`` reads from its own prefill, and the reply's text."""
     verdict = TurnEndVerdict()

@@ -242,3 +242,22 @@ async def test_with_the_setting_at_zero_or_words_it_cannot_score_the_conversatio
         unscored.clock.advance(5.0)
     assert unscored.llm.weighed == [("What is two plus two?", None)]
     assert len(unscored.llm.calls[-1]) == 4 and unscored.llm.calls[-1][-1]["content"] == "What is two plus two?"
+
+
+async def test_a_spoken_turn_starts_on_the_one_prompt_its_words_heard_so_far_chose(conversation):
+    """The prefix warm-up scored the words heard so far after the conversation and alone; where they clearly stand
+    alone, the reply starts on that prompt only: nothing is weighed at the pause, and the turn says on what it chose."""
+    conv = conversation(llm_pieces=["Four."], history_relevance_nats=1.0, max_history_messages=16)
+    await conv.type("What is the capital of Italy?")
+    conv.clock.advance(5.0)
+    conv.asr.partial = "What is two squared"  # (heard as far as the audio goes: "What is two")
+    conv.llm.words_logprobs = {("assistant", "What is two"): -2.4, ("system", "What is two"): -2.5}
+    await conv.speak(1.6, "What is two squared?")
+    assert conv.session._warmup.heard_gain("What is two squared?", conv.llm.warmed[-2]) == pytest.approx(0.1)
+    await conv.silence_until(lambda: conv.of(protocol.TurnDone)[1:])
+    assert conv.llm.weighed == []  # no reply weighed both prompts
+    assert [m["role"] for m in conv.llm.calls[-1]] == ["system", "user"]
+    assert conv.llm.calls[-1][-1]["content"] == "What is two squared?"
+    metrics = conv.of(protocol.TurnDone)[-1].metrics
+    assert metrics.history_weighed_early and metrics.history_left_out
+    assert metrics.history_gain_nats == pytest.approx(0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from fakes import FakeStages, ManualClock, ScriptedASR, run_inline
 from harness import ScriptedLLM
@@ -10,7 +11,7 @@ from harness import ScriptedLLM
 from app.config import Settings
 from app.voice.history import History
 from app.voice.prefs import Preferences
-from app.voice.reply_factory import ReplyFactory
+from app.voice.reply_factory import ReplyFactory, Weighing
 
 
 class Scene:
@@ -73,3 +74,31 @@ async def test_each_reply_has_its_own_request_and_reports_to_whoever_listens_by_
     for _ in range(30):
         await asyncio.sleep(0)
     assert scene.completed == [reply] and len(scene.metrics) == 1
+
+
+def test_the_words_heard_so_far_choose_one_prompt_only_when_clearly_on_one_side():
+    scene = Scene(history_relevance_nats=0.9, history_relevance_margin_nats=0.5, history_relevance_spoken="both")
+    related = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And Spain?"}]
+    alone = [{"role": "system", "content": "Be brief. (alone)"}, {"role": "user", "content": "And Spain?"}]
+    weigh = functools.partial(scene.factory.weigh, spoken=True)
+    # no weighing (the setting off, tools, a remote LLM: ``alone_prompt`` gave None): the conversation
+    assert weigh(related, None, 3.0) == Weighing(related)
+    # clearly related / clearly standing alone: the one prompt, with the gain it was chosen on
+    assert weigh(related, alone, 1.45) == Weighing(related, gain=1.45)
+    assert weigh(related, alone, 0.35) == Weighing(alone, gain=0.35)
+    assert weigh(related, alone, -2.0) == Weighing(alone, gain=-2.0)
+    # nearer the threshold than the margin, or nothing heard that stands for the words: the reply weighs both
+    for heard in (1.35, 0.45, 0.9, None):
+        assert weigh(related, alone, heard) == Weighing(related, alone)
+    scene.settings = scene.settings.model_copy(update={"history_relevance_margin_nats": 0.0})
+    assert weigh(related, alone, 0.9) == Weighing(related, gain=0.9)  # margin 0: always, on the threshold kept
+
+
+def test_a_spoken_turn_the_words_heard_did_not_choose_for_keeps_the_conversation_unless_set_to_weigh_both():
+    scene = Scene(history_relevance_nats=0.9)  # history_relevance_spoken "heard", the default
+    related = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    alone = [{"role": "system", "content": "Be brief. (alone)"}, {"role": "user", "content": "Why is the sky blue?"}]
+    for heard in (None, 1.0):
+        assert scene.factory.weigh(related, alone, heard, spoken=True) == Weighing(related)
+        assert scene.factory.weigh(related, alone, heard, spoken=False) == Weighing(related, alone)  # typed: both
+    assert scene.factory.weigh(related, alone, -0.5, spoken=True) == Weighing(alone, gain=-0.5)

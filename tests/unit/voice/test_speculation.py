@@ -10,6 +10,7 @@ from fakes import StandInReply
 
 from app.stages.base import TurnEndVerdict
 from app.voice.context import Fitted
+from app.voice.reply_factory import Weighing, weigh_heard
 from app.voice.speculation import Speculation
 from app.voice.utterance import TailText
 
@@ -19,9 +20,11 @@ class HeldReply(StandInReply):
 
     speech_end = 0.0
 
-    def start(self, messages: list[dict], *, released: bool, alone: list[dict] | None = None, turn_end=None) -> None:
+    def start(
+        self, messages: list[dict], *, released: bool, alone: list[dict] | None = None, turn_end=None, weighed=None
+    ) -> None:
         self.log.append("start (released)" if released else "start (held)")
-        self.messages, self.alone, self.turn_end = messages, alone, turn_end
+        self.messages, self.alone, self.turn_end, self.weighed = messages, alone, turn_end, weighed
 
 
 class Scene:
@@ -32,8 +35,12 @@ class Scene:
         self.language = "en"
         self.made: list[HeldReply] = []
         self.languages: list[str | None] = []
-        self.speculation = Speculation(self, language=lambda: self.language)
+        self.heard: dict[str, float] = {}  # what the words heard so far of each text gained from the conversation
+        self.speculation = Speculation(
+            self, language=lambda: self.language, heard_gain=lambda text, related: self.heard.get(text)
+        )
         self.weighs = True  # whether replies may be written from the words alone (``alone_prompt``)
+        self.undecided_both = True  # ``history_relevance_spoken`` "both"
         self.reads_turn_end = True  # whether the LLM can read the end-of-turn verdict from a reply's prefill
 
     def prompt(self, user_text: str, language: str | None) -> Fitted:
@@ -44,6 +51,10 @@ class Scene:
         if not self.weighs:
             return None
         return [{"role": "system", "content": f"Answer in {language}."}, {"role": "user", "content": user_text}]
+
+    def weigh(self, related: list[dict], alone: list[dict] | None, heard_gain: float | None, *, spoken) -> Weighing:
+        assert spoken  # a speculation answers speech
+        return weigh_heard(related, alone, heard_gain, threshold=0.9, margin=0.5, undecided_both=self.undecided_both)
 
     def take_turn_end(self, verdict: TurnEndVerdict | None, messages: list[dict]) -> TurnEndVerdict | None:
         if verdict is None or not self.reads_turn_end:
@@ -150,3 +161,30 @@ async def test_an_over_long_tail_takes_no_verdict():
     offered = TurnEndVerdict()
     await scene.pause("Tell me everything about the history of Rome.", verdict=offered)
     assert not scene.made and not offered.taken
+
+
+async def test_words_heard_while_the_user_spoke_start_the_reply_on_one_prompt_which_reads_the_verdict():
+    """Where the words heard so far clearly chose (``ReplyFactory.weigh``), the reply starts on that prompt alone,
+    and reads the end-of-turn verdict from it, the words-alone prompt too; where they did not, it weighs both."""
+    scene = Scene()
+    scene.heard = {"And Spain?": 2.4, "What time is it?": -0.6, "How tall is it?": 1.1}
+    offered = TurnEndVerdict()
+    await scene.pause("And Spain?", verdict=offered)
+    related = scene.made[-1]
+    assert related.messages == [{"role": "user", "content": "And Spain?"}] and related.alone is None
+    assert related.weighed == 2.4 and related.turn_end is offered and offered.position == 1
+
+    offered = TurnEndVerdict()
+    await scene.pause("What time is it?", verdict=offered)
+    alone = scene.made[-1]
+    assert alone.messages == [
+        {"role": "system", "content": "Answer in en."},
+        {"role": "user", "content": "What time is it?"},
+    ]
+    assert alone.alone is None and alone.weighed == -0.6 and alone.turn_end is offered and offered.position == 2
+
+    offered = TurnEndVerdict()
+    await scene.pause("How tall is it?", verdict=offered)  # 1.1: within the margin of 0.9
+    both = scene.made[-1]
+    assert both.messages == [{"role": "user", "content": "How tall is it?"}] and both.alone is not None
+    assert both.weighed is None and both.turn_end is None and not offered.taken

@@ -29,6 +29,7 @@ class Scene:
         self.truncated_chars = 0
         self.scored: list[bool] = []
         self.alone: list[dict] | None = None  # what alone_prompt says (None: the words are not weighed)
+        self.related_score, self.alone_score = -1.0, -2.5
         self.warmup = PrefixWarmup(
             lambda: self._warm if warms else None,
             settings=lambda: self.settings,
@@ -40,7 +41,7 @@ class Scene:
             ),
         )
 
-    async def _warm(self, messages, *, score_words: bool = False) -> None:
+    async def _warm(self, messages, *, score_words: bool = False) -> float | None:
         self.warmed.append(messages)
         self.scored.append(score_words)
         if self.gate is not None:
@@ -48,6 +49,10 @@ class Scene:
         if self.failure is not None:
             raise self.failure
         self.finished.append(messages)
+        if not score_words:
+            return None
+        # the words' mean log-probability a token: ``related_score`` after the conversation, else ``alone_score``
+        return self.alone_score if messages[0] == (self.alone or [None])[0] else self.related_score
 
     def _prompt(self, text: str) -> Fitted:
         return Fitted([*HISTORY, {"role": "user", "content": text}], truncated_chars=self.truncated_chars)
@@ -152,3 +157,40 @@ async def test_close_cancels_the_running_warm_up_and_starts_no_more():
     scene.warmup.words_so_far("What is")
     await scene.settle()
     assert scene.warmed == [HISTORY] and scene.finished == []
+
+
+ALONE = [{"role": "system", "content": "Be brief, alone."}]
+
+
+async def test_the_words_so_far_weighed_stand_for_a_turn_they_begin():
+    scene = Scene()
+    scene.alone = ALONE
+    scene.warmup.words_so_far("What is the capital")
+    await scene.settle()
+    gain = scene.warmup.heard_gain
+    related = said("What is the capital of France?")
+    assert gain("What is the capital of France?", related) == 1.5  # -1.0 against -2.5 a token
+    assert gain("what's the capital of France", related) is None  # other words
+    assert gain("What is the capital of the United Kingdom, please?", related) is None  # under half its words
+    assert gain("What is the capital of France?", [{"role": "system", "content": "Other."}, *related[1:]]) is None
+    scene.warmup.next_prompt()  # a reply was recorded: a new conversation to weigh words after
+    await scene.settle()
+    assert gain("What is the capital of France?", related) is None
+
+
+async def test_words_are_not_weighed_where_one_prompt_could_not_be_scored_or_the_warm_up_is_cut_short():
+    unscored = Scene()
+    unscored.alone, unscored.alone_score = ALONE, None
+    failing = Scene()
+    failing.alone, failing.failure = ALONE, RuntimeError("engine busy")
+    unweighed = Scene()  # alone_prompt gives None: no weighing at all
+    for scene in (unscored, failing, unweighed):
+        scene.warmup.words_so_far("What is the capital")
+        await scene.settle()
+        assert scene.warmup.heard_gain("What is the capital of France?", said("What is the capital of France?")) is None
+    cut = Scene()
+    cut.alone, cut.gate = ALONE, asyncio.Event()
+    cut.warmup.words_so_far("What is the capital")
+    await cut.settle()
+    await cut.warmup.close()  # the client went away between the two prompts
+    assert cut.warmup.heard_gain("What is the capital of France?", said("What is the capital of France?")) is None
