@@ -264,6 +264,11 @@ def summarize(records: list[TurnRecord], clients: int) -> dict:
         "asr_speed_min": min(asr_speed) if asr_speed else None,
         "transcripts_correct": sum(r.transcript_correct for r in records),
         "speculative_turns": sum(r.server.speculative for r in records),
+        # the history weighing (``history_relevance_nats``): turns weighed, answered without the conversation, and
+        # chosen by the words heard while the user spoke (the reply started on one prompt)
+        "weighed_turns": sum(r.server.history_gain_nats is not None for r in records),
+        "history_left_out": sum(r.server.history_left_out for r in records),
+        "weighed_from_words_heard": sum(r.server.history_weighed_early for r in records),
         "long_endpoints": sum((r.server.endpoint_ms or 0.0) >= LONG_ENDPOINT_MS for r in records),
         "split_questions": sum(r.split for r in records),
         "continued_questions": sum(r.continued for r in records),
@@ -315,6 +320,11 @@ def print_table(summary: dict) -> None:
         f"speculative replies used {summary['speculative_turns']}, questions split in two {summary['split_questions']}, "
         f"endpoints of {LONG_ENDPOINT_MS} ms or more (the mid-clause wait) {summary['long_endpoints']}"
     )
+    if summary["weighed_turns"]:
+        print(
+            f"conversation weighed in {summary['weighed_turns']} turns, left out of {summary['history_left_out']}; "
+            f"{summary['weighed_from_words_heard']} chosen by the words heard while the user spoke"
+        )
     if summary["continued_questions"] or summary["talked_over_questions"]:
         print(
             f"questions committed at a pause and then continued {summary['continued_questions']}, "

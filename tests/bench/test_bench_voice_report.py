@@ -133,3 +133,17 @@ def test_summary_reports_the_spread_and_the_turns_that_waited_the_mid_clause_sil
         summary["voice_to_voice_ms_p50"] < summary["voice_to_voice_ms_p90"] < summary["voice_to_voice_ms_p95"] < 1900.0
     )
     assert summary["endpoint_ms_max"] == 1210.0 and summary["server_voice_to_voice_ms_max"] == 1850.0
+
+
+def test_summary_counts_the_turns_the_history_weighing_chose_for(capsys):
+    """What the default policy did to the conversation: weighed, left out, and chosen from the words heard early."""
+    early, late, kept = record(0, 1, 400.0, 380.0), record(0, 2, 500.0, 480.0), record(1, 1, 450.0, 430.0)
+    early.server = early.server.model_copy(
+        update={"history_gain_nats": -0.4, "history_left_out": True, "history_weighed_early": True}
+    )
+    late.server = late.server.model_copy(update={"history_gain_nats": 0.2, "history_left_out": True})
+    kept.server = kept.server.model_copy(update={"history_gain_nats": 2.5})
+    summary = summarize([*RECORDS, early, late, kept], clients=2)
+    assert (summary["weighed_turns"], summary["history_left_out"], summary["weighed_from_words_heard"]) == (3, 2, 1)
+    voice.print_table(summary)
+    assert "conversation weighed in 3 turns, left out of 2; 1 chosen by the words heard" in capsys.readouterr().out
