@@ -248,9 +248,11 @@ class VoiceSession:
                 await self._send_json(protocol.SpeechStarted())
             case heard.Paused():
                 await self._send_json(protocol.SpeechStopped())
-            case heard.Partial(turn_id=turn_id, text=text):
-                await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=False))
-                self._warmup.words_so_far(text)
+            case heard.Partial(turn_id=turn_id, text=text, heard=hypothesis):
+                if text:
+                    await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=False))
+                if hypothesis:
+                    self._warmup.words_so_far(hypothesis)
             case heard.Speaking(speech_ms=speech_ms):
                 if self.prefs.barge_in and speech_ms >= self.settings.barge_in_ms:
                     await self._barge_in.speaking(speech_ms, confirm=self.settings.barge_in_confirm)

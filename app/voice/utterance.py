@@ -87,7 +87,8 @@ class Speaking:
 @dataclass(frozen=True)
 class Partial:
     turn_id: int
-    text: str  # grows monotonically within an utterance
+    text: str | None  # what to show: grows monotonically within an utterance (None: nothing new to show)
+    heard: str = ""  # the ASR's whole hypothesis so far, its last word perhaps cut: what the LLM prefills ahead
 
 
 @dataclass(frozen=True)
@@ -541,9 +542,10 @@ class UtteranceTracker:
         result = await self._transcribe(audio, context=utterance.stable_text, wait=False)
         if result is None or utterance is not self._utterance:
             return
-        shown = utterance.stabilizer.update(" ".join(p for p in (utterance.stable_text, result.text) if p))
-        if shown:
-            await self._emit(Partial(utterance.turn_id, shown))
+        hypothesis = " ".join(p for p in (utterance.stable_text, result.text) if p)
+        shown = utterance.stabilizer.update(hypothesis)
+        # shown: the words two hypotheses agree on, one partial behind; the warm-up takes the newest hypothesis
+        await self._emit(Partial(utterance.turn_id, shown or None, hypothesis.rstrip(".… ")))
 
     async def _maybe_commit(self, utterance: _Utterance) -> None:
         if utterance is not self._utterance or utterance.pause is None or self._vad.speech_pending:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -19,6 +18,7 @@ from app.config import Settings
 from app.stages.base import Message
 from app.voice.context import Fitted
 from app.voice.reply import cancel_task
+from app.voice.text import words as words_of
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,6 @@ otherwise than all the words, all for facts (6 kept the conversation: "What do c
 0.78; 2 left it out: "What is the fastest land" 0.49, all of it 1.27); no follow-up's or recalled fact's first
 words chose otherwise. With the margin 0.5: 122 chose, 4 otherwise; with two thirds of the words: 95 and 2.
 Partial transcripts come every 400 ms: a short turn ("And Spain?") often has none that long, and weighs both."""
-
-
-def _words(text: str) -> tuple[str, ...]:
-    """``text``'s words, lower case and bare of punctuation: a partial transcript ("What is the capital of") is a
-    prefix of the final one ("What is the capital of France?") in these."""
-    return tuple(re.findall(r"\w+(?:'\w+)*", text.lower()))
 
 
 @dataclass(frozen=True)
@@ -83,6 +77,7 @@ class PrefixWarmup:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._heard: HeardWeighed | None = None  # the last words so far both prompts scored
+        self._words_warmed: str | None = None  # the last words so far prefilled
 
     def next_prompt(self) -> None:
         """Prefill what the next turn's prompt will start with, while the user listens.
@@ -95,7 +90,7 @@ class PrefixWarmup:
         if warm is None or self._closed or self._settings().max_history_messages <= 0:
             return
         upcoming = self._upcoming_prefix()
-        self._heard = None  # a new conversation to weigh words after
+        self._heard, self._words_warmed = None, None  # a new conversation to weigh words after
         if self._task is not None:
             self._task.cancel()
         self._task = asyncio.create_task(self._run(warm, [upcoming]), name="llm-warm")
@@ -115,9 +110,12 @@ class PrefixWarmup:
             return
         if self._llm_needed() or (self._task is not None and not self._task.done()):
             return
+        if text == self._words_warmed:
+            return  # the same words as at the last partial: prefilled (and weighed) already
         fitted = self._prompt(text)
         if fitted.truncated_chars:
             return
+        self._words_warmed = text
         alone = self._alone_prompt(text, fitted.messages)
         if alone is None:
             self._task = asyncio.create_task(self._run(warm, [fitted.messages]), name="llm-warm-words")
@@ -127,18 +125,20 @@ class PrefixWarmup:
     def heard_gain(self, text: str, related: list[Message]) -> float | None:
         """How much likelier the conversation made the words heard so far, where they stand for ``text``'s (the
         turn's words, answered with ``related``, the prompt with the conversation): weighed after the same
-        conversation, and their words begin ``text``'s and are at least ``MIN_HEARD_SHARE`` of them. None otherwise.
+        conversation, and their words begin ``text``'s (the last one may be the start of its word) and are at least
+        ``MIN_HEARD_SHARE`` of them. None otherwise.
 
         Why: the reply then starts on the one prompt it would choose (``ReplyFactory.weigh``) instead of on both,
-        whose second prefill at the pause costs the first token ~60 ms on two cores (README, "Conversation policy").
+        whose second prefill at the pause costs the first token ~100 ms on two cores (README, "Conversation policy").
         """
         heard = self._heard
         if heard is None or heard.related != related[:-1]:
             return None
-        words = _words(text)
-        if len(heard.words) < MIN_HEARD_SHARE * len(words) or words[: len(heard.words)] != heard.words:
+        words, count = tuple(words_of(text)), len(heard.words)
+        if not MIN_HEARD_SHARE * len(words) <= count <= len(words) or words[: count - 1] != heard.words[:-1]:
             return None
-        return heard.gain
+        # the hypothesis's last word may be cut with its audio ("sk" for "sky"): its start is enough
+        return heard.gain if words[count - 1].startswith(heard.words[-1]) else None
 
     async def close(self) -> None:
         """No more warm-ups (the client is gone); the one running is cancelled."""
@@ -156,8 +156,9 @@ class PrefixWarmup:
         except Exception:  # only an optimisation: the reply weighs the words itself
             log.debug("prefix warm-up failed", exc_info=True)
             return
-        if scores[0] is not None and scores[1] is not None and _words(text):
-            self._heard = HeardWeighed(related[:-1], _words(text), scores[0] - scores[1])
+        heard = tuple(words_of(text))
+        if scores[0] is not None and scores[1] is not None and heard:
+            self._heard = HeardWeighed(related[:-1], heard, scores[0] - scores[1])
 
     @staticmethod
     async def _run(warm: WarmPrefix, prompts: list[list[Message]]) -> None:

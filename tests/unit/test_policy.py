@@ -250,8 +250,8 @@ async def test_a_spoken_turn_starts_on_the_one_prompt_its_words_heard_so_far_cho
     conv = conversation(llm_pieces=["Four."], history_relevance_nats=1.0, max_history_messages=16)
     await conv.type("What is the capital of Italy?")
     conv.clock.advance(5.0)
-    conv.asr.partial = "What is two squared"  # (heard as far as the audio goes: "What is two")
-    conv.llm.words_logprobs = {("assistant", "What is two"): -2.4, ("system", "What is two"): -2.5}
+    conv.asr.partial = "What is two squared"
+    conv.llm.words_logprobs = {("assistant", "What is two squared"): -2.4, ("system", "What is two squared"): -2.5}
     await conv.speak(1.6, "What is two squared?")
     assert conv.session._warmup.heard_gain("What is two squared?", conv.llm.warmed[-2]) == pytest.approx(0.1)
     await conv.silence_until(lambda: conv.of(protocol.TurnDone)[1:])

@@ -95,6 +95,8 @@ async def test_the_words_so_far_are_warmed_unless_a_warm_up_runs():
     await scene.settle()
     scene.warmup.words_so_far("What is the capital of")
     await scene.settle()
+    scene.warmup.words_so_far("What is the capital of")  # the next partial heard the same: prefilled already
+    await scene.settle()
     assert scene.warmed == [said("What is"), said("What is the capital of")] == scene.finished
 
 
@@ -170,6 +172,10 @@ async def test_the_words_so_far_weighed_stand_for_a_turn_they_begin():
     gain = scene.warmup.heard_gain
     related = said("What is the capital of France?")
     assert gain("What is the capital of France?", related) == 1.5  # -1.0 against -2.5 a token
+    assert gain("What is the capitalism of France?", related) == 1.5  # the last word heard may be cut short
+    assert gain("What is the capital", related) == 1.5  # all the words heard
+    assert gain("What is the", related) is None  # fewer words than heard: another hypothesis
+    assert gain("What was the capital of France?", related) is None
     assert gain("what's the capital of France", related) is None  # other words
     assert gain("What is the capital of the United Kingdom, please?", related) is None  # under half its words
     assert gain("What is the capital of France?", [{"role": "system", "content": "Other."}, *related[1:]]) is None
