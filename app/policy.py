@@ -66,7 +66,7 @@ POLICIES: dict[str, ConversationPolicy] = {
     "default": ConversationPolicy(),
     # its last reply only (what a follow-up needs; the earlier ones it copied), and DRY against copying and loops;
     # the conversation only for words it makes 0.9 nats a token likelier (the rest are asked alone: 25-28/40 facts in
-    # conversation against 20 without, 24-26 alone), with 4 recalled statements (the user's facts asked back are then
+    # conversation against 18-20 without, 24-26 alone), with 4 recalled statements (the user's facts asked back are then
     # asked alone: 3-4/8 recalled against 2/8). A spoken turn starts on one prompt where the words heard while the
     # user spoke choose it (``PrefixWarmup.heard_gain``), so the reply starts as soon as without it (README,
     # "Conversation policy"); 2 recalled: 4/8 user facts but 3/72 copied
