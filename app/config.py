@@ -123,8 +123,8 @@ class Settings(BaseSettings):
         "heard",
         description="a spoken turn whose words heard so far did not choose (too few heard, or too near "
         "history_relevance_nats): 'heard' keeps the conversation, so its reply starts as soon as an unweighed one; "
-        "'both' starts the reply on both prompts to weigh all the words (its first token ~100 ms later on two cores). Typed turns "
-        "always weigh all their words",
+        "'both' starts the reply on both prompts to weigh all the words (its first token ~100 ms later on two "
+        "cores). Typed turns always weigh all their words",
     )
     llm_max_tokens: int | None = Field(None, ge=1, le=4096, description=POLICY_DEFAULT)
     llm_temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy " + POLICY_DEFAULT)

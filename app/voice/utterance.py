@@ -513,7 +513,7 @@ class UtteranceTracker:
                 tail = TailText(utterance.turn_id, utterance.text(), speech_end, utterance.language, verdict)
                 await self._emit(tail)  # a speculative reply may take the verdict, to read it from its own prefill
             asked = verdict is not None
-            if verdict is not None:
+            if asked:
                 self._ask_the_llm(utterance, verdict)
             if turn_end is None and not asked and not is_filler(utterance.text()) and self._sound_matters(utterance):
                 turn_end = asyncio.ensure_future(self._detect_turn_end(whole))  # no LLM verdict will come

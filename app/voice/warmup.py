@@ -35,7 +35,8 @@ words against all of them, threshold 0.9): of 198 first halves or more, with the
 otherwise than all the words, all for facts (6 kept the conversation: "What do cows give us" 1.68 nats, all of it
 0.78; 2 left it out: "What is the fastest land" 0.49, all of it 1.27); no follow-up's or recalled fact's first
 words chose otherwise. With the margin 0.5: 122 chose, 4 otherwise; with two thirds of the words: 95 and 2.
-Partial transcripts come every 400 ms: a short turn ("And Spain?") often has none that long, and weighs both."""
+Partial transcripts come every 400 ms: a short turn ("And Spain?") often has none that long, and then keeps the
+conversation or weighs both prompts (``history_relevance_spoken``)."""
 
 
 @dataclass(frozen=True)
