@@ -188,12 +188,17 @@ class LLMEngine:
             bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
             if bad is not None:  # it would fail the embedding lookup of a whole batch
                 raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-            named = (*params.stop_token_ids, *(t for t, _ in params.logit_bias), *params.prompt_logprobs_token_ids)
+            named = (
+                *params.stop_token_ids,
+                *(t for t, _ in params.logit_bias),
+                *params.prompt_logprobs_token_ids,
+                *(t for seq in params.dry_context for t in seq),
+            )
             bad = next((t for t in named if t >= vocab), None)
-            if bad is not None:
+            if bad is not None:  # (a dry_context token following a repeat would be penalized: an index past the row)
                 raise RequestRejected(
-                    f"token id {bad} (stop_token_ids, logit_bias, prompt_logprobs_token_ids) is outside the vocabulary"
-                    f" [0, {vocab})"
+                    f"token id {bad} (stop_token_ids, logit_bias, prompt_logprobs_token_ids, dry_context) is outside "
+                    f"the vocabulary [0, {vocab})"
                 )
             grammar = self._grammar_state(params.grammar)
             if (

@@ -37,6 +37,7 @@ MAX_DRY_MULTIPLIER = 5.0
 MAX_DRY_BASE = 4.0
 MAX_DRY_ALLOWED_LENGTH = 20
 MAX_DRY_MATCH = 50  # a repeat is matched this far back at most (keeps base ** length finite, and the scan short)
+MAX_DRY_CONTEXT_TOKENS = 8192  # dry_context holds at most this many token ids in all (the scan is per step)
 DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 
 
@@ -61,7 +62,9 @@ class SamplingParams:
     scored tokens even where their scores were kept (a voice reply reads the end-of-turn verdict at the user's
     last word from its own prefill: ``app.stages.llm``).
     ``dry_*``: llama.cpp's DRY ("don't repeat yourself") penalty, off while ``dry_multiplier`` is 0
-    (see ``_apply_dry``). ``grammar``: an llguidance grammar the tokens must follow
+    (see ``_apply_dry``); ``dry_context``: token sequences DRY reads too, as if they came before the prompt,
+    each apart (no repeat is matched across their ends): text not to be said again that the prompt does not hold,
+    a chat's earlier replies it leaves out (``app.stages.llm``). ``grammar``: an llguidance grammar the tokens must follow
     (``engine.tools.grammar``). ``skip_special_tokens``: leave special tokens out of the text (a
     tool-call marker that is one, Mistral's ``[TOOL_CALLS]``, must stay in).
     """
@@ -89,6 +92,7 @@ class SamplingParams:
     dry_base: float = 1.75
     dry_allowed_length: int = 2
     dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
+    dry_context: tuple[tuple[int, ...], ...] = ()
     grammar: str | None = None
     skip_special_tokens: bool = True
 
@@ -101,6 +105,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
+        object.__setattr__(self, "dry_context", tuple(tuple(int(t) for t in seq) for seq in self.dry_context))
         object.__setattr__(self, "prompt_logprobs_token_ids", tuple(int(t) for t in self.prompt_logprobs_token_ids))
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -155,6 +160,8 @@ class SamplingParams:
             raise ValueError(f"dry_allowed_length must be in [1, {MAX_DRY_ALLOWED_LENGTH}]")
         if any(not b for b in self.dry_sequence_breakers):
             raise ValueError("dry_sequence_breakers must be non-empty strings")
+        if sum(map(len, self.dry_context)) > MAX_DRY_CONTEXT_TOKENS or any(t < 0 for s in self.dry_context for t in s):
+            raise ValueError(f"dry_context holds at most {MAX_DRY_CONTEXT_TOKENS} token ids >= 0 in all")
 
     @property
     def greedy(self) -> bool:
@@ -198,6 +205,7 @@ class SamplerRow:
     dry_breakers: frozenset[int] = frozenset()
     grammar: GrammarState | None = None
     _prompt_ids: torch.Tensor | None = field(default=None, repr=False)
+    _dry_context: list[int] | None = field(default=None, repr=False)
 
     @property
     def holds_back_stops(self) -> bool:
@@ -215,6 +223,12 @@ class SamplerRow:
             and not self.holds_back_stops
             and self.grammar is None
         )
+
+    def dry_context(self) -> list[int]:
+        """``params.dry_context`` as one list, each sequence followed by -1 (no token: a repeat stops there)."""
+        if self._dry_context is None:
+            self._dry_context = [t for seq in self.params.dry_context for t in (*seq, -1)]
+        return self._dry_context
 
     def prompt_ids(self, vocab: int) -> torch.Tensor:
         """The prompt's distinct token ids (a CPU tensor, found once per request)."""
@@ -382,7 +396,7 @@ def _apply_dry(x: torch.Tensor, rows: list[SamplerRow]) -> None:
     continue a repeat of the context's end gets ``multiplier * base ** (n - allowed_length)`` taken
     off its logit, n being the length of the repeated sequence (at least ``allowed_length``).
 
-    The repeat: the context (prompt + output) ends with tokens t[-n:] that also occur earlier,
+    The repeat: the context (``dry_context``, prompt, output) ends with tokens t[-n:] that also occur earlier,
     followed there by the token to penalize. Matches do not extend across a sequence breaker, and
     a breaker is never penalized; unlike the reference, neither is a stop token (EOS). Per row a
     scan of the context in Python (only rows that use DRY); the penalties are written at once.
@@ -401,13 +415,13 @@ def _apply_dry(x: torch.Tensor, rows: list[SamplerRow]) -> None:
 def _dry_penalties(row: SamplerRow) -> dict[int, float]:
     """Token id -> DRY penalty for one row (see ``_apply_dry``)."""
     p, breakers = row.params, row.dry_breakers
-    ctx = [*row.prompt_token_ids, *row.output_token_ids]
+    ctx = [*row.dry_context(), *row.prompt_token_ids, *row.output_token_ids]
     if len(ctx) < 2 or ctx[-1] in breakers:
         return {}
     last = ctx[-1]
     longest: dict[int, int] = {}  # token -> longest repeat it would continue
     for i in range(len(ctx) - 1):
-        if ctx[i] != last or ctx[i + 1] in breakers:
+        if ctx[i] != last or ctx[i + 1] < 0 or ctx[i + 1] in breakers:  # (-1: a dry_context sequence's end)
             continue
         n = 1
         while n < MAX_DRY_MATCH and i - n >= 0:

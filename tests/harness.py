@@ -35,6 +35,7 @@ class ScriptedLLM:
         self.hold: asyncio.Event | None = None
         self.context_tokens: int | None = None
         self.calls: list[list[dict]] = []  # the messages of each request
+        self.earlier_replies: list[tuple[str, ...]] = []  # the earlier replies each request was given (for DRY)
         self.request_ids: list[str] = []
         self.closed: list[str] = []
         self.warmed: list[list[dict]] = []
@@ -56,8 +57,9 @@ class ScriptedLLM:
     def count_tokens(self, messages):
         return sum(len(message["content"].split()) + 4 for message in messages)
 
-    async def stream(self, messages, request_id):
+    async def stream(self, messages, request_id, *, earlier_replies=()):
         self.calls.append([dict(m) for m in messages])
+        self.earlier_replies.append(tuple(earlier_replies))
         self.request_ids.append(request_id)
         try:
             for index, piece in enumerate(self.pieces):
@@ -123,13 +125,13 @@ class ScriptedLLM:
         """Where a reply reads the end-of-turn verdict (any position: scripted), when ``reads_turn_end``."""
         return len(messages) if self.reads_turn_end else None
 
-    async def stream_reading_turn_end(self, messages, request_id, verdict):
+    async def stream_reading_turn_end(self, messages, request_id, verdict, *, earlier_replies=()):
         """``stream``, giving ``verdict`` what ``end_of_turn_probability`` would say (after ``text_turn_gate``), with
         the first piece; recorded in ``turn_end_read`` (conversation, words)."""
         self.turn_end_read.append(([dict(m) for m in messages[:-1]], messages[-1]["content"]))
         try:
             first = True
-            async for piece in self.stream(messages, request_id):
+            async for piece in self.stream(messages, request_id, earlier_replies=earlier_replies):
                 if first:
                     if self.text_turn_gate is not None:
                         await self.text_turn_gate.wait()
@@ -140,7 +142,7 @@ class ScriptedLLM:
         finally:
             verdict.set(None)
 
-    async def stream_weighed(self, messages, alone, request_id):
+    async def stream_weighed(self, messages, alone, request_id, *, earlier_replies=()):
         """``stream`` of ``messages`` or ``alone.messages``, as the engine chooses: ``words_logprobs`` maps (the role
         of the message before the user's, the words) to their mean log-probability; anything else: None (cannot
         tell, so the conversation is kept, as the engine does)."""
@@ -153,7 +155,7 @@ class ScriptedLLM:
         if alone.on_weighed is not None:
             alone.on_weighed(gain)
         chosen = alone.messages if gain is not None and gain < alone.min_gain_nats else messages
-        async for piece in self.stream(chosen, request_id):
+        async for piece in self.stream(chosen, request_id, earlier_replies=earlier_replies):
             yield piece
 
     async def health(self):

@@ -9,7 +9,7 @@ loaded once, for all sessions, by ``registry``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -157,8 +157,15 @@ class ChatLLM(Protocol):
         """The prompt's length in the model's tokens, or None without a tokenizer here."""
         ...
 
-    def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
-        """Yield the reply text piece by piece; closing the iterator aborts the request."""
+    def stream(
+        self, messages: list[Message], request_id: str, *, earlier_replies: Sequence[str] = ()
+    ) -> AsyncIterator[str]:
+        """Yield the reply text piece by piece; closing the iterator aborts the request.
+
+        ``earlier_replies``: the conversation's earlier replies, shown in ``messages`` or not, for a backend whose
+        sampling has DRY (the in-process engine, ``llm_dry_multiplier``) to read as text not to say again; the
+        others ignore it.
+        """
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -220,14 +227,16 @@ class LocalScheduling(Protocol):
         ...
 
     def stream_reading_turn_end(
-        self, messages: list[Message], request_id: str, verdict: TurnEndVerdict
+        self, messages: list[Message], request_id: str, verdict: TurnEndVerdict, *, earlier_replies: Sequence[str] = ()
     ) -> AsyncIterator[str]:
         """``stream`` of the reply to ``messages`` that also gives ``verdict`` (taken at ``turn_end_position``) the
         end-of-turn probability, read from the reply's own prefill with its first token: the verdict's prompt is the
         reply's up to the user's last word, so one prefill serves both (None if the reply ends before it)."""
         ...
 
-    def stream_weighed(self, messages: list[Message], alone: StandAlone, request_id: str) -> AsyncIterator[str]:
+    def stream_weighed(
+        self, messages: list[Message], alone: StandAlone, request_id: str, *, earlier_replies: Sequence[str] = ()
+    ) -> AsyncIterator[str]:
         """``stream`` of the reply to ``messages`` (the conversation and the user's words), or of the reply to
         ``alone.messages`` (the same words without it) when the conversation makes the words less than
         ``alone.min_gain_nats`` a token likelier. Both start at once and score the words from their own prefill,

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
 
 from app.stages.base import (
@@ -91,7 +91,13 @@ class TransformersChatLLM:
 
         return len(chat_token_ids(self.tokenizer, messages))
 
-    async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
+    async def stream(
+        self,
+        messages: list[Message],
+        request_id: str,
+        *,
+        earlier_replies: Sequence[str] = (),  # noqa: ARG002 (no DRY here)
+    ) -> AsyncIterator[str]:
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
         cancel = self._cancel.setdefault(request_id, threading.Event())
@@ -175,16 +181,47 @@ class EngineChatLLM:
         self.settings = settings or GenerationSettings()
         self.context_tokens: int | None = self.engine.engine.max_model_len
         self._engine_ids: dict[str, str] = {}  # a reply's request id -> the engine's (``stream_weighed``)
+        # an earlier reply's token ids, for DRY (``_reply_params``): each is read again at every later turn
+        self._reply_token_ids = functools.lru_cache(maxsize=256)(self._token_ids)
+
+    def _token_ids(self, text: str) -> tuple[int, ...]:
+        return tuple(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     def count_tokens(self, messages: list[Message]) -> int:
         return len(self.engine.apply_chat_template(messages))
 
-    async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
-        from engine import SamplingParams
-
-        params = SamplingParams(max_tokens=self.settings.max_tokens, **self.settings.sampling())
+    async def stream(
+        self, messages: list[Message], request_id: str, *, earlier_replies: Sequence[str] = ()
+    ) -> AsyncIterator[str]:
+        params = self._reply_params(earlier_replies)
         async for delta in self._text(self.engine.apply_chat_template(messages), params, request_id):
             yield delta
+
+    def _reply_params(self, earlier_replies: Sequence[str], **scoring):
+        """A reply's sampling: the settings', with DRY reading ``earlier_replies`` too (``dry_context``), and ``scoring``
+        (the prompt positions it scores).
+
+        Why: DRY reads the prompt, but the conversation policy shows SmolLM2-135M only its last reply (``app.policy``)
+        and a turn may be answered without the conversation; the model then said again a reply it had said turns
+        before (bench quality: its stock "I'm sorry for any misunderstanding, but as a helpful AI ..." to a
+        statement and to the question about it). The newest replies first, to ``MAX_DRY_CONTEXT_TOKENS`` in all
+        (a Realtime client may put long assistant messages in the conversation).
+        """
+        from engine import SamplingParams
+        from engine.sampling import MAX_DRY_CONTEXT_TOKENS
+
+        context: list[tuple[int, ...]] = []
+        if self.settings.dry_multiplier:
+            room = MAX_DRY_CONTEXT_TOKENS
+            for text in reversed(earlier_replies):
+                ids = self._reply_token_ids(text)[:room]
+                room -= len(ids)
+                context.append(ids)
+                if room <= 0:
+                    break
+        return SamplingParams(
+            max_tokens=self.settings.max_tokens, **self.settings.sampling(), dry_context=context[::-1], **scoring
+        )
 
     async def stream_tools(
         self, messages: list[Message], request_id: str, tools: ToolSpec
@@ -353,25 +390,23 @@ class EngineChatLLM:
         return len(bare) if len(reply) > len(bare) and reply[: len(bare)] == bare else None
 
     async def stream_reading_turn_end(
-        self, messages: list[Message], request_id: str, verdict: TurnEndVerdict
+        self, messages: list[Message], request_id: str, verdict: TurnEndVerdict, *, earlier_replies: Sequence[str] = ()
     ) -> AsyncIterator[str]:
         """The reply's prefill scores the token after the words (``prompt_logprobs_from``): its distribution there
         gives ``end_of_turn_probability``'s two terms, the end-of-turn token's log-probability (named, whatever its
         rank) and the 20 likeliest; the position's logits are computed, so the prefix cache serves only what comes
         before it (one token more than a plain reply computes)."""
-        from engine import SamplingParams
         from engine.sampling import MAX_LOGPROBS
 
         position = verdict.position
         if position is None or self._turn_end is None:
             verdict.set(None)
-            async for delta in self.stream(messages, request_id):
+            async for delta in self.stream(messages, request_id, earlier_replies=earlier_replies):
                 yield delta
             return
         token, _ = self._turn_end
-        params = SamplingParams(
-            max_tokens=self.settings.max_tokens,
-            **self.settings.sampling(),
+        params = self._reply_params(
+            earlier_replies,
             prompt_logprobs_from=position,
             prompt_logprobs_to=position + 1,
             prompt_top_logprobs=MAX_LOGPROBS,
@@ -409,7 +444,9 @@ class EngineChatLLM:
         ends = [lp for t, lp in top if t != token and _ends_a_sentence(decode([t]))]
         return min(1.0, math.exp(end_logprob) + sum(math.exp(lp) for lp in ends))
 
-    async def stream_weighed(self, messages: list[Message], alone: StandAlone, request_id: str) -> AsyncIterator[str]:
+    async def stream_weighed(
+        self, messages: list[Message], alone: StandAlone, request_id: str, *, earlier_replies: Sequence[str] = ()
+    ) -> AsyncIterator[str]:
         """The reply to ``messages``, or to ``alone.messages`` where the conversation does not make the user's
         words ``alone.min_gain_nats`` a token likelier (``LocalScheduling.stream_weighed``).
 
@@ -421,25 +458,18 @@ class EngineChatLLM:
         reply's for ``pause``, ``resume`` and the rest (``_engine_id``). Any failure to score keeps the
         conversation; the chosen request failing fails the reply, as ``stream`` does.
         """
-        from engine import SamplingParams
-
         spans = [self._words_span(messages), self._words_span(alone.messages)]
         if spans[0] is None or spans[1] is None:
             if alone.on_weighed is not None:
                 alone.on_weighed(None)
-            async for delta in self.stream(messages, request_id):
+            async for delta in self.stream(messages, request_id, earlier_replies=earlier_replies):
                 yield delta
             return
         ids = [request_id, f"{request_id}-alone"]
         requests = [
             (
                 self.engine.apply_chat_template(prompt),
-                SamplingParams(
-                    max_tokens=self.settings.max_tokens,
-                    **self.settings.sampling(),
-                    prompt_logprobs_from=span[0],
-                    prompt_logprobs_to=span[0] + span[1],
-                ),
+                self._reply_params(earlier_replies, prompt_logprobs_from=span[0], prompt_logprobs_to=span[0] + span[1]),
                 engine_id,
             )
             for prompt, span, engine_id in zip((messages, alone.messages), spans, ids, strict=True)
@@ -578,7 +608,13 @@ class OpenAIChatLLM:
     def count_tokens(self, messages: list[Message]) -> None:
         return None  # no tokenizer here: the session estimates
 
-    async def stream(self, messages: list[Message], request_id: str) -> AsyncIterator[str]:
+    async def stream(
+        self,
+        messages: list[Message],
+        request_id: str,
+        *,
+        earlier_replies: Sequence[str] = (),  # noqa: ARG002 (an OpenAI server takes no DRY context)
+    ) -> AsyncIterator[str]:
         async for delta in self._deltas(messages, request_id, {}):
             content = delta.get("content")
             if content:

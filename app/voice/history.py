@@ -115,6 +115,11 @@ class History:
         self.statements = statements
         self.messages: list[Message] = []
 
+    def earlier_replies(self) -> tuple[str, ...]:
+        """The model's replies kept in memory, oldest first, shown in the window or not: what the LLM's DRY reads as
+        said before (``ChatLLM.stream``'s ``earlier_replies``), so a reply left out of the prompt is not said again."""
+        return tuple(m["content"] for m in self.messages if _is_reply(m) and isinstance(m.get("content"), str))
+
     def window(self, system_prompt: str, messages: list[Message] | None = None) -> list[Message]:
         """The system prompt and the window of ``messages`` (default: the history) to send, with the replies the
         policy shows, and the system prompt recalling the user's statements kept in memory (``user_statements``).

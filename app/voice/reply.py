@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from app import protocol
@@ -108,6 +108,7 @@ class Reply:
         first_piece_priority: bool = False,
         yield_ahead_s: float = YIELD_AHEAD_S,
         min_gain_nats: float = 0.0,
+        earlier_replies: Sequence[str] = (),
         voice: str | None = None,
         tools: ReplyTools | None = None,
         speak: bool = True,
@@ -137,6 +138,7 @@ class Reply:
         self._first_piece_priority = first_piece_priority
         self._yield_ahead_s = yield_ahead_s
         self._min_gain_nats = min_gain_nats  # ``history_relevance_nats``: 0, the conversation always goes
+        self._earlier_replies = earlier_replies  # the conversation's, for the LLM's DRY (``ChatLLM.stream``)
         self._voice = voice
         self._tools = tools
         self.speaks = speak  # False: a text-only reply (the client's ``reply_audio``), no TTS
@@ -320,18 +322,21 @@ class Reply:
         calls where tools are in play and the LLM takes them."""
         calling = tool_calling_of(self._llm) if spec is not None else None
         turn_end = self._turn_end  # (kept until the reply ends, which sets it None if the request never did)
+        earlier = self._earlier_replies
         if spec is None and alone is None and turn_end is not None and self._scheduling is not None:
-            return self._scheduling.stream_reading_turn_end(messages, self.request_id, turn_end)
+            return self._scheduling.stream_reading_turn_end(
+                messages, self.request_id, turn_end, earlier_replies=earlier
+            )
         self._turn_end_unread()
         if spec is None and alone is not None and self._scheduling is not None and self._min_gain_nats:
             weighed = StandAlone(alone, self._min_gain_nats, self._on_weighed)
-            return self._scheduling.stream_weighed(messages, weighed, self.request_id)
+            return self._scheduling.stream_weighed(messages, weighed, self.request_id, earlier_replies=earlier)
         if calling is None:
             if spec is not None and spec.tools:
                 log.warning(
                     "the %s LLM backend does not call tools; turn %s is text only", self._llm.name, self.turn_id
                 )
-            return self._llm.stream(messages, self.request_id)
+            return self._llm.stream(messages, self.request_id, earlier_replies=earlier)
         return calling.stream_tools(messages, self.request_id, spec)
 
     async def _write(

@@ -167,6 +167,7 @@ class ReplyFactory:
             first_piece_words=settings.first_piece_words,
             yield_ahead_s=settings.llm_yield_ahead_s,
             min_gain_nats=settings.history_relevance_nats or 0.0,
+            earlier_replies=self._history.earlier_replies(),
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
             first_piece_priority=settings.first_piece_priority or self._models.solo,
             voice=self._prefs.voice_for(language),

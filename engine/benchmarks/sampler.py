@@ -20,6 +20,8 @@ import torch
 from engine.sampling import SamplerRow, SamplingParams, make_generator, sample, token_logprobs
 
 _BIAS = {i * 97: 1.5 for i in range(10)}
+# a chat's 16 earlier replies of 60 tokens that the prompt leaves out, for DRY to read (``dry_context``)
+_EARLIER_REPLIES = tuple(tuple(random.Random(k).randrange(1000) for _ in range(60)) for k in range(16))
 _EVERYTHING = dict(
     temperature=0.8,
     top_k=50,
@@ -50,6 +52,10 @@ CASES: dict[str, tuple[str, dict]] = {
     ),
     "logprobs_greedy": ("greedy, logprobs with top 5", {"logprobs": 5}),
     "dry_greedy": ("greedy, DRY 0.8", {"dry_multiplier": 0.8}),
+    "dry_context_greedy": (
+        "greedy, DRY 0.8 + 16 earlier replies (960 ids)",
+        {"dry_multiplier": 0.8, "dry_context": _EARLIER_REPLIES},
+    ),
     "everything": ("all of the above on every row", _EVERYTHING),
     "one_row_everything": ("all of the above on one row, the rest plain greedy", {}),
 }

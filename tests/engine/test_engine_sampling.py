@@ -214,7 +214,11 @@ def test_same_prompt_requests_share_the_prefix_cache(make_engine, prompts):
 
 def test_token_ids_outside_the_vocabulary_are_refused(engine, prompts):
     vocab = engine.runner.model.args.vocab_size
-    for p in (SamplingParams(stop_token_ids=(vocab,)), SamplingParams(logit_bias={vocab + 5: 1.0})):
+    for p in (
+        SamplingParams(stop_token_ids=(vocab,)),
+        SamplingParams(logit_bias={vocab + 5: 1.0}),
+        SamplingParams(dry_multiplier=0.8, dry_context=[[1, vocab]]),
+    ):
         outs = collect(engine, prompts[0], p)
         assert outs[-1].finish_reason == "error" and "outside the vocabulary" in outs[-1].error
 

@@ -153,6 +153,27 @@ def test_dry_never_penalizes_a_stop_token():
     assert _dry([1, 2, 3, 9], [1, 2, 3], **kw)[9] == -2.0  # not a stop token of this row: penalized
 
 
+def test_dry_reads_its_context_as_if_before_the_prompt():
+    kw = dict(dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=2)
+    # "1 2 3 9" only in dry_context (an earlier reply the prompt leaves out): the output "1 2 3" would repeat it
+    got = _dry([5], [1, 2, 3], dry_context=[[1, 2, 3, 9]], **kw)
+    assert got == [0.0] * 9 + [-2.0] + [0.0] * 2
+    assert _dry([5], [1, 2, 3], **kw) == [0.0] * 12  # without it: nothing to repeat
+    # each sequence apart, and apart from the prompt: no repeat runs across their ends ("1 2 3 9" is not one)
+    assert _dry([3, 9], [1, 2, 3], dry_context=[[1], [2]], **kw) == [0.0] * 12
+    assert _dry([3, 9], [1, 2, 3], dry_context=[[1, 2]], **kw) == [0.0] * 12
+    # a repeat of a whole sequence has no token after it to penalize (nor the last id, -1's index)
+    assert _dry([5], [1, 2], dry_context=[[1, 2]], **kw) == [0.0] * 12
+
+
+def test_dry_context_is_bounded_and_refused_outside_the_vocabulary():
+    with pytest.raises(ValueError):
+        SamplingParams(dry_context=[[1, -2]])
+    with pytest.raises(ValueError):
+        SamplingParams(dry_context=[[1] * (sampling.MAX_DRY_CONTEXT_TOKENS + 1)])
+    assert SamplingParams(dry_context=[[1, 2], (3,)]).dry_context == ((1, 2), (3,))  # stored hashable
+
+
 def test_dry_is_off_by_default():
     assert row(prompt=[1, 2, 1, 2], output=[1]).plain_greedy
     assert not row(prompt=[1, 2, 1, 2], output=[1], dry_multiplier=0.5).plain_greedy

@@ -39,3 +39,25 @@ async def test_warm_prefix_is_a_prefix_of_the_next_prompt_and_is_reused(llm):
     full_blocks = len(warm_ids) // engine.config.block_size * engine.config.block_size
     assert engine.kv.prefix_hit_tokens - hits_before >= full_blocks
     assert engine.stats()["kv_blocks_used"] == 0  # neither request holds blocks afterwards
+
+
+async def test_dry_reads_the_earlier_replies_the_prompt_leaves_out(llm):
+    """A reply said before, not in the prompt (the policy left it out), is not said again word for word."""
+    settings = llm.settings
+    llm.settings = GenerationSettings(max_tokens=16, temperature=0.0, dry_multiplier=0.8)
+    try:
+        question = [HISTORY[0], HISTORY[1]]
+        first = "".join([d async for d in llm.stream(question, "first")])
+        again = "".join([d async for d in llm.stream(question, "again")])
+        other = "".join([d async for d in llm.stream(question, "other", earlier_replies=(first,))])
+        assert len(first.split()) >= 4 and again == first  # greedy: the same reply, but for DRY's context
+        assert other != first
+        assert llm.engine.engine.stats()["kv_blocks_used"] == 0
+        # bounded, newest first: a Realtime client may put long assistant messages in the conversation
+        from engine.sampling import MAX_DRY_CONTEXT_TOKENS
+
+        params = llm._reply_params(("one two three", "word " * 20000))
+        assert sum(map(len, params.dry_context)) == MAX_DRY_CONTEXT_TOKENS and len(params.dry_context) == 1
+    finally:
+        llm.settings = settings
+    assert llm._reply_params((first,)).dry_context == ()  # without DRY: nothing to read

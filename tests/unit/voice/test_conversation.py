@@ -159,6 +159,29 @@ async def test_an_interrupted_reply_leaves_only_what_was_heard_in_the_history(co
     assert conv.finals()[-1].text == "Wait, stop."
 
 
+async def test_each_reply_is_given_the_earlier_replies_its_prompt_leaves_out_too(conversation):
+    # the LLM's DRY reads them (``ChatLLM.stream``): a reply not shown to the model is not said again either
+    conv = conversation(history_replies="none")
+    await conv.type("Hello?")
+    await conv.settle()
+    await conv.silence(3.0)  # the reply is heard to its end
+    await conv.type("And again?")
+    await conv.settle()
+    assert conv.llm.earlier_replies == [(), ("Paris is the capital of France.",)]
+    assert all(m["role"] != "assistant" for m in conv.llm.calls[-1])  # the prompt shows none
+
+
+async def test_an_interrupted_reply_is_given_to_the_next_as_what_was_heard(conversation):
+    conv = conversation(barge_in_ms=400)
+    await reply_playing(conv)
+    await conv.silence(1.5)
+    await conv.speak(0.5, "Wait, stop.")
+    await conv.silence_until(lambda: len(conv.finals()) == 2)
+    await conv.settle()
+    heard = conv.session.history[1]["content"]
+    assert conv.llm.earlier_replies[-1] == (heard,) and heard.startswith("Once upon a time")
+
+
 async def test_playback_reports_from_the_client_decide_what_was_heard(conversation):
     conv = conversation(barge_in_ms=400)
     await reply_playing(conv)
@@ -189,7 +212,7 @@ async def test_a_failed_turn_reports_an_error_and_the_next_turn_is_answered(conv
     class Broken(Exception):
         pass
 
-    async def failing(messages, request_id):
+    async def failing(messages, request_id, **_):
         raise Broken("backend down")
         yield ""  # pragma: no cover
 
