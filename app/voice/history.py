@@ -14,12 +14,13 @@ import unicodedata
 from app.policy import HistoryReplies
 from app.stages.base import ChatLLM, Message
 from app.voice.context import Fitted, cut_at_word, estimate_tokens, fit_to_context
-from app.voice.text import QUESTION_MARKS
 
 KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
 STATEMENT_CHARS = 160  # a recalled statement is cut to this
-# a question, by its mark (``QUESTION_MARKS``). A text without any counts as a statement; a question with no mark
+# a question, by its mark in the scripts that have one: ? (Latin, Cyrillic, ...), the full-width one (Chinese,
+# Japanese), Arabic's, Spanish's opening one. A text without any counts as a statement; a question with no mark
 # (Greek's is ";", or an ASR that wrote none) is recalled too, which costs a line of the prompt, no more
+QUESTION_MARKS = ("?", "\uff1f", "\u061f", "\u00bf")
 # what could pass for a chat template's markup in a recalled statement (it goes into the system prompt)
 _MARKUP = re.compile(r"<\|[^|>]*\|>|</?s>|\[/?INST\]|<<SYS>>|<</SYS>>|<start_of_turn>|<end_of_turn>", re.IGNORECASE)
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import re
 
-# A question's mark in the scripts that have one: ? (Latin, Cyrillic, ...), the full-width one (Chinese, Japanese),
-# Arabic's, Spanish's opening one
-QUESTION_MARKS = ("?", "\uff1f", "\u061f", "\u00bf")
 # Latin-script punctuation ends a sentence before a space; CJK full-width marks need none.
 _SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*(?=\s)|[。！？]+[」』）\"']*|\n+")
 _CLAUSE_END = re.compile(r"[,;:—–](?=\s)|[，、；：]")

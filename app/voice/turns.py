@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from app.voice.text import QUESTION_MARKS, words
+from app.voice.text import words
 
 # Words after which an English sentence is almost never over.
 _CONTINUATIONS = frozenset(
@@ -40,17 +40,6 @@ def looks_unfinished(text: str, language: str | None = None) -> bool:
     spoken = words(stripped)
     # Whisper ends cut-off audio with a period too ("... Paris and."), so only ? and ! overrule.
     return bool(spoken) and spoken[-1] in _CONTINUATIONS and not stripped.endswith(("?", "!"))
-
-
-def asks_a_question(text: str | None, language: str | None = None) -> bool:
-    """True when Whisper wrote the words as a finished question: a question mark (any script's) after a word that
-    does not join on to more ("What is the capital of?" is a question cut off; the word list is English, as
-    ``looks_unfinished``'s)."""
-    stripped = (text or "").rstrip()
-    if not stripped.endswith(QUESTION_MARKS):
-        return False
-    spoken = words(stripped)
-    return not (spoken and (not language or language == "en") and spoken[-1] in _CONTINUATIONS)
 
 
 # What a listener says to show they are following, not to take the turn ("mm-hmm", "yeah", "I see").
@@ -148,8 +137,8 @@ class Endpointer:
     model) and the LLM's that the words end there (``text_probability``, None where the LLM runs
     elsewhere), combined (``combined_probability``). Confident it is over (>= ``complete_threshold``):
     commit after ``complete_silence_ms``; confident it is not (< ``incomplete_threshold``): wait as long
-    as mid-clause, which also catches an "and" that Whisper heard as "then.", but not after a finished
-    question (``asks_a_question``); in between, or with neither signal: ``silence_ms``.
+    as mid-clause, which also catches an "and" that Whisper heard as "then." (with the sound alone, not
+    after a question mark); in between, or with neither signal: ``silence_ms``.
     """
 
     silence_ms: int = 400
@@ -181,10 +170,9 @@ class Endpointer:
             return self.silence_ms
         if probability >= self.complete_threshold:
             return self.complete_silence_ms
-        if probability < self.incomplete_threshold and not asks_a_question(text, language):
-            # A question mark is Whisper hearing a finished question, and outweighs either signal: the sound's
-            # misjudged "Can you recommend a good book?" at P 0.02-0.04, and the LLM, which reads the words without
-            # their final punctuation, Whisper's "Are you today?" for "How are you today?" at P 3e-8 (each then
-            # waited the mid-clause silence; bench voice). It keeps the usual silence, not the short one.
-            return self.unfinished_silence_ms
+        if probability < self.incomplete_threshold:
+            # (the sound alone: a question mark is Whisper hearing a finished question; the model misjudged
+            # "Can you recommend a good book?" at P 0.02-0.04 in the benchmark. The LLM reads the question.)
+            if text_probability is not None or not (text or "").rstrip().endswith("?"):
+                return self.unfinished_silence_ms
         return self.silence_ms
