@@ -31,8 +31,11 @@ def test_a_command_the_sound_misjudges_ends_after_the_short_silence_when_the_llm
 def test_words_the_llm_reads_as_unfinished_wait_however_they_sound(sound):
     endpointer = Endpointer()
     assert endpointer.required_silence_ms("I would like to hear", sound, "en", text_probability=1e-9) == UNFINISHED_MS
-    # Whisper's question mark on cut-off audio does not overrule the LLM (it did the sound alone)
+    # Whisper's question mark on cut-off audio does not overrule the LLM (it did the sound alone): it writes a question
+    # cut at its pause as one; when the mark overruled the LLM, bench turn-end's paused questions were judged paused
+    # 20 of 44 times instead of 37 (2026-12-05)
     assert endpointer.required_silence_ms("What is the capital of?", sound, "en", 1e-8) == UNFINISHED_MS
+    assert endpointer.required_silence_ms("Can you tell me?", sound, "en", 1e-7) == UNFINISHED_MS
 
 
 @pytest.mark.parametrize(
