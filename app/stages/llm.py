@@ -41,6 +41,7 @@ HEALTH_TTL_S = 5.0
 SENTENCE_ENDS = frozenset(".?!。？！…")
 # A forced call (a grammar) may need more tokens than a spoken reply: its JSON is cut short at the reply's cap.
 FORCED_CALL_MIN_TOKENS = 256
+DRY_REPLY_CHARS = 4096  # of an earlier reply, DRY reads this much at most (a spoken reply is a few hundred)
 
 __all__ = ["ChatLLM", "EngineChatLLM", "GenerationSettings", "Message", "OpenAIChatLLM", "TransformersChatLLM"]
 
@@ -181,7 +182,8 @@ class EngineChatLLM:
         self.settings = settings or GenerationSettings()
         self.context_tokens: int | None = self.engine.engine.max_model_len
         self._engine_ids: dict[str, str] = {}  # a reply's request id -> the engine's (``stream_weighed``)
-        # an earlier reply's token ids, for DRY (``_reply_params``): each is read again at every later turn
+        # an earlier reply's token ids, for DRY (``_reply_params``): each is read again at every later turn (kept for
+        # its first DRY_REPLY_CHARS: a Realtime client's assistant message may be far longer than a reply)
         self._reply_token_ids = functools.lru_cache(maxsize=256)(self._token_ids)
 
     def _token_ids(self, text: str) -> tuple[int, ...]:
@@ -214,7 +216,7 @@ class EngineChatLLM:
         if self.settings.dry_multiplier:
             room = MAX_DRY_CONTEXT_TOKENS
             for text in reversed(earlier_replies):
-                ids = self._reply_token_ids(text)[:room]
+                ids = self._reply_token_ids(text[:DRY_REPLY_CHARS])[:room]
                 room -= len(ids)
                 context.append(ids)
                 if room <= 0:

@@ -56,8 +56,9 @@ async def test_dry_reads_the_earlier_replies_the_prompt_leaves_out(llm):
         # bounded, newest first: a Realtime client may put long assistant messages in the conversation
         from engine.sampling import MAX_DRY_CONTEXT_TOKENS
 
-        params = llm._reply_params(("one two three", "word " * 20000))
-        assert sum(map(len, params.dry_context)) == MAX_DRY_CONTEXT_TOKENS and len(params.dry_context) == 1
+        params = llm._reply_params(("one two three", *["word " * 20000] * 12))
+        assert sum(map(len, params.dry_context)) == MAX_DRY_CONTEXT_TOKENS  # each long one cut to DRY_REPLY_CHARS
+        assert 1 < len(params.dry_context) < 12 and len(params.dry_context[-1]) < 1000  # the oldest left out
     finally:
         llm.settings = settings
     assert llm._reply_params((first,)).dry_context == ()  # without DRY: nothing to read
