@@ -16,7 +16,7 @@ from pydantic_settings import (
 )
 
 from app.policy import POLICIES as CONVERSATION_POLICIES
-from app.policy import HistoryReplies, policy_for
+from app.policy import FollowUps, HistoryReplies, policy_for
 
 POLICY_DEFAULT = "(empty: the conversation policy's, see llm_policy)"
 
@@ -103,6 +103,12 @@ class Settings(BaseSettings):
         le=16,
         description="the user's earlier statements (not questions) recalled in the system prompt, 0: none "
         + POLICY_DEFAULT,
+    )
+    follow_ups: FollowUps | None = Field(
+        None,
+        description="an English elliptical follow-up ('And Spain?' after 'What is the capital of Italy?'): "
+        "as_said, or asked as the question it stands for ('What is the capital of Spain?') with the "
+        "conversation (in_full) or without it (in_full_alone); the history keeps the words as said " + POLICY_DEFAULT,
     )
     history_relevance_nats: float | None = Field(
         None,

@@ -15,6 +15,7 @@ from pathlib import PurePath
 from typing import Literal
 
 HistoryReplies = Literal["all", "last", "none"]
+FollowUps = Literal["as_said", "in_full", "in_full_alone"]
 BUNDLED_LLM = "SmolLM2-135M-Instruct"  # what llm_model "bundled" is (``engine.weights.resolve_model``)
 
 
@@ -29,6 +30,9 @@ class ConversationPolicy:
     history_replies: HistoryReplies = "all"
     # the user's own earlier statements (not questions) recalled in the system prompt, newest first; 0: none
     recalled_statements: int = 0
+    # an English elliptical follow-up ("And Spain?"): asked as said, or as the question it stands for
+    # (app/voice/follow_up.py) with the conversation or without it
+    follow_ups: FollowUps = "as_said"
     # the history only for words it makes this much likelier (mean nats a token, by the LLM itself); 0: always
     relevance_nats: float = 0.0
     max_tokens: int = 120
@@ -51,6 +55,7 @@ SETTINGS = {
     "history_messages": "max_history_messages",
     "history_replies": "history_replies",
     "recalled_statements": "recalled_user_statements",
+    "follow_ups": "follow_ups",
     "relevance_nats": "history_relevance_nats",
     "max_tokens": "llm_max_tokens",
     "temperature": "llm_temperature",
@@ -69,9 +74,15 @@ POLICIES: dict[str, ConversationPolicy] = {
     # conversation against 18-20 without, 24-26 alone), with 4 recalled statements (the user's facts asked back are then
     # asked alone: 3-4/8 recalled against 2/8). A spoken turn starts on one prompt where the words heard while the
     # user spoke choose it (``PrefixWarmup.heard_gain``), so the reply starts as soon as without it (README,
-    # "Conversation policy"); 2 recalled: 4/8 user facts but 3/72 copied
+    # "Conversation policy"); 2 recalled: 4/8 user facts but 3/72 copied. An elliptical follow-up asked in full and
+    # alone: 5/8 right against 2/8 as said, and none answering the question before it (in full with the
+    # conversation: 5/8, one answering it)
     "smollm2-135m": ConversationPolicy(
-        history_replies="last", dry_multiplier=0.8, recalled_statements=4, relevance_nats=0.9
+        history_replies="last",
+        dry_multiplier=0.8,
+        recalled_statements=4,
+        relevance_nats=0.9,
+        follow_ups="in_full_alone",
     ),
 }
 

@@ -282,7 +282,14 @@ class TurnMetrics(BaseModel):
         description="how much likelier (nats a token) the conversation made the user's words; under "
         "history_relevance_nats the reply was written without it",
     )
-    history_left_out: bool = Field(False, description="the reply was written without the conversation (it gained less)")
+    history_left_out: bool = Field(
+        False,
+        description="the reply was written without the conversation (it gained less, or a follow-up was asked in "
+        "full alone)",
+    )
+    asked_in_full: str | None = Field(
+        None, description="the user's elliptical follow-up as the LLM was asked it, in full (setting follow_ups)"
+    )
     history_weighed_early: bool = Field(
         False,
         description="history_gain_nats is that of the words heard while the user spoke (the reply started on one prompt)",

@@ -138,6 +138,7 @@ async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) 
         error=answer.error,
         history_left_out=answer.metrics is not None and answer.metrics.history_left_out,
         history_gain_nats=None if answer.metrics is None else answer.metrics.history_gain_nats,
+        asked_in_full=None if answer.metrics is None else answer.metrics.asked_in_full,
     )
 
 

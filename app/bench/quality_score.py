@@ -136,6 +136,7 @@ class TurnRecord:
     error: str | None = None
     history_left_out: bool = False  # the server wrote the reply without the conversation (``history_relevance_nats``)
     history_gain_nats: float | None = None  # what the conversation added to the words, where the server weighed it
+    asked_in_full: str | None = None  # an elliptical follow-up as the server asked the LLM it (setting follow_ups)
     right: bool | None = None  # (a question with an answer)
     copy_of: int | None = None  # the earlier turn this reply copies
     answers_turn: int | None = None  # the earlier turn whose question this reply answers instead
@@ -228,6 +229,10 @@ def summarize(conversations: list[list[TurnRecord]], alone: list[TurnRecord]) ->
         "user_facts_asked": _count(talk, lambda r: r.ask.kind == "recall"),
         "follow_ups_right": _count(talk, lambda r: r.ask.kind == "follow_up" and r.right),
         "follow_ups_asked": _count(talk, lambda r: r.ask.kind == "follow_up"),
+        "follow_ups_asked_in_full": _count(talk, lambda r: r.ask.kind == "follow_up" and r.asked_in_full is not None),
+        "questions_asked_in_full_not_follow_ups": _count(
+            talk, lambda r: r.ask.kind != "follow_up" and r.asked_in_full is not None
+        ),
         "follow_ups_in_full_right_alone": _count(alone, lambda r: r.ask.kind == "follow_up" and r.right),
         "follow_ups_in_full_asked_alone": _count(alone, lambda r: r.ask.kind == "follow_up"),
         "copied_replies": _count(talk, lambda r: r.copy_of is not None),
@@ -309,6 +314,10 @@ def print_table(summary: dict) -> None:
         f"the other way round {s['facts_wrong_alone_right_in_conversation']}"
     )
     print(f"user facts recalled {ratio(s['user_facts_recalled'], s['user_facts_asked'])}")
+    print(
+        f"follow-ups the server asked in full (follow_ups) {ratio(s['follow_ups_asked_in_full'], s['follow_ups_asked'])}"
+        f", other turns it rewrote {s['questions_asked_in_full_not_follow_ups']}"
+    )
     print(
         "answered without the conversation (history_relevance_nats): "
         f"facts {ratio(s['fact_without_the_conversation'], s['facts_asked_in_conversation'])}, "

@@ -11,10 +11,12 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from app.policy import HistoryReplies
+from app.policy import FollowUps, HistoryReplies
 from app.stages.base import ChatLLM, Message
 from app.voice.context import Fitted, cut_at_word, estimate_tokens, fit_to_context
+from app.voice.follow_up import resolve_in
 
+MAX_CHAIN_MESSAGES = 4  # the user's last messages a follow-up is resolved against (it and up to 3 follow-ups)
 KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
 STATEMENT_CHARS = 160  # a recalled statement is cut to this
 # a question, by its mark in the scripts that have one: ? (Latin, Cyrillic, ...), the full-width one (Chinese,
@@ -108,12 +110,31 @@ def _is_reply(message: Message) -> bool:
 
 
 class History:
-    def __init__(self, max_messages: int, replies: HistoryReplies = "all", statements: int = 0) -> None:
-        """``statements``: how many of the user's earlier statements the system prompt recalls (0: none)."""
+    def __init__(
+        self,
+        max_messages: int,
+        replies: HistoryReplies = "all",
+        statements: int = 0,
+        *,
+        follow_ups: FollowUps = "as_said",
+    ) -> None:
+        """``statements``: how many of the user's earlier statements the system prompt recalls (0: none);
+        ``follow_ups``: an English elliptical follow-up is asked "as_said", or as the question it stands for
+        (``asked``), with the conversation ("in_full") or without it ("in_full_alone")."""
         self.max_messages = max_messages
         self.replies = replies
         self.statements = statements
+        self.follow_ups = follow_ups
         self.messages: list[Message] = []
+
+    def asked(self, user_text: str, language: str | None) -> str:
+        """What the LLM is asked for ``user_text``: the words, or with ``follow_ups`` on, an English elliptical
+        follow-up as the question it stands for ("And Spain?" after "What is the capital of Italy?": "What is the
+        capital of Spain?", ``app.voice.follow_up``). The history keeps the words as said."""
+        if self.follow_ups == "as_said" or (language is not None and language != "en"):
+            return user_text
+        said = [m["content"] for m in self.messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        return resolve_in(said[-MAX_CHAIN_MESSAGES:], user_text) or user_text
 
     def earlier_replies(self) -> tuple[str, ...]:
         """The model's replies kept in memory, oldest first, shown in the window or not: what the LLM's DRY reads as
@@ -144,13 +165,18 @@ class History:
         context_tokens: int | None,
         reply_tokens: int,
         related: bool = True,
+        language: str | None = None,
     ) -> Fitted:
         """The next turn's messages, fitted by tokens into what the LLM can take with its reply (``user_text`` None:
         the history alone, which ends with what the reply answers: the results of the assistant's calls).
 
         ``related`` False: the words stand alone (``app.voice.reply_factory``), so the conversation is left out
-        but for what the system prompt recalls of it."""
-        said = [] if user_text is None else [{"role": "user", "content": user_text}]
+        but for what the system prompt recalls of it; so too for a follow-up asked in full with ``follow_ups``
+        "in_full_alone". ``language``: the turn's, where known (``asked``)."""
+        asked = None if user_text is None else self.asked(user_text, language)
+        if asked != user_text and self.follow_ups == "in_full_alone":
+            related = False  # the question in full carries what it took from the conversation
+        said = [] if asked is None else [{"role": "user", "content": asked}]
         if related or user_text is None:
             messages = self.window(system_prompt, [*self.messages, *said])
         else:

@@ -99,6 +99,7 @@ class ReplyFactory:
             context_tokens=settings.llm_context_tokens,
             reply_tokens=settings.llm_max_tokens,
             related=related,
+            language=language,
         )
 
     def alone_prompt(self, user_text: str, language: str | None, related: list[Message]) -> list[Message] | None:
@@ -153,7 +154,7 @@ class ReplyFactory:
 
     def new(self, turn_id: int, user_text: str, language: str | None) -> Reply:
         settings = self._settings()
-        return Reply(
+        reply = Reply(
             turn_id,
             user_text,
             llm=self._models.llm,
@@ -177,6 +178,11 @@ class ReplyFactory:
             on_failed=self._on_failed,
             on_metrics=self._on_metrics(),
         )
+        asked = self._history.asked(user_text, language)
+        if asked != user_text:
+            reply.metrics.asked_in_full = asked
+            reply.metrics.history_left_out = self._history.follow_ups == "in_full_alone"
+        return reply
 
     def session_tools(self) -> SessionTools:
         """What the session's replies may call now: the client's tools, else the server's."""

@@ -65,7 +65,10 @@ class VoiceSession:
         self._clock, self._run = clock or MonotonicClock(), run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
         self._history = History(
-            settings.max_history_messages, settings.history_replies, settings.recalled_user_statements
+            settings.max_history_messages,
+            settings.history_replies,
+            settings.recalled_user_statements,
+            follow_ups=settings.follow_ups,
         )
         self._turn_ids = itertools.count(1)
         self._reply: Reply | None = None  # the released reply (producing or playing)

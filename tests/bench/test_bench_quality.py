@@ -139,6 +139,7 @@ def scored_conversation() -> list[TurnRecord]:
     )
     records[6].interrupted = True
     records[6].reply = "Once upon"  # what was heard of it
+    records[3].asked_in_full = "What is the capital of Spain?"  # the server's rewrite (setting follow_ups)
     score_conversation(records)
     return records
 
@@ -201,6 +202,7 @@ def test_the_summary_counts_each_figure_in_conversation_and_alone():
     assert (summary["user_facts_recalled"], summary["user_facts_asked"]) == (1, 1)
     assert (summary["follow_ups_right"], summary["follow_ups_asked"]) == (0, 1)
     assert (summary["follow_ups_in_full_right_alone"], summary["follow_ups_in_full_asked_alone"]) == (1, 1)
+    assert summary["follow_ups_asked_in_full"] == 1 and summary["questions_asked_in_full_not_follow_ups"] == 0
     assert summary["copied_replies"] == 1 and summary["answers_to_an_earlier_question"] == 1
     assert summary["questions_in_conversation"] == 5
     assert summary["short_replies_in_conversation"] == 1 and summary["short_replies_alone"] == 2

@@ -114,7 +114,7 @@ def test_a_reply_that_called_a_tool_is_shown_with_its_result_whatever_the_policy
 
 
 async def test_a_session_sends_the_replies_its_policy_shows_and_keeps_them_all(conversation):
-    conv = conversation(llm_pieces=["Fine."], history_replies="none")
+    conv = conversation(llm_pieces=["Fine."], history_replies="none", follow_ups="as_said")
     for text in ("My name is Maya.", "What is the capital of Italy?", "And Spain?"):
         await conv.type(text)
         conv.clock.advance(5.0)  # each reply has played out before the next question
@@ -208,7 +208,7 @@ def test_words_that_stand_alone_are_asked_without_the_conversation_but_with_what
 
 
 async def test_the_conversation_goes_with_words_it_makes_likelier_and_not_with_others(conversation):
-    conv = conversation(llm_pieces=["Rome."], history_relevance_nats=1.0, max_history_messages=16)
+    conv = conversation(llm_pieces=["Rome."], history_relevance_nats=1.0, max_history_messages=16, follow_ups="as_said")
     conv.llm.words_logprobs = {
         ("assistant", "And Spain?"): -2.0,  # after the conversation
         ("system", "And Spain?"): -5.0,  # alone: 3 nats a token less likely

@@ -317,7 +317,7 @@ async def test_a_text_only_reply_is_written_and_done_without_speech(conversation
     assert done.metrics.tts_first_audio_ms is None and done.metrics.llm_ttft_ms is not None
     assert conv.session.history[-1] == {"role": "assistant", "content": done.text}
     await conv.session.handle(protocol.parse_client_text('{"type": "config", "reply_audio": true}'))
-    await conv.type("And Italy?")
+    await conv.type("Is it far from Rome?")
     await conv.settle()
     assert conv.audio_s > 0 and conv.of(protocol.AudioStart)  # spoken again
     assert conv.llm.calls[-1][1:3] == conv.session.history[:2]  # the same history, whether spoken or not
