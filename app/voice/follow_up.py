@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 
 MAX_PHRASE_WORDS = 4  # a follow-up's phrase longer than this is a question of its own
+MAX_CHARS = 200  # words longer than this are not read (a follow-up is short; the patterns stay cheap)
 MAX_CHAIN = 3  # follow-ups of follow-ups resolved back this far ("And Spain?" "And Germany?")
 
 # "and what about X", "what about X", "how about X", "and X"; the bare "and X" only with a question mark
@@ -65,6 +66,8 @@ _PARTICIPLES = frozenset(
     "built sung kept held meant".split()
 )
 _WH = frozenset("what which who where when why how".split())
+_BE = frozenset("is are was were".split())
+_PARTICLES = frozenset("out up down off away back".split())  # "come out", "give up": after a verb
 _NUMBER = re.compile(r"^\d+(?:[.,]\d+)?(?:st|nd|rd|th)?$")
 _NUMBER_WORDS = frozenset(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
@@ -75,7 +78,7 @@ _TIME_WORDS = frozenset(
     "february march april may june july august september october november december spring summer autumn fall "
     "winter".split()
 )
-_STOPS = DETERMINERS | PREPOSITIONS | _AUXILIARIES | _FUNCTION
+_STOPS = DETERMINERS | PREPOSITIONS | _AUXILIARIES | _FUNCTION | _PARTICLES
 
 
 def follow_up_phrase(text: str) -> str | None:
@@ -83,6 +86,8 @@ def follow_up_phrase(text: str) -> str | None:
     not one: too long, or its phrase is a pronoun, a question word, a verb or a reaction ("What about you?",
     "And then?", "And is it far?")."""
     text = " ".join(text.split())
+    if len(text) > MAX_CHARS:
+        return None
     match = _ABOUT.match(text) or _AND.match(text)
     if match is None:
         return None
@@ -90,7 +95,9 @@ def follow_up_phrase(text: str) -> str | None:
     if not 1 <= len(words) <= MAX_PHRASE_WORDS or not all(_WORD.match(word) for word in words):
         return None
     lower = [word.lower() for word in words]
-    if lower[0] in _NOT_A_THING or lower[-1] in _STOPS or lower[-1] in _NOT_A_THING:
+    opens_a_noun_phrase = lower[0] in DETERMINERS and len(words) > 1  # "my hamster", not "that"
+    stem = re.split(r"['’]", lower[0])[0]  # "what's", "it's": what they contract
+    if (stem in _NOT_A_THING and not opens_a_noun_phrase) or lower[-1] in _STOPS or lower[-1] in _NOT_A_THING:
         return None
     if lower[0] in PREPOSITIONS and len(words) < 2:
         return None
@@ -102,7 +109,7 @@ def resolve(previous_question: str, follow_up: str) -> str | None:
     elliptical follow-up, ``previous_question`` not a question, or no place for the phrase is found."""
     phrase = follow_up_phrase(follow_up)
     question = " ".join(previous_question.split())
-    if phrase is None or not question.endswith("?"):
+    if phrase is None or not question.endswith("?") or len(question) > MAX_CHARS:
         return None
     words = question.rstrip("?").rstrip().split()
     if len(words) < 3 or not all(_WORD.match(word) for word in words):
@@ -127,25 +134,51 @@ def _place(words: list[str], phrase: list[str]) -> tuple[int, int] | None:
                 object_end = _phrase_end(words, start + 1)
                 return (start, object_end) if object_end > start + 1 else None
         return None
-    if len(phrase) == 1 and (kind := _kind(first)) is not None:
+    if (kind := _kind(first)) is not None:
         same = [index for index in range(1, len(lower)) if _kind(lower[index]) == kind]
-        if same:
-            return same[-1], same[-1] + 1
+        if same:  # "Friday" for "tomorrow"; "two loaves" for "one loaf", "6 feet 2" for "5 feet 10 inches"
+            return (same[-1], same[-1] + 1) if len(phrase) == 1 else (same[0], _phrase_end(words, same[0]))
+        if len(phrase) > 1:
+            return None
     if phrase[0][0].isupper() and first not in DETERMINERS:
         names = _names(words)
         if len(names) == 1:
             return names[0]
         if names:
             return None  # which of two names ("Pride and Prejudice")? None rather than a guess
+    if len(phrase) > 1 and first not in _STOPS and first in lower[1:]:  # "rugby league" for "rugby union"
+        start = lower.index(first, 1)
+        end = start + len(phrase)
+        return (start, end) if end <= len(words) and not any(w in _STOPS for w in lower[start:end]) else None
     noun_phrases = _noun_phrases(words)
+    if _possessive(phrase[-1]):  # "the Nile's" for "the Amazon's": the phrase that ends the same way
+        ends = [(s, e) for s, e in noun_phrases if any(_possessive(w) for w in words[s:e])]
+        owner = [(s, next(i for i in range(s, e) if _possessive(words[i])) + 1) for s, e in ends]
+        return owner[0] if len(owner) == 1 else None
     if first in DETERMINERS:
         if not noun_phrases:
             return None
+        if phrase[-1][0].isupper():  # "the Andes" for "the Alps", not for "the highest peak"
+            noun_phrases = [(s, e) for s, e in noun_phrases if words[e - 1][0].isupper()] or noun_phrases
         shared = [len({w.lower() for w in phrase[1:]} & set(lower[s + 1 : e])) for s, e in noun_phrases]
         return noun_phrases[shared.index(max(shared))]
-    return (
-        _after_last_of(words) or _counted(lower) or _bare_subject(lower) or (noun_phrases[0] if noun_phrases else None)
-    )
+    return _after_last_of(words) or _counted(lower) or _bare_subject(lower) or _asked_about(lower, noun_phrases)
+
+
+def _possessive(word: str) -> bool:
+    return word.lower().endswith(("'s", "’s", "s'", "s’"))
+
+
+def _asked_about(lower: list[str], noun_phrases: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The noun phrase a wh-question asks about with "is"/"are" ("What colour is the sky on a clear day?"), for a
+    bare phrase ("snow"); none in a yes/no question ("Is the cake gluten-free?": the cake, or gluten-free?)."""
+    if not noun_phrases or lower[0].split("'")[0] not in _WH:
+        return None
+    start, end = noun_phrases[0]
+    before = lower[start - 1]
+    if before not in _BE and not lower[0].endswith("'s"):
+        return None
+    return (start, end) if end == len(lower) or lower[end] in PREPOSITIONS else None
 
 
 def _kind(word: str) -> str | None:
@@ -157,13 +190,16 @@ def _kind(word: str) -> str | None:
 
 def _phrase_end(words: list[str], start: int) -> int:
     """The end of the phrase that starts at ``start`` (a preposition's object): a determiner's noun phrase, else
-    the words up to a function word ("8 am", "table salt", "March 3rd")."""
+    the words up to a function word, a time, or where a name starts or ends ("8 am", "table salt", "March 3rd",
+    "Manchester | tomorrow")."""
     if start >= len(words):
         return start
     if words[start].lower() in DETERMINERS:
         return _noun_phrase_end(words, start)
-    end = start
+    end, name = start, words[start][0].isupper()
     while end < len(words) and words[end].lower() not in _STOPS and end - start < MAX_PHRASE_WORDS:
+        if end > start and (words[end][0].isupper() != name or _kind(words[end].lower()) == "time"):
+            break  # "in Manchester | tomorrow"
         end += 1
     return end
 
@@ -178,8 +214,8 @@ def _noun_phrase_end(words: list[str], start: int) -> int:
     while end < len(words) and end - start <= MAX_PHRASE_WORDS:
         if lower[end] == "of" and end > start + 1 and end + 1 < len(words):
             end += 2 if lower[end + 1] in DETERMINERS else 1  # "a group of (the) lions": one phrase
-        elif lower[end] in _STOPS:
-            break
+        elif lower[end] in _STOPS or (end > start + 1 and _is_participle(lower[end]) and end + 1 < len(words)):
+            break  # "the Louvre | closed on Tuesdays"
         else:
             end += 1
     if end - start > 2 and (lower[start - 1] in _DO_OR_MODAL or (end == len(words) and _is_participle(lower[-1]))):
