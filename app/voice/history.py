@@ -133,7 +133,10 @@ class History:
         capital of Spain?", ``app.voice.follow_up``). The history keeps the words as said."""
         if self.follow_ups == "as_said" or (language is not None and language != "en"):
             return user_text
-        said = [m["content"] for m in self.messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        messages = self.messages
+        if messages and messages[-1] == {"role": "user", "content": user_text}:
+            messages = messages[:-1]  # remembered already (a typed turn, before its reply is made): not its own
+        said = [m["content"] for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
         return resolve_in(said[-MAX_CHAIN_MESSAGES:], user_text) or user_text
 
     def earlier_replies(self) -> tuple[str, ...]:

@@ -149,14 +149,21 @@ def test_only_english_is_rewritten() -> None:
 
 async def test_a_session_asks_a_follow_up_in_full_alone_and_says_so(conversation):
     conv = conversation(llm_pieces=["Madrid."], follow_ups="in_full_alone")
-    for text in ("What is the capital of Italy?", "And what about Spain?"):
+    for text in (
+        "What is the capital of Italy?",
+        "And what about Spain?",
+        "What colour is the sky at noon?",
+        "And snow?",
+    ):
         await conv.type(text)
         conv.clock.advance(5.0)
-    assert conv.llm.calls[-1][1:] == [{"role": "user", "content": "What is the capital of Spain?"}]
-    first, follow_up = (done.metrics for done in conv.of(protocol.TurnDone))
+    assert conv.llm.calls[1][1:] == [{"role": "user", "content": "What is the capital of Spain?"}]
+    assert conv.llm.calls[3][1:] == [{"role": "user", "content": "What colour is snow at noon?"}]
+    first, follow_up, _, snow = (done.metrics for done in conv.of(protocol.TurnDone))
     assert first.asked_in_full is None and not first.history_left_out
     assert follow_up.asked_in_full == "What is the capital of Spain?" and follow_up.history_left_out
-    assert conv.session.history[-2] == {"role": "user", "content": "And what about Spain?"}  # as said
+    assert snow.asked_in_full == "What colour is snow at noon?"  # what was asked (not resolved twice)
+    assert conv.session.history[-2] == {"role": "user", "content": "And snow?"}  # as said
 
 
 PAIRS = json.loads((Path(__file__).parent / "data" / "follow_up_pairs.json").read_text())
