@@ -8,20 +8,26 @@ a small model cannot be asked to do it, so this is a rule over English word form
 follow-up's phrase takes the place of the phrase of the same kind in the question before it, and where the words
 are not such a follow-up, or no such place is found, there is no rewrite (None) and the words are sent as said.
 
-The places, tried in order:
+The places, tried in order (``_place``):
 
 * a phrase that opens with a preposition ("in French") replaces the question's phrase with the same preposition
   ("How do you say hello in Spanish?");
-* a name ("Spain", "New York") replaces the question's last name, a run of capitalised words not at its start;
+* a number or a time ("two loaves", "Friday") replaces the question's of the same kind ("one loaf", "tomorrow");
+* a name ("Spain", "New York") replaces the question's name, a run of capitalised words not at its start (where
+  it has one only: "Who wrote Pride and Prejudice?" has two);
+* a phrase that opens with one of the question's words ("rugby league") replaces as many words from there;
+* a possessive ("the Nile's") replaces the question's possessive ("the Amazon's");
 * a phrase with a determiner ("a duck", "the moon") replaces the question's noun phrase that shares most words with
-  it ("a baby dog" for "a baby cat"), else its first one ("a cow");
-* a bare word or phrase ("snow", "happy") replaces what ends the question after "of" ("the opposite of big"), else
-  the question's first noun phrase, determiner and all ("the sky").
+  it ("a baby dog" for "a baby cat"), a name's for a name ("the Andes" for "the Alps"), else its first one;
+* a bare word or phrase ("snow", "happy") replaces what ends the question after "of" ("the opposite of big"),
+  what "how many" counts, the subject between a wh-question's auxiliary and its verb ("What do pandas eat?"), or
+  the noun phrase a wh-question asks about with "is" ("What colour is the sky on a clear day?"); in a yes/no
+  question nothing ("Is the soup gluten-free?": the soup, or gluten-free?).
 
 A noun phrase is a determiner and the words after it up to a function word or the question's end (across "of":
-"a group of lions"), less a last word
-that is the question's verb: after "does"/"can"/... ("How many legs does a spider have?") or a participle ("What is
-a baby cat called?").
+"a group of lions"; not past a participle: "the Louvre | closed on Tuesdays"), less a last word that is the
+question's verb: after "does"/"can"/... ("How many legs does a spider have?") or a participle ("What is a baby cat
+called?").
 """
 
 from __future__ import annotations
@@ -198,7 +204,8 @@ def _phrase_end(words: list[str], start: int) -> int:
         return _noun_phrase_end(words, start)
     end, name = start, words[start][0].isupper()
     while end < len(words) and words[end].lower() not in _STOPS and end - start < MAX_PHRASE_WORDS:
-        if end > start and (words[end][0].isupper() != name or _kind(words[end].lower()) == "time"):
+        changes_case = words[end][0].isalpha() and words[end][0].isupper() != name  # (a number has no case)
+        if end > start and (changes_case or _kind(words[end].lower()) == "time"):
             break  # "in Manchester | tomorrow"
         end += 1
     return end

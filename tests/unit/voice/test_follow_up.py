@@ -35,6 +35,7 @@ _NO_LLM = type("NoLLM", (), {"context_tokens": None, "count_tokens": lambda self
         ("How do you say thank you in Italian?", "And in German?", "How do you say thank you in German?"),
         ("Is the library open at 9 am?", "How about at 7 pm?", "Is the library open at 7 pm?"),
         ("Will it be sunny in Brighton tomorrow?", "And in Dover?", "Will it be sunny in Dover tomorrow?"),
+        ("What is on my calendar for March 3rd?", "And for March 10th?", "What is on my calendar for March 10th?"),
         # a bare phrase: after "of", what "how many" counts, the subject between auxiliary and verb, a number, a time
         ("What is the square root of nine?", "And sixteen?", "What is the square root of sixteen?"),
         ("How many grams are in a pound?", "And ounces?", "How many ounces are in a pound?"),
