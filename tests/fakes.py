@@ -23,6 +23,12 @@ RATE = 16_000
 FRAME_S = 0.02
 
 
+class UnsizedLLM:
+    """An LLM of unknown context size (a remote server): a prompt is not fitted (``History.prompt``)."""
+
+    context_tokens = None
+
+
 class ManualClock:
     def __init__(self, start: float = 1000.0) -> None:
         self.t = start

@@ -294,7 +294,7 @@ def _bare_subject(lower: list[str]) -> tuple[int, int] | None:
     if aux is None:
         return None
     start, end = aux + 1, len(lower) - 1
-    if lower[aux] not in _DO_OR_MODAL and not (_is_participle(lower[-1])):
+    if lower[aux] not in _DO_OR_MODAL and not _is_participle(lower[-1]):
         return None
     bare = lower[start:end]
     if not 1 <= len(bare) <= MAX_PHRASE_WORDS or any(w in _STOPS or w in _PRONOUNS for w in bare):
@@ -304,7 +304,7 @@ def _bare_subject(lower: list[str]) -> tuple[int, int] | None:
 
 def resolve_in(user_messages: list[str], follow_up: str) -> str | None:
     """``follow_up`` resolved against the user's messages before it (oldest first): the last one, itself resolved
-    first where it was a follow-up too (up to ``MAX_CHAIN`` back)."""
+    first where it was a follow-up too (up to ``MAX_CHAIN`` back; no earlier message is read)."""
     chain: list[str] = []
     for earlier in reversed(user_messages):
         chain.insert(0, earlier)

@@ -16,7 +16,6 @@ from app.stages.base import ChatLLM, Message
 from app.voice.context import Fitted, cut_at_word, estimate_tokens, fit_to_context
 from app.voice.follow_up import resolve_in
 
-MAX_CHAIN_MESSAGES = 4  # the user's last messages a follow-up is resolved against (it and up to 3 follow-ups)
 KEPT_MIN = 32  # messages kept in memory at least (only a window of them is sent each turn)
 STATEMENT_CHARS = 160  # a recalled statement is cut to this
 # a question, by its mark in the scripts that have one: ? (Latin, Cyrillic, ...), the full-width one (Chinese,
@@ -137,7 +136,7 @@ class History:
         if messages and messages[-1] == {"role": "user", "content": user_text}:
             messages = messages[:-1]  # remembered already (a typed turn, before its reply is made): not its own
         said = [m["content"] for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
-        return resolve_in(said[-MAX_CHAIN_MESSAGES:], user_text) or user_text
+        return resolve_in(said, user_text) or user_text
 
     def earlier_replies(self) -> tuple[str, ...]:
         """The model's replies kept in memory, oldest first, shown in the window or not: what the LLM's DRY reads as

@@ -4,6 +4,7 @@ LLM (the replies the prompt shows, the sampling fields a request carries)."""
 from __future__ import annotations
 
 import pytest
+from fakes import UnsizedLLM
 from pydantic import ValidationError
 
 from app import protocol
@@ -76,13 +77,7 @@ def test_a_request_carries_only_the_sampling_fields_that_do_something():
     }
 
 
-class _NoLLM:
-    """An LLM of unknown context size (a remote server): the prompt is not fitted."""
-
-    context_tokens = None
-
-
-_NO_LLM = _NoLLM()
+_NO_LLM = UnsizedLLM()
 
 CHAT = [
     {"role": "user", "content": "My name is Maya."},

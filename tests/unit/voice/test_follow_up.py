@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from fakes import UnsizedLLM
 
 from app import protocol
 from app.voice.follow_up import follow_up_phrase, resolve, resolve_in
 from app.voice.history import History
 
-_NO_LLM = type("NoLLM", (), {"context_tokens": None, "count_tokens": lambda self, m: None})()
+_NO_LLM = UnsizedLLM()
 
 
 @pytest.mark.parametrize(
