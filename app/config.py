@@ -174,8 +174,8 @@ class Settings(BaseSettings):
         32,
         ge=32,
         le=1000,
-        description="while one session is open (solo_speedups): quiet after which the tail is transcribed, before "
-        "the pause is confirmed (at most pause_ms; quiet that turns back into speech wastes one transcription); "
+        description="while one session is open (solo_speedups): quiet (VAD windows under vad_threshold) after "
+        "which the tail is transcribed, before the pause is confirmed (at most pause_ms; quiet that turns back into speech wastes one transcription); "
         "with several sessions the pause starts it",
     )
     partial_interval_ms: int = Field(400, ge=100, description="how often partial transcripts are made")

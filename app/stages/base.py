@@ -58,6 +58,12 @@ class VoiceActivity(Protocol):
         """In the hangover: the stream sample where the quiet began (the speech end, if it stays quiet)."""
         ...
 
+    @property
+    def quiet_start(self) -> int | None:
+        """Speaking, but the latest windows were not speech enough to start one: where they began (at or before
+        ``silence_start``; the earliest sign the speech may be ending)."""
+        ...
+
     def feed(self, samples: np.ndarray) -> list[VadEvent]: ...
 
 

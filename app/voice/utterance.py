@@ -159,10 +159,16 @@ class TrackerOptions:
 
 @dataclass
 class _TailJob:
-    """The tail's transcription (and what it took, in ms) for the silence that began at stream sample ``pause``."""
+    """The tail's transcription (and what it took, in ms) for the quiet that began at stream sample ``pause``;
+    its audio ends at ``heard_until``."""
 
     pause: int
+    heard_until: int
     task: asyncio.Task[tuple[Transcription | None, float]]
+
+    def hears_up_to(self, pause: int) -> bool:
+        """Whether this job heard all the speech before a pause the VAD placed at ``pause``."""
+        return self.pause <= pause <= self.heard_until
 
 
 @dataclass
@@ -254,9 +260,9 @@ class UtteranceTracker:
 
     @property
     def speech_may_be_ending(self) -> bool:
-        """In the VAD's hangover or a pause: the tail (the critical path) is about to run, or runs."""
+        """In quiet windows or a pause: the tail (the critical path) is about to run, or runs."""
         utterance = self._utterance
-        return utterance is not None and (utterance.pause is not None or self._vad.trailing_silence)
+        return utterance is not None and (utterance.pause is not None or self._vad.quiet_start is not None)
 
     @property
     def buffered_samples(self) -> int:
@@ -281,14 +287,15 @@ class UtteranceTracker:
         if utterance is None:
             return
         if self._vad.speaking:
-            # In the VAD's hangover the speech may be ending: a partial started now would hold ASR
+            # In quiet windows the speech may be ending: a partial started now would hold ASR
             # just when the tail (the words a reply is made from) is wanted.
-            if not self._vad.trailing_silence:  # the hangover is silence, not speech to count
-                utterance.forget_early_tail()  # the quiet window was a dip between words
+            if self._vad.quiet_start is None:
+                utterance.forget_early_tail()  # any quiet window before was a dip between words
                 self._maybe_partial(utterance)
-                await self._emit(Speaking(utterance.turn_id, (self._audio_end - utterance.start) / SAMPLES_PER_MS))
             else:
                 self._maybe_start_tail(utterance)
+            if not self._vad.trailing_silence:  # the hangover is silence, not speech to count
+                await self._emit(Speaking(utterance.turn_id, (self._audio_end - utterance.start) / SAMPLES_PER_MS))
             if utterance is not self._utterance:
                 return
             if self._audio_end - utterance.start > self.options.max_utterance_s * ASR_SAMPLE_RATE:
@@ -360,9 +367,9 @@ class UtteranceTracker:
         utterance.pause = sample
         await self._emit(Paused(utterance.turn_id))
         job = utterance.early_tail
-        if job is not None and job.pause == sample:
+        if job is not None and job.hears_up_to(sample):
             utterance.early_tail = None  # the pause takes the job over
-        else:  # no early job, or one for an earlier dip
+        else:  # no early job, or one that did not hear up to the pause
             utterance.forget_early_tail()
             job = self._start_tail_job(utterance, sample)
         end = sample + TAIL_PAD_MS * SAMPLES_PER_MS
@@ -374,24 +381,29 @@ class UtteranceTracker:
 
         The VAD needs ``pause_ms`` of silence to call a pause, and the reply cannot start before
         the tail's words are known; starting the transcription sooner takes part of that wait off
-        the critical path. Its audio ends where the quiet has reached rather than ``TAIL_PAD_MS``
-        after the silence began (what that cost in accuracy: README). The end-of-turn model waits
-        for the pause: it heard less trailing quiet as a less finished turn.
+        the critical path. The quiet counts from the first window under the VAD's speech threshold
+        (``quiet_start``), a window before its silence as a rule; the pause takes the job over when
+        the job heard up to where the silence began (``_TailJob.hears_up_to``), else a new one starts
+        then. Its audio ends where the quiet has reached rather than ``TAIL_PAD_MS`` after the
+        silence began (what that cost in accuracy: README). The end-of-turn model waits for the
+        pause: it heard less trailing quiet as a less finished turn.
         """
-        silence = self._vad.silence_start
-        if silence is None or utterance.pause is not None or not self._early_tail():
+        quiet = self._vad.quiet_start
+        if quiet is None or utterance.pause is not None or not self._early_tail():
             return
-        if self._audio_end - silence < self.options.tail_start_ms * SAMPLES_PER_MS:
+        if self._audio_end - quiet < self.options.tail_start_ms * SAMPLES_PER_MS:
             return
-        if utterance.early_tail is not None and utterance.early_tail.pause == silence:
+        job, silence = utterance.early_tail, self._vad.silence_start
+        if job is not None and (silence is None or job.hears_up_to(silence)):
             return  # already started for this quiet
         utterance.forget_early_tail()
-        utterance.early_tail = self._start_tail_job(utterance, silence)
+        utterance.early_tail = self._start_tail_job(utterance, quiet if silence is None else silence)
 
     def _start_tail_job(self, utterance: _Utterance, pause: int) -> _TailJob:
-        audio = self._slice(utterance.audio_start(), pause + TAIL_PAD_MS * SAMPLES_PER_MS)
+        heard_until = min(pause + TAIL_PAD_MS * SAMPLES_PER_MS, self._audio_end)
+        audio = self._slice(utterance.audio_start(), heard_until)
         transcribed = self._transcribe_tail(audio, utterance.stable_text)
-        return _TailJob(pause, asyncio.create_task(transcribed, name="asr-tail-job"))
+        return _TailJob(pause, heard_until, asyncio.create_task(transcribed, name="asr-tail-job"))
 
     async def _transcribe(self, audio: np.ndarray, context: str, wait: bool = True) -> Transcription | None:
         """``audio`` in words (None: ``wait=False`` and ASR was busy), without a loop Whisper ran into at its end."""

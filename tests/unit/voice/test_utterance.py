@@ -54,18 +54,31 @@ class TimedASR(ScriptedASR):
         return super().transcribe(audio, **options)
 
 
+FADING = 0.03  # a level FadingVadModel hears at P 0.4: under the speech threshold, over the silence one
+
+
+class FadingVadModel(EnergyVadModel):
+    """As the energy VAD, but a faint window (the last sound of a word dying away) is heard at P 0.4, as Silero's
+    probability falls through the speech threshold (0.5) a window before the silence threshold (0.35)."""
+
+    def probability(self, window_with_context, state):
+        level = float(np.sqrt(np.mean(window_with_context[-512:] ** 2)))
+        return (1.0 if level > 0.05 else 0.4 if level > 0.01 else 0.0), state
+
+
 class Ear:
     """One tracker and the events it emits; ``speech_end`` is the clock when the last loud frame ended."""
 
-    def __init__(self, tail_start_ms: int = VAD_WINDOW_MS) -> None:
+    def __init__(self, tail_start_ms: int = VAD_WINDOW_MS, vad_model=None) -> None:
         self.clock = ManualClock()
         self.asr = TimedASR(self.clock, QUESTION)
         self.run = Runner()
         self.events: list[heard.UtteranceEvent] = []
         self.speech_end = 0.0
         turn_ids = iter(range(1, 1000))
+        self.vad = VadStream(vad_model or EnergyVadModel(), VadConfig(min_silence_ms=PAUSE_MS))
         self.tracker = heard.UtteranceTracker(
-            VadStream(EnergyVadModel(), VadConfig(min_silence_ms=PAUSE_MS)),
+            self.vad,
             self.asr,
             self._emit,
             next_turn_id=lambda: next(turn_ids),
@@ -217,3 +230,49 @@ async def test_the_tail_and_the_turn_leave_out_a_loop_whisper_ran_into():
     await ear.feed(0.6, 0.0)
     assert [tail.text for tail in ear.of(heard.TailText)] == ["Why is the sky blue?"]
     assert [turn.text for turn in ear.of(heard.Committed)] == ["Why is the sky blue?"]
+
+
+async def test_the_tail_starts_at_the_first_window_under_the_speech_threshold_and_the_pause_takes_it_over():
+    ear = Ear(vad_model=FadingVadModel())
+    silent_at_asr = []
+    transcribe = ear.asr.transcribe
+    ear.asr.transcribe = lambda audio, **options: (
+        silent_at_asr.append(ear.vad.trailing_silence),
+        transcribe(audio, **options),
+    )[1]
+    await ear.feed(1.0, 0.3)
+    await ear.feed(0.04, FADING)  # a window at P 0.4: not speech enough, not yet the VAD's silence
+    await ear.feed(0.04, 0.0)  # that window complete, the next (the silence's first) not yet
+    assert len(ear.asr.calls) == 1 and silent_at_asr == [False]  # started before the silence began
+    assert ear.tracker.speech_may_be_ending
+    await ear.feed(0.6, 0.0)
+    assert len(ear.asr.calls) == 1  # the pause (at the silence, a window later) took the job over
+    assert [tail.text for tail in ear.of(heard.TailText)] == [QUESTION]
+    assert [turn.text for turn in ear.of(heard.Committed)] == [QUESTION]
+
+
+async def test_a_faint_dip_between_words_is_not_a_tail():
+    ear = Ear(vad_model=FadingVadModel())
+    ear.asr.text = "What is the"
+    await ear.feed(0.6, 0.3)
+    await ear.feed(0.06, FADING)
+    assert len(ear.asr.calls) == 1
+    ear.asr.text = QUESTION
+    await ear.feed(0.6, 0.3)
+    assert not ear.tracker.speech_may_be_ending
+    await ear.feed(0.6, 0.0)
+    assert not ear.of(heard.Resumed) and len(ear.of(heard.Paused)) == 1
+    assert [tail.text for tail in ear.of(heard.TailText)] == [QUESTION]
+
+
+async def test_a_job_that_did_not_hear_up_to_the_silence_is_started_again_there():
+    ear = Ear(vad_model=FadingVadModel())
+    ear.asr.text = "What is the capital of"
+    await ear.feed(1.0, 0.3)
+    await ear.feed(0.3, FADING)  # a long faint stretch (a trailing "of ..." said softly): the job heard its start
+    assert len(ear.asr.calls) == 1
+    ear.asr.text = QUESTION
+    await ear.feed(0.6, 0.0)
+    assert len(ear.asr.calls) == 2  # again once the silence began, and the pause took that one over
+    assert [tail.text for tail in ear.of(heard.TailText)] == [QUESTION]
+    assert [turn.text for turn in ear.of(heard.Committed)] == [QUESTION]
