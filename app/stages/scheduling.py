@@ -14,7 +14,8 @@ import heapq
 import itertools
 import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -57,3 +58,24 @@ class DeadlineLock:
     def waiting(self) -> int:
         with self._condition:
             return len(self._waiting)
+
+
+class NowAndAheadLocks:
+    """Two ``DeadlineLock`` lanes: work a listener waits on now (a ``deadline`` past or None) and work with time
+    ahead of it (audio still playing), each in deadline order, the two beside each other.
+
+    With one lock a reply's first piece waited for the piece being synthesized, a later piece of another reply
+    with seconds of audio still ahead of it: with four users, first audio p90 ~300-440 ms against a p50 ~150
+    (a 20-word piece holds Piper ~1 s on one thread). In its own lane it waits only for other pieces needed now.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.now = DeadlineLock()
+        self.ahead = DeadlineLock()
+
+    @contextmanager
+    def hold(self, deadline: float | None = None) -> Iterator[None]:
+        lane = self.now if deadline is None or deadline <= self._clock() else self.ahead
+        with lane.hold(deadline):
+            yield

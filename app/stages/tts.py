@@ -16,7 +16,7 @@ import numpy as np
 from app.audio import resample
 from app.stages.base import Synthesizer
 from app.stages.onnx import cpu_session
-from app.stages.scheduling import DeadlineLock
+from app.stages.scheduling import NowAndAheadLocks
 
 __all__ = ["BUNDLED_VOICE", "PiperSynthesizer", "Synthesizer"]
 
@@ -57,9 +57,10 @@ class PiperSynthesizer:
         self._languages.setdefault(_language_of(self.voice), default)
         self.voices = list(self._voices)
         self._config = SynthesisConfig(length_scale=length_scale) if length_scale else None
-        # One onnxruntime session at a time (two would fight over the cores); with several
-        # conversations, the piece whose listener runs out of audio soonest goes next.
-        self._lock = DeadlineLock()
+        # One piece at a time in each lane (more would fight over the cores): with several conversations, the
+        # piece whose listener runs out of audio soonest goes next, and one a listener waits on now (a reply's
+        # first) does not wait behind one with audio still playing ahead of it (``NowAndAheadLocks``).
+        self._lock = NowAndAheadLocks()
 
     def _load(self, voice: str) -> str:
         from piper import PiperVoice

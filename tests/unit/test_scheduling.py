@@ -1,4 +1,5 @@
-"""``DeadlineLock``: the shared synthesizer serves the piece needed soonest, not the one that came first."""
+"""``DeadlineLock``: the shared synthesizer serves the piece needed soonest, not the one that came first;
+``NowAndAheadLocks``: a piece needed now does not wait behind one with audio ahead of it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from app.stages.scheduling import DeadlineLock
+from app.stages.scheduling import DeadlineLock, NowAndAheadLocks
 
 
 def _wait_until(condition, timeout_s: float = 5.0) -> None:
@@ -60,3 +61,35 @@ def test_a_lone_caller_takes_a_free_lock_at_once_and_the_lock_is_free_after_an_e
     with lock.hold(None):
         assert lock.waiting == 0
     assert _serve([2.0, 1.0]) == [1.0, 2.0]
+
+
+def test_a_piece_needed_now_does_not_wait_behind_one_with_audio_ahead_but_pieces_of_a_lane_take_turns():
+    now = 100.0
+    locks = NowAndAheadLocks(clock=lambda: now)
+    holding, release, done = threading.Event(), threading.Event(), []
+
+    def later_piece() -> None:  # 2 s of its listener's audio still playing
+        with locks.hold(now + 2.0):
+            holding.set()
+            release.wait()
+
+    holder = threading.Thread(target=later_piece)
+    holder.start()
+    assert holding.wait(5)
+    for deadline in (None, now, now - 0.5):  # a first piece; one whose listener ran dry just now, or before
+        with locks.hold(deadline):
+            done.append(deadline)
+    assert done == [None, now, now - 0.5] and locks.ahead.waiting == 0
+
+    def another_later_piece() -> None:
+        with locks.hold(now + 1.0):
+            done.append(now + 1.0)
+
+    another = threading.Thread(target=another_later_piece)
+    another.start()
+    _wait_until(lambda: locks.ahead.waiting == 1)  # a second piece with audio ahead waits its turn
+    assert len(done) == 3
+    release.set()
+    for thread in (holder, another):
+        thread.join(5)
+    assert done[3:] == [now + 1.0]
