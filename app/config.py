@@ -175,8 +175,8 @@ class Settings(BaseSettings):
         ge=32,
         le=1000,
         description="while one session is open (solo_speedups): quiet (VAD windows under vad_threshold) after "
-        "which the tail is transcribed, before the pause is confirmed (at most pause_ms; quiet that turns back into speech wastes one transcription); "
-        "with several sessions the pause starts it",
+        "which the tail is transcribed, before the pause is confirmed (at most pause_ms; quiet that turns back "
+        "into speech wastes one transcription); with several sessions the pause starts it",
     )
     partial_interval_ms: int = Field(400, ge=100, description="how often partial transcripts are made")
     speculative_reply: bool = Field(True, description="start the reply during the endpoint silence")
