@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def cpu_session(model: str | Path, threads: int, *, log_severity: int = 2):
-    """An ONNX Runtime session on ``threads`` intra-op threads (0: ONNX Runtime's default, one per physical core)
+def cpu_session(model: str | Path | bytes, threads: int, *, log_severity: int = 2):
+    """An ONNX Runtime session (a model file, or a serialized model) on ``threads`` intra-op threads (0: ONNX Runtime's default, one per physical core)
     whose idle threads sleep.
 
     By default ORT's pool threads spin after each run, waiting for the next: after a Piper piece on
@@ -20,4 +20,6 @@ def cpu_session(model: str | Path, threads: int, *, log_severity: int = 2):
     options.inter_op_num_threads = 1
     options.log_severity_level = log_severity
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return onnxruntime.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(
+        model if isinstance(model, bytes) else str(model), sess_options=options, providers=["CPUExecutionProvider"]
+    )

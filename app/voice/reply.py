@@ -441,27 +441,28 @@ class Reply:
             if paused is not None:
                 paused.pause(request_id, FIRST_PIECE_PAUSE_MAX_S)
             deadline = self._runs_dry_at(tts_started)
+            # audio as it is made: a piece decoded head first (``PiperSynthesizer``) is heard before its rest exists
+            chunks = iter(self._tts.synthesize(text, self._voice, urgent=urgent, deadline=deadline))
             try:
-                audio = await self._run(
-                    lambda t=text, u=urgent, d=deadline: list(
-                        self._tts.synthesize(t, self._voice, urgent=u, deadline=d)
-                    )
-                )
+                while (samples := await self._run(lambda c=chunks: next(c, None))) is not None:
+                    if first and self.metrics.tts_first_audio_ms is None:
+                        samples = trim_leading_quiet(samples, sample_rate, LEAD_KEEP_MS)
+                        await self._first_audio(tts_started, sample_rate)
+                    if piece.answer and self.metrics.answer_ms is None:
+                        self.metrics.answer_ms = (self._clock.now() - self.speech_end) * 1000
+                    for offset in range(0, len(samples), chunk):
+                        await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
             finally:
                 if paused is not None:
                     paused.resume(request_id)
-            if first:
-                if audio:
-                    audio[0] = trim_leading_quiet(audio[0], sample_rate, LEAD_KEEP_MS)
-                self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
-                await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
-            if piece.answer and self.metrics.answer_ms is None and audio:
-                self.metrics.answer_ms = (self._clock.now() - self.speech_end) * 1000
-            for samples in audio:
-                for offset in range(0, len(samples), chunk):
-                    await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
+            if first and self.metrics.tts_first_audio_ms is None:
+                await self._first_audio(tts_started, sample_rate)  # (a piece with no audio)
             self.playback.add_piece("" if piece.filler else piece.text)
             self._yield_if_ahead()
+
+    async def _first_audio(self, tts_started: float, sample_rate: int) -> None:
+        self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
+        await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
 
     def _runs_dry_at(self, now: float) -> float:
         """When the listener runs out of audio: what was sent has played, and what is held back after it."""

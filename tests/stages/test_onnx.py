@@ -29,15 +29,18 @@ def test_piper_sessions_do_not_spin():
 
     tts = PiperSynthesizer(threads=1, urgent_threads=2)
     name = tts.voices[0]
-    for voice, threads in ((tts._voices[name], 1), (tts._urgent_voices[name], 2)):
-        assert spinning(voice.session) == "0"
-        assert options(voice.session).intra_op_num_threads == threads
+    for model, threads in ((tts._voices[name], 1), (tts._urgent_voices[name], 2)):
+        assert len(model.sessions) == 2  # the bundled voice runs in two halves (app.stages.piper_halves)
+        for session in model.sessions:
+            assert spinning(session) == "0"
+            assert options(session).intra_op_num_threads == threads
 
 
 def test_piper_on_onnx_runtimes_own_thread_count_does_not_spin():
     from app.stages.tts import PiperSynthesizer
 
     tts = PiperSynthesizer(threads=None)
-    assert spinning(tts.voice.session) == "0"
-    assert options(tts.voice.session).intra_op_num_threads == 0  # ONNX Runtime's default count
+    for session in tts._voices[tts.voices[0]].sessions:
+        assert spinning(session) == "0"
+        assert options(session).intra_op_num_threads == 0  # ONNX Runtime's default count
     assert not tts._urgent_voices  # as before: no second session without a bound

@@ -573,6 +573,35 @@ async def test_each_piece_asks_tts_for_it_by_when_the_listener_runs_out_of_audio
     assert spoken.session.models.tts.deadlines == pytest.approx([first, first + 6 * 0.25, first + 11 * 0.25])
 
 
+async def test_a_piece_goes_out_as_the_synthesizer_makes_it_head_first(conversation):
+    """Piper decodes a piece a listener waits on head first (``PiperSynthesizer``): the head is sent before the
+    rest is made, its leading quiet trimmed as a whole piece's was; the rest follows untouched."""
+    conv = conversation(llm_pieces=["Paris is the capital of France."])
+    tts = conv.session.models.tts
+    tts.lead_quiet_s = 0.05
+    made = tts.synthesize
+    sent_before_the_rest: list[float] = []
+
+    def head_first(text, voice=None, *, urgent=False, deadline=None):
+        whole = next(made(text, voice, urgent=urgent, deadline=deadline))
+        head = int(0.2 * tts.sample_rate)
+        yield whole[:head]
+        sent_before_the_rest.append(conv.audio_s)
+        yield whole[head:]
+
+    tts.synthesize = head_first
+    await conv.type(QUESTION)
+    await conv.settle()
+    assert conv.of(protocol.TurnDone)[-1].text == "Paris is the capital of France."
+    keep_s = LEAD_KEEP_MS / 1000
+    # two pieces ("Paris is the capital" and "of France."), each head sent before its rest was made: the first
+    # piece's head with its quiet trimmed, the second's after all of the first piece
+    first_piece_s = 4 * 0.25 + keep_s
+    assert sent_before_the_rest == pytest.approx([0.2 - 0.05 + keep_s, first_piece_s + 0.2], abs=1e-3)
+    assert conv.audio_s == pytest.approx(first_piece_s + 0.05 + 2 * 0.25, abs=1e-3)
+    assert len(conv.of(protocol.AudioStart)) == 1
+
+
 async def test_a_reply_with_seconds_of_audio_ahead_yields_its_llm_steps_to_other_replies(conversation):
     # WordTTS: a quarter second a word; the clock stands still, so all the audio sent is still ahead
     pieces = ["Paris is the capital of France. ", "It lies on the Seine. ", "It is big and very old. "]
