@@ -69,6 +69,11 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int) -> None:
     Path(path).write_bytes(wav_bytes(samples, sample_rate))
 
 
+def audible(samples: np.ndarray) -> bool:
+    """Whether any sample reaches ``AUDIBLE_LEVEL``."""
+    return bool(len(samples)) and float(np.abs(samples).max()) >= AUDIBLE_LEVEL
+
+
 def trim_leading_quiet(samples: np.ndarray, sample_rate: int, keep_ms: float) -> np.ndarray:
     """``samples`` from ``keep_ms`` before the first ``AUDIBLE_LEVEL`` sample, the kept quiet faded in.
 

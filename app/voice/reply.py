@@ -21,8 +21,10 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from app import protocol
-from app.audio import float_to_pcm16, trim_leading_quiet
+from app.audio import audible, float_to_pcm16, trim_leading_quiet
 from app.stages.base import (
     ChatLLM,
     Message,
@@ -443,9 +445,14 @@ class Reply:
             deadline = self._runs_dry_at(tts_started)
             # audio as it is made: a piece decoded head first (``PiperSynthesizer``) is heard before its rest exists
             chunks = iter(self._tts.synthesize(text, self._voice, urgent=urgent, deadline=deadline))
+            quiet = np.zeros(0, np.float32)  # a first piece's chunks with nothing audible yet: trimmed with the next
             try:
                 while (samples := await self._run(lambda c=chunks: next(c, None))) is not None:
                     if first and self.metrics.tts_first_audio_ms is None:
+                        samples = np.concatenate([quiet, samples])
+                        if not audible(samples):
+                            quiet = samples
+                            continue
                         samples = trim_leading_quiet(samples, sample_rate, LEAD_KEEP_MS)
                         await self._first_audio(tts_started, sample_rate)
                     if piece.answer and self.metrics.answer_ms is None:
@@ -456,7 +463,9 @@ class Reply:
                 if paused is not None:
                     paused.resume(request_id)
             if first and self.metrics.tts_first_audio_ms is None:
-                await self._first_audio(tts_started, sample_rate)  # (a piece with no audio)
+                await self._first_audio(tts_started, sample_rate)  # (a piece with nothing audible: sent whole)
+                for offset in range(0, len(quiet), chunk):
+                    await self._emit(float_to_pcm16(quiet[offset : offset + chunk]))
             self.playback.add_piece("" if piece.filler else piece.text)
             self._yield_if_ahead()
 

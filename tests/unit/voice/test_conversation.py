@@ -602,6 +602,24 @@ async def test_a_piece_goes_out_as_the_synthesizer_makes_it_head_first(conversat
     assert len(conv.of(protocol.AudioStart)) == 1
 
 
+async def test_a_first_head_with_nothing_audible_is_trimmed_with_what_follows(conversation):
+    """A voice whose lead-in outlasts the head: the quiet is cut across both chunks, as from a whole piece."""
+    conv = conversation(llm_pieces=["Paris is the capital of France."])
+    tts = conv.session.models.tts
+    tts.lead_quiet_s = 0.3
+    made = tts.synthesize
+
+    def head_first(text, voice=None, *, urgent=False, deadline=None):
+        whole = next(made(text, voice, urgent=urgent, deadline=deadline))
+        yield from (whole[: int(0.2 * tts.sample_rate)], whole[int(0.2 * tts.sample_rate) :])
+
+    tts.synthesize = head_first
+    await conv.type(QUESTION)
+    await conv.settle()
+    # the first piece: its four words and 20 ms of its quiet; the second: its words and all of its quiet
+    assert conv.audio_s == pytest.approx(4 * 0.25 + LEAD_KEEP_MS / 1000 + 0.3 + 2 * 0.25, abs=1e-3)
+
+
 async def test_a_reply_with_seconds_of_audio_ahead_yields_its_llm_steps_to_other_replies(conversation):
     # WordTTS: a quarter second a word; the clock stands still, so all the audio sent is still ahead
     pieces = ["Paris is the capital of France. ", "It lies on the Seine. ", "It is big and very old. "]
