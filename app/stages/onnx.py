@@ -6,8 +6,8 @@ from pathlib import Path
 
 
 def cpu_session(model: str | Path | bytes, threads: int, *, log_severity: int = 2):
-    """An ONNX Runtime session (a model file, or a serialized model) on ``threads`` intra-op threads (0: ONNX Runtime's default, one per physical core)
-    whose idle threads sleep.
+    """An ONNX Runtime session (of a model file, or a serialized model) on ``threads`` intra-op threads (0: ONNX
+    Runtime's default, one per physical core) whose idle threads sleep.
 
     By default ORT's pool threads spin after each run, waiting for the next: after a Piper piece on
     2 threads that burnt ~50 ms of a core while the LLM wrote the next piece beside it. Without it the

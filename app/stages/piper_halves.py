@@ -50,7 +50,7 @@ class PiperHalves:
     decoder: object  # onnxruntime.InferenceSession: the latent -> audio
     latent: str  # the decoder input with one frame per hop of audio, on its last axis
     conditioning: list[str]  # other decoder inputs (a multi-speaker voice's speaker embedding), passed whole
-    hop: int = 256  # audio samples per latent frame
+    hop: int  # audio samples per latent frame
 
     def latents(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the front half: the model's own inputs (``input``, ``input_lengths``, ``scales``, ``sid``)."""
@@ -72,9 +72,10 @@ class PiperHalves:
         return audio[offset : offset + (end - start) * self.hop]
 
 
-def split_piper(model: str | Path, threads: int | list[int]) -> list[PiperHalves] | None:
-    """``model`` cut before its decoder, as sessions on each of ``threads`` (one pair per count); None when the
-    graph has no decoder scope to cut at."""
+def split_piper(model: str | Path, threads: int | list[int], hop: int = 256) -> list[PiperHalves] | None:
+    """``model`` cut before its decoder, as sessions on each of ``threads`` (one pair per count); ``hop``: its
+    audio samples per latent frame (the voice config's ``hop_length``). None when the graph has no decoder scope
+    to cut at."""
     import onnx
     from onnx.utils import Extractor
 
@@ -105,7 +106,11 @@ def split_piper(model: str | Path, threads: int | list[int]) -> list[PiperHalves
     counts = [threads] if isinstance(threads, int) else threads
     return [
         PiperHalves(
-            cpu_session(front, count), cpu_session(decoder, count), latent, [name for name in cut if name != latent]
+            cpu_session(front, count),
+            cpu_session(decoder, count),
+            latent,
+            [name for name in cut if name != latent],
+            hop,
         )
         for count in counts
     ]

@@ -113,19 +113,20 @@ class PiperSynthesizer:
         counts = [self._threads or 0]
         if self._threads and self._urgent_threads != self._threads:
             counts.append(self._urgent_threads)
-        halves = split_piper(model, counts)
+        halves = split_piper(model, counts, loaded.config.hop_length)
         models = []
         for index, count in enumerate(counts):
             if halves is None:
                 piper = dataclasses.replace(loaded, session=cpu_session(model, count))
                 models.append(_Model(piper, None))
             else:
-                halves[index].hop = loaded.config.hop_length
                 models.append(_Model(dataclasses.replace(loaded, session=None), halves[index]))
+        # (the calibration is the first model's first runs, which initialize lazily: not on a user's turn)
         gain = TARGET_PEAK / float(np.median([np.abs(self._run(models[0], text)).max() for text in CALIBRATION]))
         for loaded_model in models:
             loaded_model.gain = gain
-            self._run(loaded_model, "Hello.")  # its first run initializes lazily; not on a user's turn
+        for loaded_model in models[1:]:
+            self._run(loaded_model, "Hello.")
         self._voices[name] = models[0]
         if len(models) > 1:
             self._urgent_voices[name] = models[1]

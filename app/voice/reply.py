@@ -430,7 +430,6 @@ class Reply:
 
     async def _speak(self, pieces: asyncio.Queue[_Piece | None]) -> None:
         sample_rate = self._tts.sample_rate
-        chunk = sample_rate * AUDIO_CHUNK_MS // 1000
         while (piece := await pieces.get()) is not None:
             text = speakable(piece.text)
             if not text or not self.speaks:
@@ -457,17 +456,21 @@ class Reply:
                         await self._first_audio(tts_started, sample_rate)
                     if piece.answer and self.metrics.answer_ms is None:
                         self.metrics.answer_ms = (self._clock.now() - self.speech_end) * 1000
-                    for offset in range(0, len(samples), chunk):
-                        await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
+                    await self._send_audio(samples)
             finally:
                 if paused is not None:
                     paused.resume(request_id)
             if first and self.metrics.tts_first_audio_ms is None:
                 await self._first_audio(tts_started, sample_rate)  # (a piece with nothing audible: sent whole)
-                for offset in range(0, len(quiet), chunk):
-                    await self._emit(float_to_pcm16(quiet[offset : offset + chunk]))
+                await self._send_audio(quiet)
             self.playback.add_piece("" if piece.filler else piece.text)
             self._yield_if_ahead()
+
+    async def _send_audio(self, samples: np.ndarray) -> None:
+        """In ``AUDIO_CHUNK_MS`` pieces, so an interrupt drops little."""
+        chunk = self._tts.sample_rate * AUDIO_CHUNK_MS // 1000
+        for offset in range(0, len(samples), chunk):
+            await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
 
     async def _first_audio(self, tts_started: float, sample_rate: int) -> None:
         self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
