@@ -27,55 +27,98 @@ class DeadlineLock:
     """
 
     def __init__(self) -> None:
-        self._condition = threading.Condition()
-        self._held = False
-        self._waiting: list[tuple[float, int]] = []  # heap of (deadline, arrival)
-        self._arrivals = itertools.count()
+        self._lanes = _Lanes(1)
 
     @contextmanager
     def hold(self, deadline: float | None = None) -> Iterator[None]:
-        ticket = (-math.inf if deadline is None else deadline, next(self._arrivals))
-        with self._condition:
-            heapq.heappush(self._waiting, ticket)
-            try:
-                while self._held or self._waiting[0] != ticket:
-                    self._condition.wait()
-            except BaseException:  # (a waiter interrupted: let the next one in)
-                self._waiting.remove(ticket)
-                heapq.heapify(self._waiting)
-                self._condition.notify_all()
-                raise
-            heapq.heappop(self._waiting)
-            self._held = True
-        try:
+        with self._lanes.hold(deadline, lambda: 0):
             yield
-        finally:
-            with self._condition:
-                self._held = False
-                self._condition.notify_all()
 
     @property
     def waiting(self) -> int:
-        with self._condition:
-            return len(self._waiting)
+        return self._lanes.waiting(0)
 
 
 class NowAndAheadLocks:
-    """Two ``DeadlineLock`` lanes: work a listener waits on now (a ``deadline`` past or None) and work with time
-    ahead of it (audio still playing), each in deadline order, the two beside each other.
+    """Two deadline-ordered lanes: work a listener waits on now (a ``deadline`` past or None) and work with time
+    ahead of it (audio still playing), the two beside each other.
 
     With one lock a reply's first piece waited for the piece being synthesized, a later piece of another reply
     with seconds of audio still ahead of it: with four users, first audio p90 ~300-440 ms against a p50 ~150
     (a 20-word piece holds Piper ~1 s on one thread). In its own lane it waits only for other pieces needed now.
+
+    A waiter's lane is its deadline's at each moment: one queued with time ahead whose deadline passes while the
+    lane is busy (behind another reply's long piece) moves to the lane of work needed now, as it is by then.
     """
+
+    NOW, AHEAD = 0, 1
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self.now = DeadlineLock()
-        self.ahead = DeadlineLock()
+        self._lanes = _Lanes(2)
 
     @contextmanager
     def hold(self, deadline: float | None = None) -> Iterator[None]:
-        lane = self.now if deadline is None or deadline <= self._clock() else self.ahead
-        with lane.hold(deadline):
+        def lane() -> int:
+            return self.NOW if deadline is None or deadline <= self._clock() else self.AHEAD
+
+        def changes_in() -> float | None:  # (a waiter in the lane of work needed now stays there)
+            return None if lane() == self.NOW else deadline - self._clock()
+
+        with self._lanes.hold(deadline, lane, changes_in):
             yield
+
+    def waiting(self, lane: int) -> int:
+        """How many wait for ``lane`` (``NOW`` or ``AHEAD``)."""
+        return self._lanes.waiting(lane)
+
+
+class _Lanes:
+    """Locks side by side, one holder each, whose waiters are served in deadline order; a waiter's lane may change
+    while it waits (``hold``'s ``lane``, asked again when ``changes_in`` says it may have)."""
+
+    def __init__(self, count: int) -> None:
+        self._condition = threading.Condition()
+        self._held = [False] * count
+        self._waiting: list[list[tuple[float, int]]] = [[] for _ in range(count)]  # heaps of (deadline, arrival)
+        self._arrivals = itertools.count()
+
+    @contextmanager
+    def hold(
+        self,
+        deadline: float | None,
+        lane: Callable[[], int],
+        changes_in: Callable[[], float | None] = lambda: None,
+    ) -> Iterator[None]:
+        ticket = (-math.inf if deadline is None else deadline, next(self._arrivals))
+        with self._condition:
+            current = lane()
+            heapq.heappush(self._waiting[current], ticket)
+            try:
+                while self._held[current] or self._waiting[current][0] != ticket:
+                    self._condition.wait(changes_in())
+                    if (moved := lane()) != current:
+                        self._leave(current, ticket)
+                        current = moved
+                        heapq.heappush(self._waiting[current], ticket)
+            except BaseException:  # (a waiter interrupted: let the next one in)
+                self._leave(current, ticket)
+                raise
+            heapq.heappop(self._waiting[current])
+            self._held[current] = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._held[current] = False
+                self._condition.notify_all()
+
+    def _leave(self, lane: int, ticket: tuple[float, int]) -> None:
+        """``ticket`` no longer waits in ``lane`` (the one after it may be first now)."""
+        self._waiting[lane].remove(ticket)
+        heapq.heapify(self._waiting[lane])
+        self._condition.notify_all()
+
+    def waiting(self, lane: int) -> int:
+        with self._condition:
+            return len(self._waiting[lane])

@@ -62,7 +62,8 @@ class PiperSynthesizer:
     where more threads than the free cores make it slower, not faster. An urgent piece (a reply's
     first, the LLM paused for it) runs on ``urgent_threads`` (None: every core).
 
-    A piece a listener waits on (``deadline`` None or past) is decoded head first (``app.stages.piper_halves``).
+    A piece a listener waits on (``deadline`` None, or past by the time its latent is made) is decoded head first
+    (``app.stages.piper_halves``).
     """
 
     def __init__(
@@ -144,12 +145,12 @@ class PiperSynthesizer:
         chosen = (self._urgent_voices if urgent else self._voices).get(name, self._voices[name])
         rate = chosen.voice.config.sample_rate
         # (a resampled voice runs whole: resampling its head apart from the rest would leave a seam)
-        head_first = rate == self.sample_rate and (deadline is None or deadline <= self._clock())
+        first = rate == self.sample_rate
         for ids in self._sentences(chosen, text):
-            for audio in self._audio(chosen, ids, deadline, head_first):
+            for audio in self._audio(chosen, ids, deadline, may_lead=first):
                 audio = np.clip(audio * chosen.gain, -1.0, 1.0).astype(np.float32)
                 yield audio if rate == self.sample_rate else resample(audio, rate, self.sample_rate)
-            head_first = False
+            first = False  # (a later sentence has the audio before it ahead)
 
     def _sentences(self, chosen: _Model, text: str) -> list[list[int]]:
         with self._phonemes:
@@ -176,8 +177,9 @@ class PiperSynthesizer:
             inputs["sid"] = np.array([speaker or 0], dtype=np.int64)
         return inputs
 
-    def _audio(self, chosen: _Model, ids: list[int], deadline: float | None, head_first: bool) -> Iterator[np.ndarray]:
-        """One sentence's audio, unscaled: whole, or head first (``chunk_ends``)."""
+    def _audio(self, chosen: _Model, ids: list[int], deadline: float | None, may_lead: bool) -> Iterator[np.ndarray]:
+        """One sentence's audio, unscaled: whole, or (``may_lead``, and its listener waits by the time its latent
+        is made: ``deadline`` None or past, maybe while it waited for the lane) head first (``chunk_ends``)."""
         inputs = self._inputs(chosen, ids)
         halves = chosen.halves
         # (no lock is held across a yield: a piece whose reply is cancelled is dropped between two runs)
@@ -189,6 +191,7 @@ class PiperSynthesizer:
         with self._lock.hold(deadline):
             latents = halves.latents(inputs)
         frames = halves.frames(latents)
+        head_first = may_lead and (deadline is None or deadline <= self._clock())
         start = 0
         for end in chunk_ends(frames) if head_first else [frames]:
             with self._lock.hold(deadline):
@@ -199,7 +202,7 @@ class PiperSynthesizer:
     def _run(self, chosen: _Model, text: str) -> np.ndarray:
         """``text``'s audio, unscaled, in one piece (loading: calibration and first runs)."""
         return np.concatenate(
-            [audio for ids in self._sentences(chosen, text) for audio in self._audio(chosen, ids, None, False)]
+            [audio for ids in self._sentences(chosen, text) for audio in self._audio(chosen, ids, None, may_lead=False)]
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -57,6 +58,28 @@ def test_a_piece_needed_now_comes_head_first_and_one_with_time_ahead_whole(tts):
     # one gain for every piece (not Piper's peak of 1.0 per sentence), nothing past full scale
     peak = float(np.abs(ahead[0]).max())
     assert 0.4 < peak <= 1.0
+
+
+@pytest.mark.models
+def test_a_piece_whose_listener_runs_dry_while_it_waits_for_the_lane_comes_head_first(tts):
+    holding, release = threading.Event(), threading.Event()
+
+    def long_piece() -> None:  # another conversation's piece, with a minute of its audio ahead, holds the lane
+        with tts._lock.hold(time.monotonic() + 60):
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=long_piece)
+    holder.start()
+    assert holding.wait(5)
+    try:  # its listener has 0.3 s of audio left: by the time that has played it is needed now, and head first
+        chunks = list(
+            tts.synthesize("The weather is sunny today, and tomorrow it will rain.", deadline=time.monotonic() + 0.3)
+        )
+    finally:
+        release.set()
+        holder.join(5)
+    assert len(chunks) == len(chunk_ends(sum(len(chunk) for chunk in chunks) // 256)) > 1
 
 
 @pytest.mark.models

@@ -1,5 +1,6 @@
 """``DeadlineLock``: the shared synthesizer serves the piece needed soonest, not the one that came first;
-``NowAndAheadLocks``: a piece needed now does not wait behind one with audio ahead of it."""
+``NowAndAheadLocks``: a piece needed now does not wait behind one with audio ahead of it, nor does one whose
+audio ran out while it waited."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_a_piece_needed_now_does_not_wait_behind_one_with_audio_ahead_but_pieces
     for deadline in (None, now, now - 0.5):  # a first piece; one whose listener ran dry just now, or before
         with locks.hold(deadline):
             done.append(deadline)
-    assert done == [None, now, now - 0.5] and locks.ahead.waiting == 0
+    assert done == [None, now, now - 0.5] and locks.waiting(locks.AHEAD) == 0
 
     def another_later_piece() -> None:
         with locks.hold(now + 1.0):
@@ -87,9 +88,37 @@ def test_a_piece_needed_now_does_not_wait_behind_one_with_audio_ahead_but_pieces
 
     another = threading.Thread(target=another_later_piece)
     another.start()
-    _wait_until(lambda: locks.ahead.waiting == 1)  # a second piece with audio ahead waits its turn
+    _wait_until(lambda: locks.waiting(locks.AHEAD) == 1)  # a second piece with audio ahead waits its turn
     assert len(done) == 3
     release.set()
     for thread in (holder, another):
         thread.join(5)
     assert done[3:] == [now + 1.0]
+
+
+def test_a_piece_whose_listener_runs_dry_while_it_waits_moves_to_the_lane_of_work_needed_now():
+    clock = [100.0]
+    locks = NowAndAheadLocks(clock=lambda: clock[0])
+    holding, release, served = threading.Event(), threading.Event(), threading.Event()
+
+    def long_later_piece() -> None:  # another reply's long piece, 5 s of its audio still playing
+        with locks.hold(105.0):
+            holding.set()
+            release.wait()
+
+    def second_piece() -> None:  # its listener has 0.2 s of audio left: it waits behind the long piece
+        with locks.hold(100.2):
+            served.set()
+
+    holder, waiter = threading.Thread(target=long_later_piece), threading.Thread(target=second_piece)
+    holder.start()
+    assert holding.wait(5)
+    waiter.start()
+    _wait_until(lambda: locks.waiting(locks.AHEAD) == 1)
+    assert not served.wait(0.3)  # (its deadline not yet passed: it keeps its turn behind the holder)
+    clock[0] = 100.25  # the audio ran out while it waited: it is needed now, and that lane is free
+    assert served.wait(5)
+    assert locks.waiting(locks.AHEAD) == 0 and locks.waiting(locks.NOW) == 0
+    release.set()
+    for thread in (holder, waiter):
+        thread.join(5)
