@@ -370,12 +370,16 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "h += delta (optional); returns (h, rmsnorm(h) * w)");
-  m.def("rotary_kv_write", &rotary_kv_write, "rotary on q and k in place; k, v written to their cache slots");
-  m.def("paged_decode_attention", &paged_decode_attention, "one query token per request against its paged K/V");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up row");
-  m.def("has_int8_linear", &has_int8_linear, "int8_linear was built (the CPU has AVX2 and FMA)");
   // without the GIL, as torch's own ops: the engine steps on its own thread beside the server's Python threads
+  // (the event loop among them), and a kernel's parallel region can wait on a core another process holds
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("add_rms_norm", &add_rms_norm, "h += delta (optional); returns (h, rmsnorm(h) * w)", release_gil());
+  m.def("rotary_kv_write", &rotary_kv_write, "rotary on q and k in place; k, v written to their cache slots",
+        release_gil());
+  m.def("paged_decode_attention", &paged_decode_attention, "one query token per request against its paged K/V",
+        release_gil());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up row", release_gil());
+  m.def("has_int8_linear", &has_int8_linear, "int8_linear was built (the CPU has AVX2 and FMA)");
   m.def("int8_linear", &int8_linear, "x @ (w * scale[:, None]).T, int8 w, x quantized per block of 32",
-        py::call_guard<py::gil_scoped_release>());
+        release_gil());
 }

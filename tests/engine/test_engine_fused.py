@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,63 @@ def test_silu_mul_matches_eager():
     gu = torch.randn(3, 2 * 1536, dtype=BF16)
     g, u = gu.chunk(2, dim=-1)
     assert close(fk.silu_mul(gu), F.silu(g) * u)
+
+
+def _kernel_call(kernel: str):
+    """A call of ``kernel`` on inputs that keep it busy a few milliseconds."""
+    torch.manual_seed(3)
+    if kernel == "add_rms_norm":
+        h, w = torch.randn(512, 4096, dtype=BF16), torch.rand(4096, dtype=BF16) + 0.5
+        return lambda: fk.add_rms_norm(h, None, w, 1e-5)
+    if kernel == "silu_mul":
+        gate_up = torch.randn(512, 2 * 4096, dtype=BF16)
+        return lambda: fk.silu_mul(gate_up)
+    if kernel == "paged_decode_attention":
+        B, H, KV, D, bs, blocks = 8, 9, 3, 64, 16, 64
+        cache = torch.randn(2, KV, B * blocks, bs, D, dtype=BF16)
+        tables, lens = torch.arange(B * blocks).view(B, blocks), torch.full((B,), blocks * bs)
+        qkv = torch.randn(B, (H + 2 * KV) * D, dtype=BF16)
+        return lambda: fk.paged_decode_attention(qkv, cache, tables, lens, H, D, D**-0.5)
+    if kernel == "rotary_kv_write":
+        T, H, KV, D, blocks, bs = 512, 9, 3, 64, 64, 16
+        qkv = torch.randn(T, (H + 2 * KV) * D, dtype=BF16)
+        cos, sin = torch.randn(T, D, dtype=BF16), torch.randn(T, D, dtype=BF16)
+        cache, positions = torch.zeros(2, KV, blocks, bs, D, dtype=BF16), torch.arange(T)
+        return lambda: fk.rotary_kv_write(qkv, cos, sin, positions, cache, positions, H, KV, D)
+    if not fk.has_int8_linear():
+        pytest.skip("int8_linear needs AVX2 and FMA")
+    x, w = torch.randn(64, 2048, dtype=BF16), torch.randint(-127, 128, (2048, 2048), dtype=torch.int8)
+    scale = torch.rand(2048, dtype=BF16)
+    return lambda: fk.int8_linear(x, w, scale)
+
+
+@pytest.mark.parametrize(
+    "kernel", ["add_rms_norm", "silu_mul", "paged_decode_attention", "rotary_kv_write", "int8_linear"]
+)
+def test_a_kernel_lets_other_python_threads_run_while_it_computes(kernel):
+    # The engine steps on its own thread beside the server's event loop: a kernel holding the GIL stalled the
+    # loop (other users' audio, /healthz) for as long as its parallel region waited on busy cores.
+    call = _kernel_call(kernel)
+    call()
+    started, finished = threading.Event(), threading.Event()
+
+    def calls() -> None:
+        started.set()
+        kept = [call() for _ in range(30)]  # (kept: freeing a large tensor may let the GIL go by itself)
+        finished.set()
+        kept.clear()
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)  # the GIL changes hands only where its holder lets it go
+    worker = threading.Thread(target=calls)
+    try:
+        worker.start()
+        assert started.wait(30)
+        ran_meanwhile = not finished.is_set()
+    finally:
+        worker.join(60)
+        sys.setswitchinterval(switch)
+    assert ran_meanwhile
 
 
 @pytest.fixture(scope="module")
