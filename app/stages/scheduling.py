@@ -48,7 +48,8 @@ class NowAndAheadLocks:
     (a 20-word piece holds Piper ~1 s on one thread). In its own lane it waits only for other pieces needed now.
 
     A waiter's lane is its deadline's at each moment: one queued with time ahead whose deadline passes while the
-    lane is busy (behind another reply's long piece) moves to the lane of work needed now, as it is by then.
+    lane is busy (behind another reply's long piece) moves to the lane of work needed now, as it is by then. So
+    deadlines are in seconds on ``clock``'s scale: a waiter looks again when its deadline is due by real time.
     """
 
     NOW, AHEAD = 0, 1
@@ -63,7 +64,9 @@ class NowAndAheadLocks:
             return self.NOW if deadline is None or deadline <= self._clock() else self.AHEAD
 
         def changes_in() -> float | None:  # (a waiter in the lane of work needed now stays there)
-            return None if lane() == self.NOW else deadline - self._clock()
+            if lane() == self.NOW or not math.isfinite(deadline):
+                return None
+            return min(deadline - self._clock(), threading.TIMEOUT_MAX)
 
         with self._lanes.hold(deadline, lane, changes_in):
             yield
@@ -90,6 +93,8 @@ class _Lanes:
         lane: Callable[[], int],
         changes_in: Callable[[], float | None] = lambda: None,
     ) -> Iterator[None]:
+        if deadline is not None and math.isnan(deadline):
+            raise ValueError("a deadline must be a number (None: needed now)")
         ticket = (-math.inf if deadline is None else deadline, next(self._arrivals))
         with self._condition:
             current = lane()
@@ -98,11 +103,11 @@ class _Lanes:
                 while self._held[current] or self._waiting[current][0] != ticket:
                     self._condition.wait(changes_in())
                     if (moved := lane()) != current:
-                        self._leave(current, ticket)
+                        self._leave(ticket)
+                        heapq.heappush(self._waiting[moved], ticket)
                         current = moved
-                        heapq.heappush(self._waiting[current], ticket)
             except BaseException:  # (a waiter interrupted: let the next one in)
-                self._leave(current, ticket)
+                self._leave(ticket)
                 raise
             heapq.heappop(self._waiting[current])
             self._held[current] = True
@@ -113,10 +118,12 @@ class _Lanes:
                 self._held[current] = False
                 self._condition.notify_all()
 
-    def _leave(self, lane: int, ticket: tuple[float, int]) -> None:
-        """``ticket`` no longer waits in ``lane`` (the one after it may be first now)."""
-        self._waiting[lane].remove(ticket)
-        heapq.heapify(self._waiting[lane])
+    def _leave(self, ticket: tuple[float, int]) -> None:
+        """``ticket`` no longer waits in any lane (the one after it may be first now)."""
+        for waiting in self._waiting:
+            if ticket in waiting:
+                waiting.remove(ticket)
+                heapq.heapify(waiting)
         self._condition.notify_all()
 
     def waiting(self, lane: int) -> int:

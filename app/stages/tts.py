@@ -63,8 +63,8 @@ class PiperSynthesizer:
     where more threads than the free cores make it slower, not faster. An urgent piece (a reply's
     first, the LLM paused for it) runs on ``urgent_threads`` (None: every core).
 
-    A piece a listener waits on (``deadline`` None, or past by the time its latent is made) is decoded head first
-    (``app.stages.piper_halves``).
+    The first sentence of a piece a listener waits on (``deadline`` None, or past by the time its latent is made)
+    is decoded head first (``app.stages.piper_halves``), where the voice speaks at the output's rate.
     """
 
     def __init__(

@@ -4,6 +4,7 @@ audio ran out while it waited."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -122,3 +123,13 @@ def test_a_piece_whose_listener_runs_dry_while_it_waits_moves_to_the_lane_of_wor
     release.set()
     for thread in (holder, waiter):
         thread.join(5)
+
+
+def test_a_deadline_that_is_no_number_is_refused_and_one_never_due_waits_with_time_ahead():
+    locks = NowAndAheadLocks()
+    with pytest.raises(ValueError, match="number"), locks.hold(math.nan):
+        pass
+    with locks.hold(math.inf):
+        assert locks.waiting(locks.AHEAD) == 0
+    with locks.hold(None):  # nothing left behind
+        assert locks.waiting(locks.NOW) == 0
