@@ -108,10 +108,10 @@ def _kernel_call(kernel: str):
     """A call of ``kernel`` on inputs that keep it busy a few milliseconds."""
     torch.manual_seed(3)
     if kernel == "add_rms_norm":
-        h, w = torch.randn(512, 4096, dtype=BF16), torch.rand(4096, dtype=BF16) + 0.5
+        h, w = torch.randn(256, 4096, dtype=BF16), torch.rand(4096, dtype=BF16) + 0.5
         return lambda: fk.add_rms_norm(h, None, w, 1e-5)
     if kernel == "silu_mul":
-        gate_up = torch.randn(512, 2 * 4096, dtype=BF16)
+        gate_up = torch.randn(256, 2 * 4096, dtype=BF16)
         return lambda: fk.silu_mul(gate_up)
     if kernel == "paged_decode_attention":
         B, H, KV, D, bs, blocks = 8, 9, 3, 64, 16, 64
@@ -140,13 +140,14 @@ def test_a_kernel_lets_other_python_threads_run_while_it_computes(kernel):
     # loop (other users' audio, /healthz) for as long as its parallel region waited on busy cores.
     call = _kernel_call(kernel)
     call()
-    started, finished = threading.Event(), threading.Event()
+    started, main_ran, finished = threading.Event(), threading.Event(), threading.Event()
 
-    def calls() -> None:
+    def calls() -> None:  # until the main thread has run (it can only between two bytecodes, or in a kernel)
         started.set()
-        kept = [call() for _ in range(30)]  # (kept: freeing a large tensor may let the GIL go by itself)
+        kept = []  # (kept: freeing a large tensor may let the GIL go by itself)
+        while not main_ran.is_set() and len(kept) < 100:
+            kept.append(call())
         finished.set()
-        kept.clear()
 
     switch = sys.getswitchinterval()
     sys.setswitchinterval(60.0)  # the GIL changes hands only where its holder lets it go
@@ -155,6 +156,7 @@ def test_a_kernel_lets_other_python_threads_run_while_it_computes(kernel):
         worker.start()
         assert started.wait(30)
         ran_meanwhile = not finished.is_set()
+        main_ran.set()
     finally:
         worker.join(60)
         sys.setswitchinterval(switch)
