@@ -69,9 +69,10 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int) -> None:
     Path(path).write_bytes(wav_bytes(samples, sample_rate))
 
 
-def audible(samples: np.ndarray) -> bool:
-    """Whether any sample reaches ``AUDIBLE_LEVEL``."""
-    return bool(len(samples)) and float(np.abs(samples).max()) >= AUDIBLE_LEVEL
+def first_audible(samples: np.ndarray) -> int | None:
+    """The index of the first sample that reaches ``AUDIBLE_LEVEL``; None when none does."""
+    loud = np.flatnonzero(np.abs(samples) >= AUDIBLE_LEVEL)
+    return int(loud[0]) if len(loud) else None
 
 
 def trim_leading_quiet(samples: np.ndarray, sample_rate: int, keep_ms: float) -> np.ndarray:
@@ -81,11 +82,11 @@ def trim_leading_quiet(samples: np.ndarray, sample_rate: int, keep_ms: float) ->
     hold a soft onset ("h", "f"), and the fade keeps the cut from clicking. Audio with no audible
     sample is returned whole.
     """
-    loud = np.flatnonzero(np.abs(samples) >= AUDIBLE_LEVEL)
-    start = max(0, int(loud[0]) - int(keep_ms * sample_rate / 1000)) if len(loud) else 0
+    loud = first_audible(samples)
+    start = max(0, loud - int(keep_ms * sample_rate / 1000)) if loud is not None else 0
     if start == 0:
         return samples
     kept = samples[start:].copy()
-    lead = int(loud[0]) - start
+    lead = loud - start
     kept[:lead] *= np.linspace(0.0, 1.0, lead, endpoint=False, dtype=kept.dtype)
     return kept

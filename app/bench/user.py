@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app import protocol
-from app.audio import AUDIBLE_LEVEL
+from app.audio import first_audible
 from app.clients.core import FRAME_MS, Connection, Event, open_connection
 
 
@@ -108,10 +108,10 @@ class TurnResult:
         first = self.first_audio_received
         if first is None or not self.output_sample_rate:
             return first
-        loud = np.flatnonzero(np.abs(self.reply_samples) >= AUDIBLE_LEVEL)
-        if not len(loud):
+        target = first_audible(self.reply_samples)
+        if target is None:
             return first
-        target, offset, playing_until = int(loud[0]), 0, first
+        offset, playing_until = 0, first
         for arrived, samples in self.audio_arrivals:
             starts = max(arrived, playing_until)
             if target < offset + samples:

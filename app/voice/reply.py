@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app import protocol
-from app.audio import audible, float_to_pcm16, trim_leading_quiet
+from app.audio import first_audible, float_to_pcm16, trim_leading_quiet
 from app.stages.base import (
     ChatLLM,
     Message,
@@ -449,7 +449,7 @@ class Reply:
                 while (samples := await self._run(lambda c=chunks: next(c, None))) is not None:
                     if first and self.metrics.tts_first_audio_ms is None:
                         samples = np.concatenate([quiet, samples])
-                        if not audible(samples):
+                        if first_audible(samples) is None:
                             quiet = samples
                             continue
                         samples = trim_leading_quiet(samples, sample_rate, LEAD_KEEP_MS)
