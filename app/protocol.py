@@ -159,6 +159,21 @@ class SpeechStopped(_Message):
     type: Literal["speech_stopped"] = "speech_stopped"
 
 
+class SpeechDropped(_Message):
+    """The speech since ``speech_started`` is not a turn, and nothing will answer it: no words were heard in it
+    (noise, a cough), only a filler ("um"), or a backchannel said over a reply ("yeah": the reply goes on).
+
+    Partial transcripts it was shown by (``turn_id``) are void. Where the speech went on with a committed
+    turn, that turn's final transcript follows again: its words stand as committed.
+    Why: without it a client could only guess, by a timeout, that a "thinking" state or a partial will never end.
+    """
+
+    type: Literal["speech_dropped"] = "speech_dropped"
+    turn_id: int
+    reason: Literal["no_words", "filler", "backchannel"]
+    heard: str = ""  # the words heard in it ("" for no_words)
+
+
 class Transcript(_Message):
     """What the user said; ``final`` is false for partials while they speak."""
 
@@ -353,6 +368,7 @@ ServerMessage = Annotated[
     Ready
     | SpeechStarted
     | SpeechStopped
+    | SpeechDropped
     | Transcript
     | AssistantText
     | AudioStart

@@ -121,14 +121,13 @@ class Parts:
 
     def close(self) -> None:
         self.inbound.close()
-        self.outbound.close()
 
 
-def parts(drop_after_s: float = 0.2, **settings) -> Parts:
+def parts(**settings) -> Parts:
     config = Settings(**{"max_audio_rate": 1000.0, **settings})
     models, client, session = StubModels(), Recorder(), StubSession(config)
     state = RealtimeState.new(config, models)
-    outbound = Outbound(state, client.send, drop_after_s=drop_after_s)
+    outbound = Outbound(state, client.send)
     inbound = Inbound(state, outbound, config, models)
     outbound.session = inbound.session = session
     return Parts(state, outbound, inbound, session, client, models, config)

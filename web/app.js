@@ -218,6 +218,13 @@ function handleEvent(msg) {
       state.userSpeaking = false;
       state.thinkingUntil = Date.now() + SOFT_THINKING_MS;
       break;
+    case "speech_dropped":
+      // Not a turn (noise, "um", a "yeah" over the reply): nothing will answer it. A continued turn's
+      // words come again as its final transcript.
+      state.userSpeaking = false;
+      ui.dropPartial(turn);
+      if (state.replyTurn === null) state.thinkingUntil = 0;
+      break;
     case "transcript":
       ui.userTranscript(turn, msg.text, msg.final);
       if (msg.final && msg.text.trim()) {
@@ -575,6 +582,9 @@ window.parley = {
   },
   get state() {
     return state.status;
+  },
+  get thinking() {
+    return Date.now() < state.thinkingUntil;
   },
   get socketState() {
     return socket.state;

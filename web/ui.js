@@ -201,6 +201,12 @@ export class UI {
     });
   }
 
+  /** The server dropped the speech this partial transcript showed (noise, "um", a "yeah" over the reply). */
+  dropPartial(turn) {
+    const el = this._bubble("user", turn);
+    if (el && el.classList.contains("partial")) el.remove();
+  }
+
   /** Partial transcripts update the same bubble in place until the final one. */
   userTranscript(turn, text, final) {
     let el = this._bubble("user", turn);

@@ -268,7 +268,11 @@ class VoiceClient:
         while not self._done.is_set():
             self._check_receiver()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no turn_done within {timeout_s} s; events: {[e.type for e in result.events]}")
+                dropped = [f"{e.reason} ({e.heard!r})" for e in result.all(protocol.SpeechDropped)]
+                raise TimeoutError(
+                    f"no turn_done within {timeout_s} s; events: {[e.type for e in result.events]}"
+                    + (f"; speech dropped as {', '.join(dropped)}" if dropped else "")
+                )
             await self.send_silence(FRAME_MS / 1000)
         result.output_sample_rate = self.output_sample_rate
         return result

@@ -184,6 +184,9 @@ class Console:
                 self.out.write(f"you: {event.text} ...")
                 self.out.flush()
                 self._partial = True
+        elif isinstance(event, protocol.SpeechDropped):
+            self._end_partial()  # not a turn (noise, "um", a "yeah" over the reply): its partial goes
+            self.out.flush()
         elif isinstance(event, protocol.AssistantText):
             if self._replying_to != event.turn_id:
                 self._end_lines()

@@ -146,6 +146,8 @@ class ContinuedTurns:
             now = self._clock.now()
             await self._start_turn(reply.turn_id, reply.user_text, speech_end=now, commit=now)
             return
+        # the utterance's partials showed the turn's words and more: they stand as committed
+        await self._send_json(protocol.Transcript(turn_id=reply.turn_id, text=reply.user_text, final=True))
         self._history.remember({"role": "user", "content": reply.user_text})
         await reply.release()  # (records the reply if it was complete)
 

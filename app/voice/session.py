@@ -265,17 +265,23 @@ class VoiceSession:
                 if self.settings.speculative_reply and not self._barge_in.only_backchannel(said):
                     if not is_filler(said) and not looks_unfinished(event.text):
                         await self._speculation.start(event)
-            case heard.Dropped():
+            case heard.Dropped(turn_id=turn_id, text=text):
                 await self._speculation.cancel()  # a cough or "mm": not a turn, and the reply goes on
-                await self._continued.end()
+                said = self._continued.new_words(text)
+                await self._speech_dropped(turn_id, "filler" if said.strip() else "no_words", said)
             case heard.Committed():
                 said = self._continued.new_words(event.text)
                 reply_goes_on = self.busy or self._continued.holding
                 if reply_goes_on and self._barge_in.only_backchannel(said):
                     await self._speculation.cancel()  # "mm-hmm" said over the reply: it goes on
-                    await self._continued.end()
+                    await self._speech_dropped(event.turn_id, "backchannel", said)
                     return
                 await self._on_committed(event)
+
+    async def _speech_dropped(self, turn_id: int, reason: str, heard_words: str) -> None:
+        """Tell the client the speech is not a turn; a turn it went on with stands (``ContinuedTurns.end``)."""
+        await self._send_json(protocol.SpeechDropped(turn_id=turn_id, reason=reason, heard=heard_words.strip()))
+        await self._continued.end()
 
     async def _stop_reply_for_speech(self) -> None:
         """The user is saying more than a backchannel: a continued turn's reply is withdrawn, any other interrupted."""

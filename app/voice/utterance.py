@@ -589,6 +589,7 @@ class UtteranceTracker:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(tail)
         if forced and utterance.tail_text is None:
+            await self._emit(Dropped(utterance.turn_id, ""))  # (its transcription was stopped: no words came)
             return
         text = utterance.text()
         end = utterance.pause if utterance.pause is not None else self._audio_end

@@ -42,6 +42,7 @@ EVERY_EVENT = [
     READY,
     protocol.SpeechStarted(),
     protocol.SpeechStopped(),
+    protocol.SpeechDropped(turn_id=4, reason="filler", heard="Um."),
     protocol.Transcript(turn_id=1, text="hello", final=False),
     protocol.Transcript(turn_id=1, text="Hello there.", final=True),
     protocol.AssistantText(turn_id=1, delta="Hi"),

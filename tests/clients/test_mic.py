@@ -201,6 +201,15 @@ def test_console_prints_the_conversation_and_latency():
     ]
 
 
+def test_console_takes_back_the_partial_of_speech_the_server_dropped():
+    out = io.StringIO()
+    out.isatty = lambda: True  # partials are drawn on a terminal only
+    console = Console(out)
+    console.event(protocol.Transcript(turn_id=1, text="Um, so", final=False))
+    console.event(protocol.SpeechDropped(turn_id=1, reason="filler", heard="Um, so"))
+    assert out.getvalue() == "you: Um, so ...\r\x1b[K"  # the line is cleared at once
+
+
 def test_console_ends_a_reply_line_that_was_cut_short():
     out = io.StringIO()
     console = Console(out)

@@ -95,7 +95,7 @@ class Rig:
         self.llm = llm or ScriptedLLM(pieces or ["Paris is the capital of France."], gate=gate)
         self.models = FakeStages(self.llm)
         self.events: list[dict] = []
-        self.adapter = RealtimeAdapter(self._send, self.settings, self.models, drop_after_s=0.3)
+        self.adapter = RealtimeAdapter(self._send, self.settings, self.models)
         self.session = self.adapter.open_session()
 
     async def _send(self, event: dict) -> None:

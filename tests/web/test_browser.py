@@ -685,6 +685,41 @@ def test_a_continued_turn_replaces_the_withdrawn_reply(playwright, tmp_path):
         assert not page.page_errors, page.page_errors
 
 
+def dropped_speech(ws, site, n):
+    """Speech the server hears as a filler and drops (``speech_dropped``) after its partial was shown."""
+
+    def on_message(ws, message):
+        if message["type"] != "text":
+            return
+
+        def send(**event):
+            ws.send(json.dumps(event))
+
+        send(type="speech_started")
+        send(type="transcript", turn_id=1, text="Um, so", final=False)
+        send(type="speech_stopped")
+        time.sleep(1.0)  # the page thinks a reply may come (it would for 4 s without the drop)
+        send(type="speech_dropped", turn_id=1, reason="filler", heard="Um, so")
+
+    site.converse(ws, on_message)
+
+
+def test_dropped_speech_takes_its_partial_away_and_the_page_stops_thinking(playwright, tmp_path):
+    with (
+        scripted_site(dropped_speech) as (url, _site),
+        browser_page(playwright, tmp_path / "profile", BASE_ARGS, []) as page,
+    ):
+        page.goto(f"{url}/")
+        page.locator("#conn[data-state=open]").wait_for(timeout=15_000)
+        page.fill("#text", "go")  # the scripted server plays the speech whatever is typed
+        page.press("#text", "Enter")
+        page.locator('#log .msg.user.partial[data-turn="1"]').wait_for(timeout=15_000)
+        page.wait_for_function("window.parley.events.some(e => e.type === 'speech_dropped')", timeout=15_000)
+        assert page.evaluate("window.parley.thinking") is False
+        assert page.locator('#log .msg.user[data-turn="1"]').count() == 0
+        assert not page.page_errors, page.page_errors
+
+
 def tool_turn(ws, site, n):
     """A typed question answered after a call of a server tool, as the server sends it."""
 

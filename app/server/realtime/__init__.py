@@ -61,6 +61,8 @@ Client events -> the conversation
 The conversation -> server events
   speech_started                 input_audio_buffer.speech_started (held back while a reply is
                                  audible, see below)
+  speech_dropped                 input_audio_buffer.speech_stopped when the speech was announced, and
+                                 no item (noise, a filler, a backchannel over the reply)
   transcript (partial)           conversation.item.input_audio_transcription.delta
   transcript (final, spoken)     input_audio_buffer.speech_stopped, .committed, conversation.item.added,
                                  ...input_audio_transcription.completed, conversation.item.done,

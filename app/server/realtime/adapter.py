@@ -17,8 +17,6 @@ class RealtimeAdapter:
 
     ``on_parley`` / ``on_parley_audio`` are the session's ``send_json`` / ``send_bytes``;
     ``handle_client`` / ``handle_binary`` take the client's frames. ``open_session`` makes the session and attaches it.
-    ``drop_after_s``: how long after a pause an utterance that commits no turn is forgotten
-    (by default the endpoint's longest silence and time for the ASR).
     """
 
     def __init__(
@@ -29,13 +27,10 @@ class RealtimeAdapter:
         *,
         model: str = "parley",
         on_rate_limited: Callable[[float], None] | None = None,
-        drop_after_s: float | None = None,
     ) -> None:
-        if drop_after_s is None:
-            drop_after_s = settings.endpoint_unfinished_silence_ms / 1000 + 3.0
         self._settings, self._models = settings, models
         self.state = RealtimeState.new(settings, models, model)
-        self.outbound = Outbound(self.state, send, drop_after_s=drop_after_s)
+        self.outbound = Outbound(self.state, send)
         self.inbound = Inbound(self.state, self.outbound, settings, models, on_rate_limited=on_rate_limited)
         self.on_parley, self.on_parley_audio = self.outbound.on_parley, self.outbound.on_parley_audio
         self.handle_client, self.handle_binary = self.inbound.handle_client, self.inbound.handle_binary
@@ -56,4 +51,3 @@ class RealtimeAdapter:
 
     async def close(self) -> None:
         self.inbound.close()
-        self.outbound.close()

@@ -180,7 +180,7 @@ class Inbound:
         """Forget the utterance in progress and the manual buffer; the session rebuilds its VAD (with ``tuned``)."""
         self.state.reset_input()
         async with self.state.lock:
-            self.state.forget_speech()
+            self.state.speech = None
         if self.session is not None:
             await self.session.tune(**(tuned or {}))
 

@@ -14,7 +14,6 @@ server's own tools stay inside the reply.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any
 
@@ -48,15 +47,13 @@ INCLUDE_NOTICES = "parley.notice"
 class Outbound:
     """Parley's events as Realtime server events, sent with ``send`` (one JSON-able event at a time).
 
-    ``drop_after_s``: how long after a pause an utterance that commits no turn is forgotten.
     The session is attached after both exist (it sends through this object).
     """
 
-    def __init__(self, state: RealtimeState, send: SendEvent, *, drop_after_s: float) -> None:
+    def __init__(self, state: RealtimeState, send: SendEvent) -> None:
         self.state = state
         self.session: VoiceSession | None = None
         self._send = send
-        self._drop_after_s = drop_after_s
 
     # ------------------------------------------------------------------ sending
     async def emit(self, event: dict[str, Any]) -> None:
@@ -91,7 +88,9 @@ class Outbound:
             case protocol.SpeechStarted():
                 await self._on_speech_started()
             case protocol.SpeechStopped():
-                self._on_speech_paused()
+                return  # a pause: the utterance ends when its turn commits (transcript) or it is dropped
+            case protocol.SpeechDropped():
+                await self._on_speech_dropped()
             case protocol.Transcript(final=False):
                 await self._on_partial(message)
             case protocol.Transcript():
@@ -122,7 +121,6 @@ class Outbound:
     # ------------------------------------------------------------------ the user's speech
     async def _on_speech_started(self) -> None:
         state = self.state
-        state.cancel_drop_timer()
         if state.speech is not None:
             return  # the user went on after a pause: the same item
         state.speech = Speech(item_id=new_id("item"), start_ms=int(state.input_ms))
@@ -136,28 +134,17 @@ class Outbound:
             {"type": "input_audio_buffer.speech_started", "audio_start_ms": speech.start_ms, "item_id": speech.item_id}
         )
 
-    def _on_speech_paused(self) -> None:
-        """A pause: if no turn commits in time, the utterance was dropped (noise, filler)."""
-        speech = self.state.speech
-        if speech is None:
-            return
-        self.state.cancel_drop_timer()
-        self.state.drop_task = asyncio.create_task(self._drop_later(speech), name="realtime-drop")
-
-    async def _drop_later(self, speech: Speech) -> None:
-        await asyncio.sleep(self._drop_after_s)
-        async with self.state.lock:
-            if self.state.speech is not speech:
-                return
-            self.state.speech = None
-            if speech.announced:
-                await self.emit(
-                    {
-                        "type": "input_audio_buffer.speech_stopped",
-                        "audio_end_ms": int(self.state.input_ms),
-                        "item_id": speech.item_id,
-                    }
-                )
+    async def _on_speech_dropped(self) -> None:
+        """The utterance is not a turn (noise, a filler, a backchannel over the reply): it ends with no item."""
+        speech, self.state.speech = self.state.speech, None
+        if speech is not None and speech.announced:
+            await self.emit(
+                {
+                    "type": "input_audio_buffer.speech_stopped",
+                    "audio_end_ms": int(self.state.input_ms),
+                    "item_id": speech.item_id,
+                }
+            )
 
     async def _on_partial(self, message: protocol.Transcript) -> None:
         speech = self.state.speech
@@ -184,7 +171,7 @@ class Outbound:
             await self.open_response(message.turn_id, params)
             return
         speech = state.speech
-        state.forget_speech()
+        state.speech = None
         if speech is None:
             speech = Speech(item_id=new_id("item"), start_ms=int(state.input_ms))
         if not speech.announced:
@@ -402,6 +389,3 @@ class Outbound:
             return
         kind = "server_error" if message.code in ("internal", "overloaded", "turn_failed") else "invalid_request_error"
         await self.error(RealtimeError(message.code, message.message, kind=kind))
-
-    def close(self) -> None:
-        self.state.cancel_drop_timer()

@@ -206,7 +206,6 @@ class RealtimeState:
     items: OrderedDict[str, Item] = field(default_factory=OrderedDict)
     last_item_id: str | None = None
     speech: Speech | None = None  # the utterance in progress (server VAD)
-    drop_task: asyncio.Task | None = None  # forgets ``speech`` if no turn commits after its pause
     response: Response | None = None  # the response open now
     typed: ResponseParams | None = None  # a typed turn sent to the session, response not opened yet
     input: StreamResampler = field(default_factory=_input_resampler)  # 24 kHz -> the session's 16 kHz
@@ -269,15 +268,6 @@ class RealtimeState:
         return response if response is not None and response.turn_id == turn_id else None
 
     # ------------------------------------------------------------------ input
-    def cancel_drop_timer(self) -> None:
-        if self.drop_task is not None:
-            self.drop_task.cancel()
-            self.drop_task = None
-
-    def forget_speech(self) -> None:
-        self.speech = None
-        self.cancel_drop_timer()
-
     def add_manual(self, samples: np.ndarray) -> None:
         self.manual.append(samples)
         self.manual_samples += len(samples)

@@ -3,7 +3,6 @@ events out (recorded by a stub sender), with a stub session; no server, no model
 
 from __future__ import annotations
 
-import asyncio
 import base64
 
 import numpy as np
@@ -111,8 +110,8 @@ async def test_speech_over_an_audible_reply_is_announced_only_when_parley_barges
     mark = len(events)
     await feed(protocol.SpeechStarted())
     await feed(protocol.SpeechStopped())
-    await asyncio.sleep(0.3)
-    assert rt.state.speech is None, "a pause that commits no turn is forgotten"
+    await feed(protocol.SpeechDropped(turn_id=2, reason="no_words"))
+    assert rt.state.speech is None, "speech Parley dropped is forgotten"
     assert not [t for t in rt.client.types(mark) if t.startswith("input_audio_buffer.")]
     # real speech: announced once Parley interrupts the reply, before the response is cancelled
     await feed(protocol.SpeechStarted())
@@ -131,21 +130,24 @@ async def test_speech_over_an_audible_reply_is_announced_only_when_parley_barges
     rt.close()
 
 
-async def test_an_announced_utterance_that_commits_no_turn_is_closed_after_its_pause():
-    rt = parts(drop_after_s=0.05)
+async def test_an_announced_utterance_the_session_drops_is_closed_at_once_and_a_pause_closes_nothing():
+    rt = parts()
     await rt.outbound.on_parley(protocol.SpeechStarted())
     rt.state.input_ms = 800.0
     await rt.outbound.on_parley(protocol.SpeechStopped())
-    assert rt.client.types() == ["input_audio_buffer.speech_started"]
-    await asyncio.sleep(0.15)
+    await rt.outbound.on_parley(protocol.SpeechStarted())  # the user went on after the pause: the same item
+    assert rt.client.types() == ["input_audio_buffer.speech_started"] and rt.state.speech is not None
+    item_id = rt.state.speech.item_id
+    rt.state.input_ms = 1300.0
+    await rt.outbound.on_parley(protocol.SpeechDropped(turn_id=3, reason="no_words"))
     assert rt.client.types() == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped"]
-    assert rt.client.events[-1]["audio_end_ms"] == 800 and rt.state.speech is None
-    # speech resumed before the timer: the same utterance goes on, nothing is closed
+    assert rt.client.events[-1]["audio_end_ms"] == 1300 and rt.client.events[-1]["item_id"] == item_id
+    assert rt.state.speech is None
+    # a backchannel said over a reply was never announced: dropped, it ends without an event
+    rt.session.busy = True  # a reply is playing
     await rt.outbound.on_parley(protocol.SpeechStarted())
-    await rt.outbound.on_parley(protocol.SpeechStopped())
-    await rt.outbound.on_parley(protocol.SpeechStarted())
-    await asyncio.sleep(0.15)
-    assert rt.client.types()[-1] == "input_audio_buffer.speech_started" and rt.state.speech is not None
+    await rt.outbound.on_parley(protocol.SpeechDropped(turn_id=4, reason="backchannel", heard="yeah"))
+    assert len(rt.client.events) == 2 and rt.state.speech is None
     rt.close()
 
 

@@ -67,7 +67,11 @@ async def test_a_cough_after_the_commit_lets_the_reply_go_on(conversation):
     conv.llm.hold.set()
     await conv.silence_until(lambda: bool(conv.of(protocol.TurnDone)))
     assert not conv.of(protocol.TurnContinued) and not conv.of(protocol.Interrupt)
-    assert [final.text for final in conv.finals()] == [FIRST]
+    # the client is told the cough is no turn; the turn's words, which its partials may have grown, stand
+    dropped = conv.of(protocol.SpeechDropped)
+    assert [(e.turn_id, e.reason, e.heard) for e in dropped] == [(1, "filler", "Mm.")]
+    assert [(final.turn_id, final.text) for final in conv.finals()] == [(1, FIRST), (1, FIRST)]
+    assert conv.events.index(dropped[0]) < conv.events.index(conv.finals()[1])
     assert conv.session.history == [
         {"role": "user", "content": FIRST},
         {"role": "assistant", "content": "Paris is the capital of France."},

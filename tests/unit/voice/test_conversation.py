@@ -106,11 +106,13 @@ async def test_no_speculation_without_the_setting(conversation):
     assert len(conv.llm.calls) == 1
 
 
-async def test_a_filler_is_not_a_turn(conversation):
+@pytest.mark.parametrize(("heard", "reason"), [("Mm.", "filler"), ("", "no_words")])
+async def test_a_filler_or_speech_with_no_words_is_not_a_turn_and_the_client_is_told(conversation, heard, reason):
     conv = conversation()
-    await conv.speak(0.4, "Mm.")
+    await conv.speak(0.4, heard)
     await conv.silence(1.5)
     assert not conv.finals() and not conv.llm.calls and not conv.session.history
+    assert [(e.turn_id, e.reason, e.heard) for e in conv.of(protocol.SpeechDropped)] == [(1, reason, heard)]
 
 
 async def reply_playing(conv) -> None:
@@ -451,6 +453,9 @@ async def test_a_long_backchannel_over_a_reply_neither_stops_it_nor_becomes_a_tu
     await conv.silence(1.5)
     assert not conv.of(protocol.Interrupt)
     assert [f.turn_id for f in conv.finals()] == [1]
+    assert [(e.turn_id, e.reason, e.heard) for e in conv.of(protocol.SpeechDropped)] == [
+        (2, "backchannel", "Mm-hmm, yeah.")
+    ]
     assert len(conv.llm.calls) == 1
 
 
