@@ -39,6 +39,11 @@ BUNDLED_MULTILINGUAL_ASR = "bundled-multilingual"
 SAMPLE_RATE = 16_000
 FRAMES_PER_SECOND = 100  # Whisper mel frames
 MAX_WINDOW_S = 30.0
+# A partial transcript's window holds its audio and 1 s more, not ``window_s``: it is shown and prefilled while the
+# user speaks, and its encode holds Whisper when the tail's transcription comes (the partial gives way only
+# after it). Offline, 85 noisy utterances cut at half their audio: 75 partials right (every word but the
+# last) against 77 with the 6 s window, at 80 %: 69 and 69; 111 ms a call against 147, 130 against 157.
+PARTIAL_WINDOW_S = 1.0
 NO_SPEECH_THRESHOLD = 0.6  # as faster-whisper; well between our speech (<= 0.26) and silence or hiss (>= 0.89)
 
 
@@ -245,7 +250,9 @@ class Transcriber:
         audio = audio[: int(MAX_WINDOW_S * SAMPLE_RATE)].astype(np.float32, copy=False)
         features = self.whisper.feature_extractor(audio)
         frames = min(features.shape[1], int(MAX_WINDOW_S * FRAMES_PER_SECOND))
-        window = int(max(self.window_s, math.ceil(frames / FRAMES_PER_SECOND + 1.0)) * FRAMES_PER_SECOND)
+        # a partial (``give_way``) encodes only its audio and 1 s more: see PARTIAL_WINDOW_S
+        floor_s = min(PARTIAL_WINDOW_S, self.window_s) if give_way else self.window_s
+        window = int(max(floor_s, math.ceil(frames / FRAMES_PER_SECOND + 1.0)) * FRAMES_PER_SECOND)
         window = min(window, int(MAX_WINDOW_S * FRAMES_PER_SECOND))
         padded = self._silence_features[:, :window].copy()
         padded[:, :frames] = features[:, :frames]

@@ -1,5 +1,6 @@
 """Each model stage alone, on the real bundled models."""
 
+import math
 import threading
 import time
 
@@ -8,7 +9,7 @@ import pytest
 from heard import heard_as
 
 from app.audio import StreamResampler, resample
-from app.stages.asr import Transcriber
+from app.stages.asr import FRAMES_PER_SECOND, Transcriber
 from app.stages.tts import PiperSynthesizer
 from app.stages.vad import SileroVad, VadConfig, VadStream
 from app.voice.text import without_trailing_loop, words
@@ -100,6 +101,27 @@ def test_a_partial_gives_whisper_up_to_a_transcription_that_comes_to_wait(transc
     assert transcriber.transcribe(audio, wait=False) is None  # gave way after encoding
     waiting.join(30)
     assert heard(final["result"])
+
+
+def test_a_partial_encodes_its_audio_and_a_second_where_a_final_encodes_the_whole_window(
+    transcriber, speech, monkeypatch
+):
+    audio = speech(QUESTION)  # ~2 s: the final's 6 s window, the partial's 3 s
+    model, windows = transcriber.whisper.model, []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def encode(self, features, *args, **kwargs):
+            windows.append(features.shape[2] / FRAMES_PER_SECOND)
+            return model.encode(features, *args, **kwargs)
+
+    monkeypatch.setattr(transcriber.whisper, "model", Recording())
+    partial, final = transcriber.transcribe(audio, wait=False), transcriber.transcribe(audio)
+    assert windows == [math.ceil(len(audio) / 16000 + 1.0), transcriber.window_s]
+    for result in (partial, final):
+        assert heard_as(without_trailing_loop(result.text, result.audio_seconds), QUESTION), result.text
 
 
 @pytest.mark.models
