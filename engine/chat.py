@@ -37,7 +37,7 @@ transformation falls back to the content as sent (still plain text), with a warn
 once. The placeholders are letters and digits only, so that such filters print them
 unchanged.
 
-With tools (``engine/tools/plan.py``): a ``tool`` message's content is a content like any
+With tools (``engine/openai_api/tool_plan.py``): a ``tool`` message's content is a content like any
 other; the tool definitions and earlier calls' arguments are rendered by the template as
 JSON, outside any content, so the tools plan breaks special-token text in them first.
 """

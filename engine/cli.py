@@ -130,8 +130,8 @@ async def _serve(app, host: str, port: int, log_level: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from engine.api_server import create_app
     from engine.async_engine import AsyncLLMEngine
+    from engine.openai_api.api_server import create_app
     from engine.weights import resolve_model
 
     try:

@@ -14,7 +14,7 @@ def resolve_dtype(setting: str, device: str) -> str:
     """``auto``: bfloat16 where the hardware computes it (CUDA, CPUs with AVX512-BF16/AMX), else float32.
 
     Where the CPU only emulates bfloat16 (oneDNN without native support) it is several times slower
-    than float32 at the first token (README, "The engine").
+    than float32 at the first token (app/bench/results/engine_cpu.md).
     """
     if setting != "auto":
         return setting
@@ -32,7 +32,7 @@ def resolve_quantization(setting: str, device: str) -> str | None:
 
     A voice reply waits for its first spoken piece, so decode speed counts more than prefill speed,
     and int8 decodes faster than 16-bit on every CPU measured, at about float32's perplexity
-    (README, "The engine"; ``parley doctor`` checks it).
+    (app/bench/results/engine_cpu.md; ``parley doctor`` checks it).
     """
     if setting == "auto":
         return None if device.startswith("cuda") else "int8"

@@ -4,7 +4,7 @@ Why JIT and not a wheel: the package stays pure Python (``pip install -e .`` nev
 torch build environment), and the kernels are built for this CPU (``-march=native``). The
 build runs once per CPU kind and is cached under ``~/.cache/torch_extensions``;
 ``make setup`` runs it. If no compiler is available, or ``PARLEY_FUSED_KERNELS=0``, the engine keeps its
-ATen ops (same results within bf16 rounding, slower to decode: README, "The engine").
+ATen ops (same results within bf16 rounding, slower to decode: app/bench/results/engine_cpu.md).
 """
 
 from __future__ import annotations

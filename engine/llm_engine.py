@@ -34,7 +34,7 @@ from engine.prompt_scores import PromptScoreCache, prefix_keys
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplerRow, SamplingParams, make_generator, position_logprobs, sample, token_logprobs
 from engine.scheduler import RequestRejected, Scheduler
-from engine.tools.grammar import GrammarCompiler, GrammarState
+from engine.structured_output.grammar import GrammarCompiler, GrammarState
 from engine.weights import generation_defaults, resolve_model
 
 log = logging.getLogger(__name__)

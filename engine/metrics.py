@@ -6,7 +6,7 @@ scrape just reads that dict; nothing has to be incremented on the hot path, and 
 figures cannot drift from what ``stats()`` says. Every metric is named ``parley_engine_*``,
 wherever it is exported:
 
-* ``engine/api_server.py`` serves it at ``/metrics`` of ``parley engine serve``;
+* ``engine/openai_api/api_server.py`` serves it at ``/metrics`` of ``parley engine serve``;
 * a server that runs the engine in process registers the same collector in its own
   registry::
 

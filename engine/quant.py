@@ -10,7 +10,7 @@ weights recovers the same grid), with ``torch._weight_int4pack_mm_for_cpu``; lm_
 16-bit (packed for oneDNN), as llama.cpp keeps it at 8 bits.
 
 Why: decode on a small CPU is bound by reading weights, so int8 weights (1/4 of fp32,
-1/2 of bf16) read faster; ``parley bench engine`` reports the decode rates (README, "The engine").
+1/2 of bf16) read faster; ``parley bench engine`` reports the decode rates (app/bench/results/engine_cpu.md).
 
 ``torch._weight_int8pack_mm`` is weight-only (activations stay bf16, so answers stay
 close to bf16) and the fastest kernel at batch 1, where a voice turn decodes; its cost grows
@@ -206,7 +206,7 @@ class Int8Embedding:
     As lm_head: ``_weight_int8pack_mm``, the layers' kernel (as fast as the packed bf16 head
     at one row, without a second 16-bit copy of the matrix). Quantizing the activations too
     (``torch._int_mm`` per token, fbgemm per tensor) was faster at 8+ rows but lost perplexity
-    (README, "The engine").
+    (app/bench/results/engine_cpu.md).
     Lookups gather and dequantize only the rows asked for.
     """
 
@@ -240,7 +240,7 @@ class Int8Dot:
     llama.cpp's Q8_0), so a row costs 32-wide integer multiply-adds instead of widening every
     weight to 16 or 32 bits: decode reads each weight once and does little else with it.
     Where it is built it takes every step int8pack would (``max_rows``): it was faster than
-    int8pack at every row count on an AVX2 CPU, at the same perplexity (README, "The engine").
+    int8pack at every row count on an AVX2 CPU, at the same perplexity (app/bench/results/engine_cpu.md).
     Greedy continuations differ from int8pack's a little more often than int8pack's from bf16's.
     Not compared on an AVX512 CPU, where int8pack has its own AVX512 path. Per-token
     quantization of the activations (one scale per row) loses perplexity (see

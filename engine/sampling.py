@@ -1,7 +1,7 @@
 """Per-request sampling: parameters, and one batched sampler that turns logits into tokens.
 
 The order is vLLM's: logprobs come from the raw logits (``token_logprobs``); then a request's
-grammar (the tokens it does not allow get -inf: ``engine.tools.grammar``), stop tokens
+grammar (the tokens it does not allow get -inf: ``engine.structured_output.grammar``), stop tokens
 held back until ``min_tokens``, ``logit_bias``, the repetition / frequency / presence
 penalties; greedy rows take the argmax there; sampled rows go on through temperature,
 ``min_p``, top-k / top-p and the draw. Each step is one batched operation over the rows
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import TokenLogprobs
-from engine.tools.grammar import GrammarState, grammar_bias
+from engine.structured_output.grammar import GrammarState, grammar_bias
 
 # Below this a positive temperature overflows the scaled logits (1e-40 made every row inf, and
 # the multinomial draw then failed inside the engine loop); 0 is the way to ask for greedy.
@@ -65,7 +65,7 @@ class SamplingParams:
     (see ``_apply_dry``); ``dry_context``: token sequences DRY reads too, as if they came before the prompt,
     each apart (no repeat is matched across their ends): text not to be said again that the prompt does not hold,
     a chat's earlier replies it leaves out (``app.stages.llm``). ``grammar``: an llguidance grammar the tokens must follow
-    (``engine.tools.grammar``). ``skip_special_tokens``: leave special tokens out of the text (a
+    (``engine.structured_output.grammar``). ``skip_special_tokens``: leave special tokens out of the text (a
     tool-call marker that is one, Mistral's ``[TOOL_CALLS]``, must stay in).
     """
 

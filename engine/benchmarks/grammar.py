@@ -19,7 +19,7 @@ import time
 import torch
 
 from engine.sampling import SamplerRow, SamplingParams, sample
-from engine.tools.grammar import GrammarCompiler, schema_grammar
+from engine.structured_output.grammar import GrammarCompiler, schema_grammar
 
 # a tool call's arguments, as a voice assistant's timer or weather tool would take them
 SCHEMA = {

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from api_harness import serve_app
 
-from engine.api_server import create_app
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.openai_api.api_server import create_app
 
 MODEL = "test-model"
 NUM_BLOCKS = 96  # 1536 tokens: small enough that a long request can never fit

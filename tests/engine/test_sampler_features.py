@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import sampling
-from engine.protocol import ChatCompletionRequest, CompletionRequest, choice_params, sampling_defaults
+from engine.openai_api.protocol import ChatCompletionRequest, CompletionRequest, choice_params, sampling_defaults
 from engine.sampling import (
     SamplerRow,
     SamplingParams,

@@ -13,10 +13,10 @@ import pytest
 from api_harness import serve_app
 from tool_models import schema_errors
 
-from engine.api_server import create_app
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.openai_api.api_server import create_app
 
 MODEL = "test-model"
 

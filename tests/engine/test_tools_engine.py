@@ -15,10 +15,10 @@ from api_harness import serve_app
 from tool_models import EOS, family_model_dir
 
 import engine.llm_engine as llm_engine_mod
-from engine.api_server import create_app
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.openai_api.api_server import create_app
 
 MODEL = "family"
 TOOLS = [

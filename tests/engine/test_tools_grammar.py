@@ -11,8 +11,8 @@ from tool_models import EOS, family_tokenizer, schema_errors
 
 import engine.sampling as sampling_mod
 from engine.sampling import SamplerRow, SamplingParams, make_generator, sample
-from engine.tools.formats import HERMES, LLAMA3, MISTRAL, PLAIN_JSON
-from engine.tools.grammar import GrammarCompiler, schema_grammar, tool_call_grammar
+from engine.structured_output.formats import HERMES, LLAMA3, MISTRAL, PLAIN_JSON
+from engine.structured_output.grammar import GrammarCompiler, schema_grammar, tool_call_grammar
 
 WEATHER = {
     "type": "object",

@@ -10,10 +10,10 @@ import pytest
 from tool_models import TEMPLATES, family_tokenizer
 
 from engine.chat import chat_token_ids
-from engine.protocol import ChatCompletionRequest
-from engine.tools.formats import HERMES, LLAMA3, MISTRAL, PLAIN_JSON, TEMPLATE_JSON, detect_format
-from engine.tools.parser import ReplyAssembler, ToolCallParser, parse_reply
-from engine.tools.plan import plan_chat
+from engine.openai_api.protocol import ChatCompletionRequest
+from engine.openai_api.tool_parser import ReplyAssembler, ToolCallParser, parse_reply
+from engine.openai_api.tool_plan import plan_chat
+from engine.structured_output.formats import HERMES, LLAMA3, MISTRAL, PLAIN_JSON, TEMPLATE_JSON, detect_format
 from engine.weights import resolve_model
 
 WEATHER = ("get_weather", '{"city": "Paris", "days": [1, 2], "unit": {"c": true}}')

@@ -1,6 +1,11 @@
 """The package map's one-way rules, checked on the source (every import, module level or lazy).
 
 engine            imports nothing from app
+engine core       everything in engine but the API and the edges (engine.openai_api, engine.cli,
+                  engine.doctor, engine.benchmarks) imports nothing from engine.openai_api: the API
+                  sits on the engine, never under it
+engine.structured_output   the low floor beside the sampler (formats, grammars): nothing from
+                  engine.openai_api (the request schema, the tool parser, the chat plan)
 app.protocol, app.audio, app.config, app.policy   the base: import no other app package
 app.stages        the base, and engine (the in-process LLM backend)
 app.voice         the base, and of the stages only their interfaces (app.stages.base)
@@ -26,6 +31,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ("app.protocol", "app.audio", "app.config", "app.policy")
 BENCHMARKS = ("app.bench", "engine.benchmarks")
+OPENAI_API = "engine.openai_api"
+STRUCTURED_OUTPUT = "engine.structured_output"
+ENGINE_EDGES = (OPENAI_API, "engine.cli", "engine.doctor", "engine.benchmarks")  # may import the API
 
 
 def module_name(path: Path) -> str:
@@ -91,6 +99,10 @@ def allowed(importer: str, imported: str, module_level: bool) -> bool:
         return True  # third-party and the standard library are not ruled here
     if within(imported, *BENCHMARKS) and not within(importer, *BENCHMARKS):
         return importer == "app.cli" and not module_level
+    if within(importer, STRUCTURED_OUTPUT) and within(imported, OPENAI_API):
+        return False  # the grammars sit beside the sampler, below the API that uses them
+    if within(importer, "engine") and within(imported, OPENAI_API):
+        return within(importer, *ENGINE_EDGES)  # the engine core never reaches up into its API
     if within(importer, "engine"):
         return within(imported, "engine")
     if within(importer, *BASE):
@@ -183,10 +195,28 @@ def test_lazy_relative_and_from_package_imports_count():
         ("app.voice.session", "app.stages.base", True),
         ("app.server.app", "app.bench.voice", False),
         ("app.cli", "app.bench.voice", True),
+        ("engine.structured_output.grammar", "engine.openai_api.protocol", False),
+        ("engine.structured_output.formats", "engine.openai_api.tool_parser", False),
+        ("engine.sampling", "engine.openai_api.protocol", False),
+        ("engine.llm_engine", "engine.openai_api.api_server", False),
+        ("engine.chat", "engine.openai_api.tool_plan", False),
+        ("engine.openai_api.tool_plan", "engine.structured_output.grammar", True),
+        ("engine.openai_api.protocol", "engine.sampling", True),
+        ("engine.cli", "engine.openai_api.api_server", True),
+        ("app.stages.llm", "engine.openai_api.tool_parser", True),
     ],
 )
 def test_the_rules_catch_what_they_should(importer, imported, ok):
     assert allowed(importer, imported, module_level=False) is ok
+
+
+def test_the_engine_floors_exist():
+    """The API and structured-output rules name real packages: a rename must not leave them checking nothing."""
+    found = modules()
+    assert {f"{OPENAI_API}.{m}" for m in ("api_server", "protocol", "tool_plan", "tool_parser")} <= set(found)
+    assert {f"{STRUCTURED_OUTPUT}.{m}" for m in ("formats", "grammar")} <= set(found)
+    assert {"engine.cli", "engine.doctor", "engine.benchmarks"} <= set(found)
+    assert not any(within(name, "engine.tools") or name in ("engine.protocol", "engine.api_server") for name in found)
 
 
 def test_product_modules_import_without_matplotlib():

@@ -14,7 +14,8 @@ Sampling fields a request leaves unset take the model's ``generation_config.json
 
 Tools (chat only) and ``response_format`` are checked here for their shape (names, a named
 ``tool_choice`` that names a tool, a ``tool`` message's ``tool_call_id``); what they do to the
-prompt, the grammar and the reply is ``engine/tools/``.
+prompt, the grammar and the reply is ``tool_plan`` and ``tool_parser`` beside this module, over the
+grammars of ``engine/structured_output/``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from engine.sampling import (
     MIN_TEMPERATURE,
     SamplingParams,
 )
-from engine.tools.grammar import schema_grammar
+from engine.structured_output.grammar import schema_grammar
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class SamplingRequest(OpenAIBaseModel):
         """The engine's parameters; without a max_tokens, whatever room the context leaves (the KV
         blocks are taken lazily, so this reserves nothing). Unset ``DEFAULTED_FIELDS`` take
         ``defaults`` (see ``sampling_defaults``), then their neutral values. ``grammar`` and
-        ``skip_special_tokens`` are the tool plan's (``engine.tools.plan``). Raises ValueError if
+        ``skip_special_tokens`` are the tool plan's (``engine.openai_api.tool_plan``). Raises ValueError if
         the engine refuses them."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:

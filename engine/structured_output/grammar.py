@@ -2,7 +2,7 @@
 
 Why llguidance: an abi3 wheel with no dependencies that compiles a schema in milliseconds and
 fills a mask in microseconds; xgrammar needs triton and compiles each new schema an order of
-magnitude slower (the README has the figures). A grammar is the
+magnitude slower (figures: app/bench/results/tools_grammar.md). A grammar is the
 serialized llguidance grammar (a string: ``SamplingParams.grammar`` stays hashable); the
 engine builds one matcher per request from it (``GrammarCompiler.matcher``, a copy of a
 cached one), and the sampler adds the rows' masks as biases at once (``grammar_bias``).
@@ -10,7 +10,7 @@ cached one), and the sampler adds the rows' masks as biases at once (``grammar_b
 JSON is written as ``json.dumps`` writes it (``", "`` and ``": "``, no other whitespace):
 the shape models saw in training, and no room for a small model to pad with endless blanks.
 Tool calls are wrapped in the model's own format (``tool_call_grammar``), so a forced call
-reads to the model as one it wrote itself and to ``engine.tools.parser`` as any other call.
+reads to the model as one it wrote itself and to ``engine.openai_api.tool_parser`` as any other call.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.tools.formats import ToolFormat
+from engine.structured_output.formats import ToolFormat
 
 if TYPE_CHECKING:
     import llguidance

@@ -25,9 +25,9 @@ import logging
 from dataclasses import dataclass
 
 from engine.chat import added_token_texts
-from engine.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, NamedToolChoice
-from engine.tools.formats import ToolFormat
-from engine.tools.grammar import tool_call_grammar
+from engine.openai_api.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, NamedToolChoice
+from engine.structured_output.formats import ToolFormat
+from engine.structured_output.grammar import tool_call_grammar
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Why here and this shape: the voice app (and anything else) can then use the in-process
 engine or any OpenAI-compatible server (vLLM, TGI, SGLang, several ``parley engine serve``)
-through one client. Requests are validated against the schema of ``engine/protocol.py``
+through one client. Requests are validated against the schema of ``engine/openai_api/protocol.py``
 before they reach the engine and answered with OpenAI's error JSON (400 for bad input,
 including a request the KV cache can never hold). A client that goes away aborts its
 engine request at once, streamed or not, so its KV blocks are freed (``/metrics`` shows
@@ -18,8 +18,8 @@ request may use whatever room the context leaves). Chat messages are tokenized b
 sampling) ends with a 500 (or an error event in a stream); ``/healthz`` answers 503 with
 the reason while the engine loop is down.
 
-Tools: the chat template names the model's call format (``engine/tools/formats.py``, logged at
-start); ``engine/tools/plan.py`` turns a request's ``tools`` / ``tool_choice`` /
+Tools: the chat template names the model's call format (``engine/structured_output/formats.py``, logged at
+start); ``engine/openai_api/tool_plan.py`` turns a request's ``tools`` / ``tool_choice`` /
 ``response_format`` into the prompt, a grammar and a parser, and a reply with calls comes back
 as ``message.tool_calls`` (streamed: ``delta.tool_calls``, the first with index, id, type and
 name, then argument fragments) with ``finish_reason: "tool_calls"``. A grammar is compiled
@@ -46,8 +46,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.metrics import EngineCollector
-from engine.outputs import RequestOutput, TokenLogprobs
-from engine.protocol import (
+from engine.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
@@ -55,10 +54,11 @@ from engine.protocol import (
     sampling_defaults,
     validation_error,
 )
+from engine.openai_api.tool_parser import CallDelta, ParsedDelta, ToolCallParser, parse_reply
+from engine.openai_api.tool_plan import PlanError, plan_chat
+from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampling import SamplingParams
-from engine.tools.formats import ToolFormat, detect_format
-from engine.tools.parser import CallDelta, ParsedDelta, ToolCallParser, parse_reply
-from engine.tools.plan import PlanError, plan_chat
+from engine.structured_output.formats import ToolFormat, detect_format
 
 log = logging.getLogger(__name__)
 

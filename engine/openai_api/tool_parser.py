@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from engine.tools.formats import ToolFormat
+from engine.structured_output.formats import ToolFormat
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
 _CALL_FIRST_KEYS = ('"name"', '"type"')  # Llama 3.2 sometimes opens a call with "type": "function"
