@@ -36,7 +36,7 @@ def let_idle_threads_sleep() -> None:
     turns on the same few cores, so that spinning took the cores from the next stage: on the 2-core VM the
     first piece's synthesis (Piper alone: ~100 ms for 4 words) took 150-570 ms in the server, beside two
     spinning threads at 100-270 ms of CPU each; with the policy, Piper's first audio p50 was 136 and 112 ms
-    in two `bench voice` runs against 173 and 200 (README, "Where the turn-taking defaults come from"). Set
+    in two `bench voice` runs against 173 and 200 (app/bench/results/turn_taking.md). Set
     before either library loads (the runtime reads it once); the engine's own
     server (``parley engine serve``, one library on its cores) keeps the default, where spinning is faster.
     """

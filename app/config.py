@@ -18,7 +18,7 @@ from pydantic_settings import (
 from app.policy import POLICIES as CONVERSATION_POLICIES
 from app.policy import FollowUps, HistoryReplies, policy_for
 
-POLICY_DEFAULT = "(empty: the conversation policy's, see llm_policy)"
+POLICY_DEFAULT = "(the conversation policy's row may set another default: llm_policy)"
 
 
 class Settings(BaseSettings):
@@ -64,7 +64,8 @@ class Settings(BaseSettings):
     )
     llm_cuda_graphs: bool = Field(True, description="CUDA: capture decode steps as CUDA graphs (off: eager)")
     llm_device: str = "cpu"
-    # One thread each for the engine's decode and Piper (ASR keeps 2): libraries on every core fight (README).
+    # One thread each for the engine's decode and Piper (ASR keeps 2): libraries on every core fight
+    # (app/bench/results/turn_taking.md).
     llm_threads: int | None = Field(1, ge=1, description="engine CPU threads (empty: torch's choice)")
     llm_prefill_threads: int | None = Field(
         None, ge=1, description="engine CPU threads for prompt prefill (empty: every core); decode uses llm_threads"
@@ -82,36 +83,41 @@ class Settings(BaseSettings):
         None, ge=256, description="prompt + reply tokens per turn (empty: the model's own context length)"
     )
 
-    # The conversation policy: what the LLM sees each turn and how a reply is decoded. Each setting left
-    # empty takes the value of the policy's row (app/policy.py), and holds it once the settings are loaded.
+    # The conversation policy: what the LLM sees each turn and how a reply is decoded. The policy's row
+    # (app/policy.py) changes the defaults of some of these for its model; a setting given wins over the row.
     llm_policy: str = Field(
         "auto",
         description="the row of app/policy.py the settings below default to: auto = the one for llm_model's "
         f"name, or one of: {', '.join(CONVERSATION_POLICIES)}",
     )
-    system_prompt: str | None = Field(None, min_length=1, description=POLICY_DEFAULT)
-    max_history_messages: int | None = Field(
-        None, ge=0, description="messages of the conversation sent back each turn " + POLICY_DEFAULT
+    # short and near SmolLM2's training prompt: longer "voice style" instructions made it answer in broken French
+    system_prompt: str = Field(
+        "You are a helpful AI assistant named Parley. Keep your answers short.",
+        min_length=1,
+        description=POLICY_DEFAULT,
     )
-    history_replies: HistoryReplies | None = Field(
-        None,
+    max_history_messages: int = Field(
+        16, ge=0, description="messages of the conversation sent back each turn " + POLICY_DEFAULT
+    )
+    history_replies: HistoryReplies = Field(
+        "all",
         description="of the model's own earlier replies in them: all, the last one, or none " + POLICY_DEFAULT,
     )
-    recalled_user_statements: int | None = Field(
-        None,
+    recalled_user_statements: int = Field(
+        0,
         ge=0,
         le=16,
         description="the user's earlier statements (not questions) recalled in the system prompt, 0: none "
         + POLICY_DEFAULT,
     )
-    follow_ups: FollowUps | None = Field(
-        None,
+    follow_ups: FollowUps = Field(
+        "as_said",
         description="an English elliptical follow-up ('And Spain?' after 'What is the capital of Italy?'): "
         "as_said, or asked as the question it stands for ('What is the capital of Spain?') with the "
         "conversation (in_full) or without it (in_full_alone); the history keeps the words as said " + POLICY_DEFAULT,
     )
-    history_relevance_nats: float | None = Field(
-        None,
+    history_relevance_nats: float = Field(
+        0.0,
         ge=0.0,
         le=10.0,
         description="the conversation is sent only with words it makes at least this much likelier "
@@ -132,21 +138,18 @@ class Settings(BaseSettings):
         "'both' starts the reply on both prompts to weigh all the words (its first token ~100 ms later on two "
         "cores). Typed turns always weigh all their words",
     )
-    llm_max_tokens: int | None = Field(None, ge=1, le=4096, description=POLICY_DEFAULT)
-    llm_temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy " + POLICY_DEFAULT)
-    llm_top_p: float | None = Field(None, gt=0.0, le=1.0, description=POLICY_DEFAULT)
-    llm_min_p: float | None = Field(None, ge=0.0, le=1.0, description=POLICY_DEFAULT)
-    llm_repetition_penalty: float | None = Field(
-        None, gt=0.0, le=2.0, description="on prompt and reply tokens, 1: off " + POLICY_DEFAULT
+    # how a reply is decoded: each llm_<name> is the request field <name> (app.stages.base.GenerationSettings)
+    llm_max_tokens: int = Field(120, ge=1, le=4096, description=POLICY_DEFAULT)
+    llm_temperature: float = Field(0.0, ge=0.0, le=2.0, description="0: greedy " + POLICY_DEFAULT)
+    llm_top_p: float = Field(1.0, gt=0.0, le=1.0, description=POLICY_DEFAULT)
+    llm_min_p: float = Field(0.0, ge=0.0, le=1.0, description=POLICY_DEFAULT)
+    llm_repetition_penalty: float = Field(
+        1.0, gt=0.0, le=2.0, description="on prompt and reply tokens, 1: off " + POLICY_DEFAULT
     )
-    llm_presence_penalty: float | None = Field(
-        None, ge=-2.0, le=2.0, description="on reply tokens, 0: off " + POLICY_DEFAULT
-    )
-    llm_frequency_penalty: float | None = Field(
-        None, ge=-2.0, le=2.0, description="on reply tokens, 0: off " + POLICY_DEFAULT
-    )
-    llm_dry_multiplier: float | None = Field(
-        None, ge=0.0, le=5.0, description="DRY repeat penalty (engine backend), 0: off " + POLICY_DEFAULT
+    llm_presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="on reply tokens, 0: off " + POLICY_DEFAULT)
+    llm_frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="on reply tokens, 0: off " + POLICY_DEFAULT)
+    llm_dry_multiplier: float = Field(
+        0.0, ge=0.0, le=5.0, description="DRY repeat penalty (engine backend), 0: off " + POLICY_DEFAULT
     )
 
     # TTS
@@ -230,7 +233,8 @@ class Settings(BaseSettings):
     first_piece_priority: bool = Field(
         False,
         description="pause the LLM request while its first piece is synthesized on tts_first_piece_threads, "
-        "with any number of sessions (solo_speedups does it while one is open; slower for four users: README)",
+        "with any number of sessions (solo_speedups does it while one is open; slower for four users: "
+        "app/bench/results/turn_flow.md)",
     )
     solo_speedups: bool = Field(
         True,
@@ -311,17 +315,23 @@ class Settings(BaseSettings):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
 
-    @model_validator(mode="after")
-    def _policy_defaults(self) -> Settings:
-        """Each conversation setting left empty takes the policy's value; ``llm_policy`` names the row used."""
+    @model_validator(mode="wrap")
+    @classmethod
+    def _policy_defaults(cls, values: Any, handler: Any) -> Settings:
+        """The policy's row gives its settings their defaults, under the values given; ``llm_policy`` names the row.
+
+        The row is applied to the input before validation, so its values are validated as any given value is."""
+        settings = handler(values)
         try:
-            self.llm_policy = policy_for(self.llm_policy, self.llm_model, self.llm_backend)
+            settings.llm_policy = policy_for(settings.llm_policy, settings.llm_model, settings.llm_backend)
         except ValueError as exc:
             raise ValueError(f"llm_policy: {exc}") from None
-        for name, value in CONVERSATION_POLICIES[self.llm_policy].settings().items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-        return self
+        row = {name: value for name, value in CONVERSATION_POLICIES[settings.llm_policy].items()}
+        defaults = {name: value for name, value in row.items() if name not in settings.model_fields_set}
+        if not defaults:
+            return settings
+        given = {name: getattr(settings, name) for name in settings.model_fields_set}
+        return handler({**given, **defaults, "llm_policy": settings.llm_policy})
 
     @classmethod
     def settings_customise_sources(

@@ -117,6 +117,8 @@ class ScriptedTurnModel:
 class CoreOnlyLLM:
     """A ``ChatLLM`` without ``LocalScheduling`` (as a remote server is): the scripted one's core, and nothing more."""
 
+    features = frozenset()
+
     def __init__(self, scripted: ScriptedLLM) -> None:
         self.name, self.context_tokens = scripted.name, scripted.context_tokens
         self.count_tokens, self.stream, self.abort = scripted.count_tokens, scripted.stream, scripted.abort
@@ -124,26 +126,31 @@ class CoreOnlyLLM:
 
 
 class ToolScriptedLLM(ScriptedLLM):
-    """A ``ScriptedLLM`` that also calls tools (``ToolCalling``): each request made through ``stream_tools`` writes the
-    next of ``rounds`` (text pieces and ``ToolCall`` values), the last one again once they run out; ``stream`` (no
-    tools) writes ``pieces``. ``specs`` records each ``stream_tools`` request's ``ToolSpec``; ``calls`` every request's
-    messages, as ``ScriptedLLM`` does."""
+    """A ``ScriptedLLM`` that also calls tools: each request with ``tools`` writes the next of ``rounds`` (text pieces
+    and ``ToolCall`` values), the last one again once they run out; a request without (text only) writes ``pieces``.
+    ``specs`` records each request's ``ToolSpec``; ``calls`` every request's messages, as ``ScriptedLLM`` does."""
+
+    features = ScriptedLLM.features | {"tools"}
 
     def __init__(self, rounds: list[list[str | ToolCall]], pieces: list[str] | None = None) -> None:
         super().__init__(pieces or ["Plain text."])
         self.rounds = rounds
         self.specs: list = []
 
-    async def stream_tools(self, messages, request_id, tools):
-        self.specs.append(tools)
-        self.calls.append([dict(m) for m in messages])
-        self.request_ids.append(request_id)
+    async def stream(self, request):
+        if request.tools is None:
+            async for piece in super().stream(request):
+                yield piece
+            return
+        self.specs.append(request.tools)
+        self.calls.append([dict(m) for m in request.messages])
+        self.request_ids.append(request.request_id)
         try:
             for event in self.rounds[min(len(self.specs), len(self.rounds)) - 1]:
                 await asyncio.sleep(0)
                 yield event
         finally:
-            self.closed.append(request_id)
+            self.closed.append(request.request_id)
 
 
 def server_tools():

@@ -51,13 +51,50 @@ class ScriptedLLM:
         self.reads_turn_end = False  # whether a speculative reply reads the verdict from its prefill (the engine's way)
         self.turn_end_read: list[tuple[list[dict], str]] = []  # (conversation, words) of each verdict a reply read
         self.gate_was_open_early = False
-        self.words_logprobs: dict[tuple[str, str], float] = {}  # how stream_weighed scores words (see there)
-        self.weighed: list[tuple[str, float | None]] = []  # (the words, the gain) of each stream_weighed
+        self.words_logprobs: dict[tuple[str, str], float] = {}  # how a request weighing words scores them (``_weigh``)
+        self.weighed: list[tuple[str, float | None]] = []  # (the words, the gain) of each request that weighed them
 
     def count_tokens(self, messages):
         return sum(len(message["content"].split()) + 4 for message in messages)
 
-    async def stream(self, messages, request_id, *, earlier_replies=()):
+    features = frozenset({"alone", "turn_end", "earlier_replies"})  # the engine's, but tools (``ToolScriptedLLM``)
+
+    async def stream(self, request):
+        """``pieces``, from the prompt ``request.alone`` chooses (``_weigh``), giving ``request.turn_end`` what
+        ``end_of_turn_probability`` would say (after ``text_turn_gate``) with the first piece."""
+        messages = self._weigh(request.messages, request.alone) if request.alone is not None else request.messages
+        verdict = request.turn_end
+        if verdict is not None:
+            self.turn_end_read.append(([dict(m) for m in request.messages[:-1]], request.messages[-1]["content"]))
+        try:
+            first = True
+            async for piece in self._pieces(messages, request.request_id, request.earlier_replies):
+                if first and verdict is not None:
+                    if self.text_turn_gate is not None:
+                        await self.text_turn_gate.wait()
+                    probability = self.text_turn_probability
+                    verdict.set(None if isinstance(probability, Exception) else probability)
+                first = False
+                yield piece
+        finally:
+            if verdict is not None:
+                verdict.set(None)
+
+    def _weigh(self, messages, alone):
+        """``messages`` or ``alone.messages``, as the engine chooses: ``words_logprobs`` maps (the role of the message
+        before the user's, the words) to their mean log-probability; anything else: None (cannot tell, so the
+        conversation is kept, as the engine does)."""
+        words = messages[-1]["content"]
+        scores = [
+            self.words_logprobs.get((m[-2]["role"] if len(m) > 1 else "", words)) for m in (messages, alone.messages)
+        ]
+        gain = None if None in scores else scores[0] - scores[1]
+        self.weighed.append((words, gain))
+        if alone.on_weighed is not None:
+            alone.on_weighed(gain)
+        return alone.messages if gain is not None and gain < alone.min_gain_nats else messages
+
+    async def _pieces(self, messages, request_id, earlier_replies=()):
         self.calls.append([dict(m) for m in messages])
         self.earlier_replies.append(tuple(earlier_replies))
         self.request_ids.append(request_id)
@@ -101,7 +138,7 @@ class ScriptedLLM:
             self.cores_lent -= 1
 
     async def warm(self, messages, tools=None, *, score_words=False):
-        """Recorded; with ``score_words``, the words' mean log-probability as ``stream_weighed`` finds it."""
+        """Recorded; with ``score_words``, the words' mean log-probability as ``_weigh`` finds it."""
         self.warmed.append([dict(m) for m in messages])
         self.warmed_tools.append(tools)
         self.warmed_scored.append(score_words)
@@ -121,42 +158,9 @@ class ScriptedLLM:
             raise self.text_turn_probability
         return self.text_turn_probability
 
-    def turn_end_position(self, messages):
+    def turn_end_position(self, messages, tools=None):
         """Where a reply reads the end-of-turn verdict (any position: scripted), when ``reads_turn_end``."""
         return len(messages) if self.reads_turn_end else None
-
-    async def stream_reading_turn_end(self, messages, request_id, verdict, *, earlier_replies=()):
-        """``stream``, giving ``verdict`` what ``end_of_turn_probability`` would say (after ``text_turn_gate``), with
-        the first piece; recorded in ``turn_end_read`` (conversation, words)."""
-        self.turn_end_read.append(([dict(m) for m in messages[:-1]], messages[-1]["content"]))
-        try:
-            first = True
-            async for piece in self.stream(messages, request_id, earlier_replies=earlier_replies):
-                if first:
-                    if self.text_turn_gate is not None:
-                        await self.text_turn_gate.wait()
-                    probability = self.text_turn_probability
-                    verdict.set(None if isinstance(probability, Exception) else probability)
-                    first = False
-                yield piece
-        finally:
-            verdict.set(None)
-
-    async def stream_weighed(self, messages, alone, request_id, *, earlier_replies=()):
-        """``stream`` of ``messages`` or ``alone.messages``, as the engine chooses: ``words_logprobs`` maps (the role
-        of the message before the user's, the words) to their mean log-probability; anything else: None (cannot
-        tell, so the conversation is kept, as the engine does)."""
-        words = messages[-1]["content"]
-        scores = [
-            self.words_logprobs.get((m[-2]["role"] if len(m) > 1 else "", words)) for m in (messages, alone.messages)
-        ]
-        gain = None if None in scores else scores[0] - scores[1]
-        self.weighed.append((words, gain))
-        if alone.on_weighed is not None:
-            alone.on_weighed(gain)
-        chosen = alone.messages if gain is not None and gain < alone.min_gain_nats else messages
-        async for piece in self.stream(chosen, request_id, earlier_replies=earlier_replies):
-            yield piece
 
     async def health(self):
         return True, "scripted"

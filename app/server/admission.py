@@ -74,7 +74,7 @@ class LatencyBreaker:
 
 
 # A session is budgeted at about twice the memory a talking session was measured to add, and up
-# to 2 are let in a core, as four users on 2 cores were served fast (README, "Safe on a LAN");
+# to 2 are let in a core, as four users on 2 cores were served fast (app/bench/results/capacity.md);
 # the latency breaker guards the rest.
 SESSION_MEMORY_BYTES = 32 << 20
 SESSIONS_PER_CORE = 2

@@ -12,7 +12,7 @@ CTranslate2 directly with a shorter window (``window_s``, padded with real silen
 whisper.cpp calls this ``audio_ctx``): the encoder and the decoder's cross-attention shrink with
 it. Shorter windows make Whisper run on into repeats of what it heard ("Yes. Yes. Yes. Yes."),
 which the voice layer cuts (``app.voice.text.without_trailing_loop``); with that cut, 6 s (the
-default) hears as well as 8 s and is faster (figures: README, "Settings"). ``window_s=30``
+default) hears as well as 8 s and is faster (figures: app/bench/results/asr_window.md). ``window_s=30``
 restores the standard behaviour.
 """
 

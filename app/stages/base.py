@@ -9,12 +9,15 @@ loaded once, for all sessions, by ``registry``.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # one chat message: {"role": ..., "content": ...}; an assistant turn that called tools also carries
 # "tool_calls" (``ToolCall.as_openai`` each), and a tool's result ("role": "tool") its "tool_call_id"
@@ -103,7 +106,12 @@ class TurnDetector(Protocol):
 # ---------------------------------------------------------------- LLM
 @dataclass(frozen=True)
 class GenerationSettings:
-    """How a reply is decoded (the conversation policy's sampling, ``app.policy``), as OpenAI/vLLM request fields."""
+    """How a reply is decoded, as OpenAI/vLLM request fields.
+
+    Each field is the setting ``llm_<field>`` (``app.config.Settings``; the conversation policy's row may set its
+    default, ``app.policy``): ``from_settings`` reads them by that one name, so a new sampling field is this field,
+    its setting, and the backend that sends it.
+    """
 
     max_tokens: int = 120
     temperature: float = 0.0
@@ -114,13 +122,19 @@ class GenerationSettings:
     frequency_penalty: float = 0.0
     dry_multiplier: float = 0.0
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> GenerationSettings:
+        """The fields from their settings (``settings.llm_max_tokens``, ``settings.llm_temperature``, ...)."""
+        return cls(**{field.name: getattr(settings, f"llm_{field.name}") for field in fields(cls)})
+
     def sampling(self) -> dict[str, float]:
         """The request's sampling fields: temperature and top_p always, the others only where they do something
         (a server that lacks one, DRY say, is not sent it)."""
-        neutral = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-        fields = {"temperature": self.temperature, "top_p": self.top_p}
-        fields |= {name: getattr(self, name) for name, off in neutral.items() if getattr(self, name) != off}
-        return fields | ({"dry_multiplier": self.dry_multiplier} if self.dry_multiplier else {})
+        chosen = {"temperature": self.temperature, "top_p": self.top_p}
+        for each in fields(self):
+            if each.name not in (*chosen, "max_tokens") and getattr(self, each.name) != each.default:
+                chosen[each.name] = getattr(self, each.name)
+        return chosen
 
 
 @dataclass(frozen=True)
@@ -149,8 +163,101 @@ class ToolSpec:
     parallel: bool = False
 
 
+class TurnEndVerdict:
+    """The LLM's probability that the user's words end their turn, to come from a speculative reply's own prefill.
+
+    The utterance tracker offers one with the words (``TailText``); a reply that can read it at the words' end in
+    its prompt takes it (``take``, with that position: ``LocalScheduling.turn_end_position``) and sets it with its
+    first token, else the tracker asks the LLM apart (``end_of_turn_probability``). Why: asked apart, the verdict's
+    prefill of the words and the reply's ran side by side on the same cores, and the reply's first token came
+    ~28 ms later (bundled model, 2 cores; app/bench/results/turn_flow.md).
+    """
+
+    def __init__(self) -> None:
+        self.position: int | None = None  # where the taking reply reads it (None: not taken)
+        self._result: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def taken(self) -> bool:
+        return self.position is not None
+
+    def take(self, position: int) -> None:
+        self.position = position
+
+    def set(self, probability: float | None) -> None:
+        """The verdict (None: the reply could not read it); only the first counts."""
+        if not self._result.done():
+            self._result.set_result(probability)
+
+    async def wait(self) -> float | None:
+        return await self._result
+
+
+@dataclass(frozen=True)
+class StandAlone:
+    """The user's words without the conversation (``ReplyRequest.alone``): a small model answers a question that
+    stands alone better without earlier exchanges, and a follow-up only with them (``app.policy``)."""
+
+    messages: list[Message]
+    min_gain_nats: float
+    on_weighed: Callable[[float | None], None] | None = None
+
+
+# The optional parts of a ``ReplyRequest``; a backend's ``ChatLLM.features`` says which it carries out.
+ReplyFeature = Literal["tools", "alone", "turn_end", "earlier_replies"]
+
+
+@dataclass(frozen=True)
+class ReplyRequest:
+    """Everything one reply asks of the LLM. Each optional field is a feature of its own; they compose (a reply
+    may weigh the conversation, read the turn-end verdict, call tools and avoid its earlier replies at once).
+
+    ``tools``: the functions the reply may call (None: text only); the stream then also yields ``ToolCall`` values.
+    ``alone``: the user's words without the conversation; the reply is written from whichever prompt the LLM
+    finds fits the words (``StandAlone``), both prefilled at once and the other aborted at its first token.
+    ``turn_end``: a verdict taken for this reply (``TurnEndVerdict.take``): set from the reply's own prefill
+    with its first token (None if it never gets there).
+    ``earlier_replies``: the conversation's earlier replies, shown in ``messages`` or not, for a sampler with DRY
+    to read as text not to say again.
+    """
+
+    messages: list[Message]
+    request_id: str
+    sampling: GenerationSettings = field(default_factory=GenerationSettings)
+    tools: ToolSpec | None = None
+    alone: StandAlone | None = None
+    turn_end: TurnEndVerdict | None = None
+    earlier_replies: Sequence[str] = ()
+
+    def features(self) -> frozenset[ReplyFeature]:
+        """The optional fields this request uses."""
+        used = {
+            "tools": self.tools is not None,
+            "alone": self.alone is not None,
+            "turn_end": self.turn_end is not None,
+            "earlier_replies": bool(self.earlier_replies),
+        }
+        return frozenset(name for name, on in used.items() if on)  # type: ignore[misc]
+
+    def within(self, supported: frozenset[ReplyFeature]) -> ReplyRequest:
+        """This request without the features a backend does not carry out: a verdict it cannot read is set to None
+        (the tracker then asks the LLM apart), the words are not weighed (the conversation is kept, and the
+        weighing told None), and tools are dropped with a warning (the reply is text only)."""
+        dropped = self.features() - supported
+        if not dropped:
+            return self
+        if "turn_end" in dropped and self.turn_end is not None:
+            self.turn_end.set(None)
+        if "alone" in dropped and self.alone is not None and self.alone.on_weighed is not None:
+            self.alone.on_weighed(None)
+        if "tools" in dropped and self.tools is not None and self.tools.tools:
+            log.warning("the LLM backend does not call tools; request %s is text only", self.request_id)
+        cleared = {"tools": None, "alone": None, "turn_end": None, "earlier_replies": ()}
+        return replace(self, **{name: cleared[name] for name in dropped})
+
+
 class ChatLLM(Protocol):
-    """The one interface the voice app uses to reach an LLM: an async text stream with abort.
+    """The one interface the voice app uses to reach an LLM: a reply streamed from one ``ReplyRequest``, with abort.
 
     The in-process engine also schedules its requests beside the voice models: that is a capability
     apart (``LocalScheduling``, found with ``scheduling_of``), so remote backends implement only this.
@@ -158,20 +265,16 @@ class ChatLLM(Protocol):
 
     name: str
     context_tokens: int | None  # prompt + reply tokens the model takes; None when unknown (a remote server)
+    features: frozenset[ReplyFeature]  # the request's optional fields this backend carries out
 
     def count_tokens(self, messages: list[Message]) -> int | None:
         """The prompt's length in the model's tokens, or None without a tokenizer here."""
         ...
 
-    def stream(
-        self, messages: list[Message], request_id: str, *, earlier_replies: Sequence[str] = ()
-    ) -> AsyncIterator[str]:
-        """Yield the reply text piece by piece; closing the iterator aborts the request.
-
-        ``earlier_replies``: the conversation's earlier replies, shown in ``messages`` or not, for a backend whose
-        sampling has DRY (the in-process engine, ``llm_dry_multiplier``) to read as text not to say again; the
-        others ignore it.
-        """
+    def stream(self, request: ReplyRequest) -> AsyncIterator[str | ToolCall]:
+        """Yield the reply's text piece by piece, then each call it made (``ToolCall``, its arguments whole: only
+        with ``request.tools``); closing the iterator aborts the request. Fields outside ``features`` are ignored:
+        callers pass ``request.within(llm.features)`` (``open_reply``)."""
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -181,6 +284,20 @@ class ChatLLM(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def open_reply(llm: ChatLLM, request: ReplyRequest) -> AsyncIterator[str | ToolCall]:
+    """The reply to ``request`` from ``llm``, with the features it does not carry out dropped (``within``)."""
+    return llm.stream(request.within(llm.features))
+
+
+async def reply_text(llm: ChatLLM, request: ReplyRequest) -> str:
+    """The whole text of a reply (calls are not expected: a request without tools)."""
+    stream = open_reply(llm, request)
+    try:
+        return "".join([piece async for piece in stream if isinstance(piece, str)])
+    finally:
+        await stream.aclose()
 
 
 @runtime_checkable
@@ -213,9 +330,9 @@ class LocalScheduling(Protocol):
         self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False
     ) -> float | None:
         """Compute (and cache) the KV of ``messages`` as the start of a later prompt (its prefix cache); ``tools``:
-        the later request's, which change how the prompt is rendered (``ToolCalling``); ``score_words``: also the
-        scores of the last user message's words that ``stream_weighed`` reads, and return their mean log-probability
-        a token (None without ``score_words``, or where they could not be scored)."""
+        the later request's, which change how the prompt is rendered; ``score_words``: also the scores of the last
+        user message's words that a request weighing them (``ReplyRequest.alone``) reads, and return their mean
+        log-probability a token (None without ``score_words``, or where they could not be scored)."""
         ...
 
     async def end_of_turn_probability(self, messages: list[Message], user_text: str) -> float | None:
@@ -226,90 +343,16 @@ class LocalScheduling(Protocol):
         """
         ...
 
-    def turn_end_position(self, messages: list[Message]) -> int | None:
-        """Where the reply's own prompt for ``messages`` gives ``end_of_turn_probability`` of its last (user) message's
-        words: the index of the token after the words bare of their final punctuation, when the reply's prompt
-        starts with the tokens the verdict's prompt has; None where it does not (``stream_reading_turn_end``)."""
+    def turn_end_position(self, messages: list[Message], tools: ToolSpec | None = None) -> int | None:
+        """Where the reply's own prompt for ``messages`` (rendered with ``tools``) gives ``end_of_turn_probability``
+        of its last (user) message's words: the index of the token after the words bare of their final punctuation,
+        when the reply's prompt starts with the tokens the verdict's prompt has; None where it does not."""
         ...
-
-    def stream_reading_turn_end(
-        self, messages: list[Message], request_id: str, verdict: TurnEndVerdict, *, earlier_replies: Sequence[str] = ()
-    ) -> AsyncIterator[str]:
-        """``stream`` of the reply to ``messages`` that also gives ``verdict`` (taken at ``turn_end_position``) the
-        end-of-turn probability, read from the reply's own prefill with its first token: the verdict's prompt is the
-        reply's up to the user's last word, so one prefill serves both (None if the reply ends before it)."""
-        ...
-
-    def stream_weighed(
-        self, messages: list[Message], alone: StandAlone, request_id: str, *, earlier_replies: Sequence[str] = ()
-    ) -> AsyncIterator[str]:
-        """``stream`` of the reply to ``messages`` (the conversation and the user's words), or of the reply to
-        ``alone.messages`` (the same words without it) when the conversation makes the words less than
-        ``alone.min_gain_nats`` a token likelier. Both start at once and score the words from their own prefill,
-        so choosing costs no request before the reply; the other is aborted at its first token. Tells
-        ``alone.on_weighed`` the gain (None: it could not tell, and the conversation is kept)."""
-        ...
-
-
-class TurnEndVerdict:
-    """The LLM's probability that the user's words end their turn, to come from a speculative reply's own prefill.
-
-    The utterance tracker offers one with the words (``TailText``); a reply that can read it at the words' end in
-    its prompt takes it (``take``, with that position: ``LocalScheduling.turn_end_position``) and sets it with its
-    first token, else the tracker asks the LLM apart (``end_of_turn_probability``). Why: asked apart, the verdict's
-    prefill of the words and the reply's ran side by side on the same cores, and the reply's first token came
-    ~28 ms later (bundled model, 2 cores; README, "How a turn flows").
-    """
-
-    def __init__(self) -> None:
-        self.position: int | None = None  # where the taking reply reads it (None: not taken)
-        self._result: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
-
-    @property
-    def taken(self) -> bool:
-        return self.position is not None
-
-    def take(self, position: int) -> None:
-        self.position = position
-
-    def set(self, probability: float | None) -> None:
-        """The verdict (None: the reply could not read it); only the first counts."""
-        if not self._result.done():
-            self._result.set_result(probability)
-
-    async def wait(self) -> float | None:
-        return await self._result
-
-
-@dataclass(frozen=True)
-class StandAlone:
-    """The user's words without the conversation (``LocalScheduling.stream_weighed``): a small model answers a
-    question that stands alone better without earlier exchanges, and a follow-up only with them (``app.policy``)."""
-
-    messages: list[Message]
-    min_gain_nats: float
-    on_weighed: Callable[[float | None], None] | None = None
 
 
 def scheduling_of(llm: ChatLLM) -> LocalScheduling | None:
     """The LLM's ``LocalScheduling``, or None where it has none (the caller then skips the work)."""
     return llm if isinstance(llm, LocalScheduling) else None
-
-
-@runtime_checkable
-class ToolCalling(Protocol):
-    """An LLM whose replies may call functions (the in-process engine, an OpenAI-compatible server). A capability
-    apart from ``ChatLLM.stream``, so a reply without tools takes the plain text path, unchanged."""
-
-    def stream_tools(self, messages: list[Message], request_id: str, tools: ToolSpec) -> AsyncIterator[str | ToolCall]:
-        """Yield the reply's text piece by piece, then each call it made (a ``ToolCall``, its arguments whole);
-        ``messages`` may hold earlier calls and their results. Closing the iterator aborts the request."""
-        ...
-
-
-def tool_calling_of(llm: ChatLLM) -> ToolCalling | None:
-    """The LLM's ``ToolCalling``, or None where its replies are text only."""
-    return llm if isinstance(llm, ToolCalling) else None
 
 
 # ---------------------------------------------------------------- TTS

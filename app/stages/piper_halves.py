@@ -5,7 +5,7 @@ encoder, the duration predictor and the flow: about a third of the time), and th
 the frames into audio (the rest, in proportion to the audio's length). The decoder is convolutional, so
 frames decoded with ``CONTEXT_FRAMES`` of their neighbours on each side give the very samples the whole
 decode gives. A piece a listener waits on is then decoded head first (``chunk_ends``): its first
-``HEAD_FRAMES`` go out while the rest is decoded (figures: README, "How a turn flows").
+``HEAD_FRAMES`` go out while the rest is decoded (figures: app/bench/results/turn_flow.md).
 
 The cut needs the exported graph's names (``/dec/...``, as piper-train's exports since 2023 have them); a
 voice without them runs whole (``split_piper`` returns None).

@@ -12,10 +12,12 @@ from app.stages.asr import Transcriber
 from app.stages.base import (
     ChatLLM,
     GenerationSettings,
+    ReplyRequest,
     Synthesizer,
     TurnDetector,
     VadConfig,
     VoiceStages,
+    open_reply,
     scheduling_of,
 )
 from app.stages.tts import PiperSynthesizer
@@ -51,7 +53,7 @@ def set_open_sessions(models: VoiceStages, settings: Settings, count: int) -> No
 
     They give one user's first piece every core, which makes several users slower (their extra
     threads compete with the other sessions' work), so they stop when a second session opens
-    (figures: README, "How a turn flows").
+    (figures: app/bench/results/turn_flow.md).
     """
     solo = settings.solo_speedups and count == 1
     models.solo = solo
@@ -77,31 +79,20 @@ def llm_engine_config(settings: Settings) -> EngineConfig:
 
 
 def make_llm(settings: Settings) -> ChatLLM:
-    generation = GenerationSettings(
-        max_tokens=settings.llm_max_tokens,
-        temperature=settings.llm_temperature,
-        top_p=settings.llm_top_p,
-        min_p=settings.llm_min_p,
-        repetition_penalty=settings.llm_repetition_penalty,
-        presence_penalty=settings.llm_presence_penalty,
-        frequency_penalty=settings.llm_frequency_penalty,
-        dry_multiplier=settings.llm_dry_multiplier,
-    )
+    """The LLM backend; how each reply decodes is the reply's own (``ReplyRequest.sampling``), from the settings."""
     if settings.llm_backend == "engine":
-        from app.stages.llm import EngineChatLLM
+        from app.stages.llm_engine import EngineChatLLM
 
-        return EngineChatLLM(llm_engine_config(settings), settings=generation)
+        return EngineChatLLM(llm_engine_config(settings))
     if settings.llm_backend == "transformers":
         from app.stages.llm import TransformersChatLLM
 
-        return TransformersChatLLM(
-            settings.llm_model, dtype=resolve_dtype(settings.llm_dtype, settings.llm_device), settings=generation
-        )
+        return TransformersChatLLM(settings.llm_model, dtype=resolve_dtype(settings.llm_dtype, settings.llm_device))
     if not settings.llm_url:
         raise ValueError("llm_backend 'openai' needs llm_url (e.g. --llm-url http://127.0.0.1:8001/v1)")
     from app.stages.llm import OpenAIChatLLM
 
-    return OpenAIChatLLM(settings.llm_url, settings.llm_model, settings=generation)
+    return OpenAIChatLLM(settings.llm_url, settings.llm_model)
 
 
 def make_tts(settings: Settings) -> Synthesizer:
@@ -141,8 +132,8 @@ def one_blas_thread() -> None:
     After each call OpenBLAS keeps its worker threads spinning for a while, and the only BLAS
     calls in the voice loop are tiny: the mel filter bank of Whisper's and Smart Turn's features
     (80x201 times a few hundred frames). On 2 cores the spinning worker took a core from
-    CTranslate2 right after the features were made, slowing the transcription (figures: README,
-    "The engine"). Only OpenBLAS is limited: the LLM's torch threads and the ONNX and CTranslate2
+    CTranslate2 right after the features were made, slowing the transcription (figures:
+    app/bench/results/engine_cpu.md). Only OpenBLAS is limited: the LLM's torch threads and the ONNX and CTranslate2
     pools are set per model.
     """
     from threadpoolctl import threadpool_limits
@@ -193,7 +184,8 @@ def warm_up(models: Models) -> None:
     list(models.tts.synthesize("Hello."))
 
     async def first_tokens() -> None:
-        stream = models.llm.stream([{"role": "user", "content": "Hi"}], "warm-up")
+        request = ReplyRequest([{"role": "user", "content": "Hi"}], "warm-up", GenerationSettings(max_tokens=2))
+        stream = open_reply(models.llm, request)
         try:
             async for _ in stream:
                 break

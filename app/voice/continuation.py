@@ -14,7 +14,6 @@ lends what it takes: the history, the utterance tracker, a way to start a turn.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +22,7 @@ from app.voice.clock import Clock
 from app.voice.history import History
 from app.voice.reply import Reply, SendJson
 from app.voice.text import text_after
+from app.voice.turn_state import TurnState
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +69,18 @@ class ContinuedTurns:
     def __init__(
         self,
         rule: ContinuationRule,
+        state: TurnState,
         *,
         history: History,
         clock: Clock,
         send_json: SendJson,
-        reply: Callable[[], Reply | None],
-        let_go: Callable[[Reply], None],
-        continue_turn: Callable[[int, str], None],
         start_turn: StartTurn,
     ) -> None:
-        """``reply``: the session's released reply; ``let_go``: the session forgets it (if still its own);
-        ``continue_turn``: the utterance in progress goes on with a turn (``UtteranceTracker.continue_turn``);
-        ``start_turn``: answer a turn afresh.
-        """
-        self._rule = rule
+        """``state``: the session's released reply (``reply``; ``let_go`` forgets it), and the utterance tracker that
+        goes on with a turn (``UtteranceTracker.continue_turn``); ``start_turn``: answer a turn afresh."""
+        self._rule, self._state = rule, state
         self._history, self._clock, self._send_json = history, clock, send_json
-        self._reply, self._let_go = reply, let_go
-        self._continue_turn, self._start_turn = continue_turn, start_turn
+        self._start_turn = start_turn
         self._held: Continuation | None = None  # the last turn, which the user may be going on with
         self._spoken_turn: int | None = None  # the last turn committed from speech (only those continue)
 
@@ -105,7 +100,7 @@ class ContinuedTurns:
         everyone), the reply is held and, if words follow, withdrawn and the whole answered.
         """
         await self.end()  # one left by an utterance that ended without a verdict
-        reply = self._reply()
+        reply = self._state.reply
         if reply is None or not self._rule.applies(reply, self._spoken_turn, onset):
             return
         now = self._clock.now()
@@ -118,7 +113,8 @@ class ContinuedTurns:
         )
         reply.hold()
         self._history.withdraw(reply.user_text)
-        self._continue_turn(reply.turn_id, reply.user_text)
+        if self._state.tracker is not None:
+            self._state.tracker.continue_turn(reply.turn_id, reply.user_text)
         self._held = Continuation(reply)
 
     async def committed(self, turn_id: int) -> None:
@@ -131,7 +127,7 @@ class ContinuedTurns:
     async def withdraw_if_held(self) -> bool:
         """The user is saying more: the reply playing, if a continued turn's, is withdrawn (True)."""
         held = self._held
-        if held is None or held.reply is not self._reply():
+        if held is None or held.reply is not self._state.reply:
             return False
         await self._withdraw(held)
         return True
@@ -162,6 +158,6 @@ class ContinuedTurns:
         if held.withdrawn:
             return
         held.withdrawn = True
-        self._let_go(held.reply)
+        self._state.let_go(held.reply)
         await held.reply.cancel()
         await self._send_json(protocol.TurnContinued(turn_id=held.reply.turn_id))

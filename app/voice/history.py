@@ -30,7 +30,7 @@ def history_window(history: list[dict], limit: int) -> list[dict]:
     """The last ``limit`` messages at most, with a window start that moves in jumps.
 
     Why jumps: a window sliding by one message changes the prompt's first tokens every turn, so
-    the LLM's prefix cache misses and the whole history is prefilled again (README, Settings).
+    the LLM's prefix cache misses and the whole history is prefilled again (app/bench/results/conversation_policy.md).
     Moving the start by half the limit at a time keeps the prefix, and its cached KV, for
     several turns. The window starts at a user message.
     """
@@ -148,8 +148,9 @@ class History:
         policy shows, and the system prompt recalling the user's statements kept in memory (``user_statements``).
 
         Why recall them: SmolLM2-135M, with "My name is Maya." in its window, answers "What is my name?" with
-        "What's your name?"; said again in the system prompt, it is read more often (README, "Conversation
-        policy": measured, and off by default, it cost other answers). They come from the history kept, never from
+        "What's your name?"; said again in the system prompt, it is read more often
+        (app/bench/results/conversation_policy.md: measured, and off by default, it cost other answers). They come
+        from the history kept, never from
         the turn being answered, so the prompt prefilled while the user listens (``upcoming_prefix``) is the next
         turn's; but a turn that tells something new changes the system prompt, and so the whole prompt's prefix.
         """

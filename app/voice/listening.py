@@ -24,7 +24,7 @@ class BesideTheLLM:
     """The end-of-turn model, run with one core lent to it by the LLM (``LocalScheduling.core_lent``).
 
     It runs at each pause, just as a speculative reply's first tokens are written on every core,
-    and a step split over the core it takes waits for its slowest thread (figures in the README).
+    and a step split over the core it takes waits for its slowest thread (figures: app/bench/results/engine_cpu.md).
     """
 
     detector: TurnDetector

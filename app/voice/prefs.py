@@ -78,6 +78,10 @@ class Preferences:
             return f"tool_choice names {choice.name!r}, which is not among the tools {names}"
         return None
 
+    def language(self) -> str | None:
+        """The language to transcribe in now: the session's ('' = detect)."""
+        return self.current.language
+
     @property
     def fixed_language(self) -> str | None:
         """The session's language when it is set ("" means: detect it per utterance)."""

@@ -18,23 +18,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from app import protocol
 from app.audio import first_audible, float_to_pcm16, trim_leading_quiet
 from app.stages.base import (
-    ChatLLM,
+    GenerationSettings,
     Message,
+    ReplyRequest,
     StandAlone,
-    Synthesizer,
     ToolCall,
     ToolSpec,
     TurnEndVerdict,
+    VoiceStages,
+    open_reply,
     scheduling_of,
-    tool_calling_of,
 )
 from app.voice.clock import Clock, RunBlocking
 from app.voice.playback import ReplyPlayback
@@ -53,7 +55,7 @@ LEAD_KEEP_MS = 20
 # With first_piece_priority the LLM waits (at most this long) while the first piece is
 # synthesized: nothing can be heard before that audio, and the text is already ahead of it.
 # The session asks for it while the server has one session open (``Settings.solo_speedups``): with
-# several users the paused request would also wait for the shared Piper lock (README).
+# several users the paused request would also wait for the shared Piper lock (app/bench/results/turn_flow.md).
 FIRST_PIECE_PAUSE_MAX_S = 2.0
 # A reply's text runs far ahead of its speech (120 tokens written in a few seconds are 20 s of
 # audio), and with several users each of its decode steps slows a reply whose listener hears
@@ -61,7 +63,7 @@ FIRST_PIECE_PAUSE_MAX_S = 2.0
 # ``yield_ahead_s`` (the setting ``llm_yield_ahead_s``) of audio still to play, its LLM request
 # yields to the others for the excess: it is stepped only when no other request needs a step. That
 # leaves this much audio for its next piece to be written and synthesized in, with four users on 2 cores
-# (figures: README, How a turn flows).
+# (figures: app/bench/results/turn_flow.md).
 YIELD_AHEAD_S = 3.0
 # A piece of at least this many words said again word for word ends the reply: the bundled
 # SmolLM2-135M loops ("I'm not today. I'm not today.", or a 120-token run-on that repeats one
@@ -84,6 +86,56 @@ class _Piece:
 
 
 @dataclass(frozen=True)
+class ReplyOptions:
+    """How one reply is written and spoken, fixed at its start (from the settings and the client's preferences).
+
+    ``sampling``: how the LLM decodes it; ``first_clause_chars``/``first_piece_words``: where its first piece is cut;
+    ``first_piece_priority``: the LLM waits while the first piece is synthesized; ``yield_ahead_s``: audio ahead
+    past which its LLM steps let others go first; ``min_gain_nats``: the words are answered alone where the
+    conversation makes them less likely than this (``history_relevance_nats``: 0, the conversation always goes);
+    ``earlier_replies``: the conversation's, for the LLM's DRY; ``voice``: the TTS voice (None: the default);
+    ``speak``: False for a text-only reply (the client's ``reply_audio``).
+    """
+
+    sampling: GenerationSettings = field(default_factory=GenerationSettings)
+    first_clause_chars: int = 0
+    first_piece_words: int = FIRST_PHRASE_MAX_WORDS
+    first_piece_priority: bool = False
+    yield_ahead_s: float = YIELD_AHEAD_S
+    min_gain_nats: float = 0.0
+    earlier_replies: Sequence[str] = ()
+    voice: str | None = None
+    speak: bool = True
+
+
+class ReplyListener(Protocol):
+    """Who is told how a reply ended (the session)."""
+
+    def reply_complete(self, reply: Reply) -> None:
+        """Produced to its end and released: recorded before the client hears it is done."""
+        ...
+
+    def reply_failed(self, reply: Reply) -> None: ...
+
+    def turn_metrics(self, metrics: protocol.TurnMetrics) -> None:
+        """The turn's figures, once final."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReplyWiring:
+    """What every reply of a session is wired to: the models (their LLM and TTS looked up by each reply: they may be
+    replaced), the client, time, and who hears how it ended."""
+
+    models: VoiceStages
+    send_json: SendJson
+    send_bytes: SendBytes
+    clock: Clock
+    run_blocking: RunBlocking
+    listener: ReplyListener
+
+
+@dataclass(frozen=True)
 class ReplyTools:
     """What a reply may call (``spec``), who runs the calls (``runner``), and what fills the wait (``filler``)."""
 
@@ -97,31 +149,18 @@ class Reply:
         self,
         turn_id: int,
         user_text: str,
+        wiring: ReplyWiring,
         *,
-        llm: ChatLLM,
-        tts: Synthesizer,
-        send_json: SendJson,
-        send_bytes: SendBytes,
-        clock: Clock,
-        run_blocking: RunBlocking,
         request_id: str,
-        first_clause_chars: int = 0,
-        first_piece_words: int = FIRST_PHRASE_MAX_WORDS,
-        first_piece_priority: bool = False,
-        yield_ahead_s: float = YIELD_AHEAD_S,
-        min_gain_nats: float = 0.0,
-        earlier_replies: Sequence[str] = (),
-        voice: str | None = None,
+        options: ReplyOptions | None = None,
         tools: ReplyTools | None = None,
-        speak: bool = True,
-        on_complete: Callable[[Reply], None] | None = None,
-        on_failed: Callable[[Reply], None] | None = None,
-        on_metrics: Callable[[protocol.TurnMetrics], None] | None = None,
     ) -> None:
         self.turn_id = turn_id
         self.user_text = user_text
         self.request_id = request_id
-        self.playback = ReplyPlayback(tts.sample_rate)
+        self.options = options or ReplyOptions()
+        self._llm, self._tts = wiring.models.llm, wiring.models.tts
+        self.playback = ReplyPlayback(self._tts.sample_rate)
         self.metrics = protocol.TurnMetrics()
         self.released = False
         self.finished = False  # produced to the end (not cancelled, not failed)
@@ -130,21 +169,12 @@ class Reply:
         self.spoken_before_answer = ""  # the pieces said before the answer (by the rounds of calls), joined
         self.speech_end = 0.0  # wall time the user's speech ended (start of voice-to-voice)
         self.commit = 0.0  # wall time the turn was committed (0 while speculative)
-        self._llm, self._tts = llm, tts
-        self._scheduling = scheduling_of(llm)  # None: the LLM is not on our cores, nothing to pause or yield
+        self._wiring = wiring
+        self._scheduling = scheduling_of(self._llm)  # None: the LLM is not on our cores, nothing to pause or yield
         self._turn_end: TurnEndVerdict | None = None  # the end-of-turn verdict this reply reads (``start``)
-        self._send_json, self._send_bytes = send_json, send_bytes
-        self._clock, self._run = clock, run_blocking
-        self._first_clause_chars = first_clause_chars
-        self._first_piece_words = first_piece_words
-        self._first_piece_priority = first_piece_priority
-        self._yield_ahead_s = yield_ahead_s
-        self._min_gain_nats = min_gain_nats  # ``history_relevance_nats``: 0, the conversation always goes
-        self._earlier_replies = earlier_replies  # the conversation's, for the LLM's DRY (``ChatLLM.stream``)
-        self._voice = voice
+        self._clock, self._run = wiring.clock, wiring.run_blocking
         self._tools = tools
-        self.speaks = speak  # False: a text-only reply (the client's ``reply_audio``), no TTS
-        self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
+        self.speaks = self.options.speak
         self._held: list[protocol.ServerMessage | bytes] = []
         self._released = asyncio.Event()
         self._answer_from = 0  # text_parts from here on are the answer (written after the last round of calls)
@@ -152,6 +182,13 @@ class Reply:
         self._task: asyncio.Task | None = None
         self._produce_started = 0.0
         self._produced_at: float | None = None
+
+    def timed(self, *, speech_end: float, commit: float = 0.0, **figures) -> None:
+        """When the user's speech ended and the turn was committed (0: not yet, a speculation), and the turn's
+        figures so far (``TurnMetrics`` fields: the utterance's, ``speculative``, ...)."""
+        self.speech_end, self.commit = speech_end, commit
+        if figures:
+            self.metrics = self.metrics.model_copy(update=figures)
 
     @property
     def text(self) -> str:
@@ -193,7 +230,7 @@ class Reply:
         weighed: float | None = None,
     ) -> None:
         """Produce the reply to ``messages``; ``alone``: the user's words without the conversation, answered instead
-        when the LLM finds the words stand alone (``history_relevance_nats``; the first round, without tools);
+        when the LLM finds the words stand alone (``history_relevance_nats``; the first round);
         ``turn_end``: the end-of-turn verdict this (speculative) reply reads from its prefill, taken for it
         (``ReplyFactory.take_turn_end``); it is set with the first token, or to None if the reply never gets there;
         ``weighed``: the gain on which ``messages`` were chosen before the reply (``ReplyFactory.weigh``), reported."""
@@ -215,8 +252,8 @@ class Reply:
         """Send what a speculation held back, and everything it produces from now on."""
         self.released = True
         self._released.set()
-        if self.finished and self._on_complete:
-            self._on_complete(self)  # recorded before the client hears it is done
+        if self.finished:
+            self._wiring.listener.reply_complete(self)  # recorded before the client hears it is done
         held, self._held = self._held, []
         for item in held:
             await self._emit(item)
@@ -243,14 +280,13 @@ class Reply:
             metrics.rtf = playback.sent_s / max(1e-6, spent)
         metrics.underruns = playback.underruns
         metrics.underrun_s = playback.underrun_s if playback.sent_s else None
-        if self._on_metrics:
-            self._on_metrics(metrics)
+        self._wiring.listener.turn_metrics(metrics)
         return metrics
 
     # ------------------------------------------------------------------ production
     def _on_weighed(self, gain: float | None) -> None:
         self.metrics.history_gain_nats = gain
-        self.metrics.history_left_out = gain is not None and gain < self._min_gain_nats
+        self.metrics.history_left_out = gain is not None and gain < self.options.min_gain_nats
         if self.metrics.history_left_out:
             log.info(
                 "turn %s: the words stand alone (%.2f nats); answered without the conversation", self.turn_id, gain
@@ -267,11 +303,11 @@ class Reply:
             if self.playback.started_at is None:
                 self.metrics.voice_to_voice_ms = (now - self.speech_end) * 1000
             self.playback.on_send(len(item) // 2, now)
-            await self._send_bytes(item)
+            await self._wiring.send_bytes(item)
             return
         if isinstance(item, protocol.TurnDone):
             item = item.model_copy(update={"metrics": self.final_metrics()})
-        await self._send_json(item)
+        await self._wiring.send_json(item)
 
     async def _produce(self, messages: list[Message], alone: list[Message] | None = None) -> None:
         """LLM tokens -> clauses/sentences -> TTS -> audio, all overlapped; with tools, round after round."""
@@ -303,43 +339,37 @@ class Reply:
             await speaker
             self._produced_at = self._clock.now()
             self.finished = True
-            if self.released and self._on_complete:
-                self._on_complete(self)  # recorded before the client hears it is done (and may answer its calls)
+            if self.released:
+                self._wiring.listener.reply_complete(
+                    self
+                )  # recorded before the client hears it is done (and may answer its calls)
             await self._emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one failed turn must not end the conversation
             log.exception("turn %s failed", self.turn_id)
-            if self._on_failed is not None:
-                self._on_failed(self)
+            self._wiring.listener.reply_failed(self)
             await self._emit(protocol.Error(code="turn_failed", message=f"could not answer: {exc}"))
         finally:
             self._turn_end_unread()
             await cancel_task(speaker)
 
-    def _llm_stream(
-        self, messages: list[Message], spec: ToolSpec | None, alone: list[Message] | None = None
-    ) -> AsyncIterator[str | ToolCall]:
-        """The LLM's reply: the plain text stream (from ``messages`` or ``alone``, as the LLM weighs them), or text and
-        calls where tools are in play and the LLM takes them."""
-        calling = tool_calling_of(self._llm) if spec is not None else None
-        turn_end = self._turn_end  # (kept until the reply ends, which sets it None if the request never did)
-        earlier = self._earlier_replies
-        if spec is None and alone is None and turn_end is not None and self._scheduling is not None:
-            return self._scheduling.stream_reading_turn_end(
-                messages, self.request_id, turn_end, earlier_replies=earlier
-            )
-        self._turn_end_unread()
-        if spec is None and alone is not None and self._scheduling is not None and self._min_gain_nats:
-            weighed = StandAlone(alone, self._min_gain_nats, self._on_weighed)
-            return self._scheduling.stream_weighed(messages, weighed, self.request_id, earlier_replies=earlier)
-        if calling is None:
-            if spec is not None and spec.tools:
-                log.warning(
-                    "the %s LLM backend does not call tools; turn %s is text only", self._llm.name, self.turn_id
-                )
-            return self._llm.stream(messages, self.request_id, earlier_replies=earlier)
-        return calling.stream_tools(messages, self.request_id, spec)
+    def _request(self, messages: list[Message], spec: ToolSpec | None, alone: list[Message] | None) -> ReplyRequest:
+        """One round's LLM request: the first round also weighs ``alone`` (where the policy weighs the words) and reads
+        the end-of-turn verdict this reply took; the backend carries out what it can (``open_reply``)."""
+        first = not self.tool_messages  # (the first round: no calls made yet)
+        weighed = None
+        if alone is not None and self.options.min_gain_nats:
+            weighed = StandAlone(alone, self.options.min_gain_nats, self._on_weighed)
+        return ReplyRequest(
+            messages,
+            self.request_id,
+            self.options.sampling,
+            tools=spec,
+            alone=weighed,
+            turn_end=self._turn_end if first else None,
+            earlier_replies=self.options.earlier_replies,
+        )
 
     async def _write(
         self,
@@ -354,9 +384,9 @@ class Reply:
         """One LLM request: its text spoken piece by piece, its calls returned; and whether a guard cut it
         (repeated: a piece said again; looping: a few words said again and again)."""
         splitter = SentenceSplitter(
-            first_clause_chars=self._first_clause_chars, first_piece_words=self._first_piece_words
+            first_clause_chars=self.options.first_clause_chars, first_piece_words=self.options.first_piece_words
         )
-        stream = self._llm_stream(messages, spec, alone)
+        stream = open_reply(self._llm, self._request(messages, spec, alone))
         round_start = len(self.text_parts)
         calls: list[ToolCall] = []
         repeated = looping = False
@@ -436,14 +466,14 @@ class Reply:
                 continue
             tts_started = self._clock.now()
             first = self.metrics.tts_first_audio_ms is None
-            urgent = first and self._first_piece_priority
+            urgent = first and self.options.first_piece_priority
             paused = self._scheduling if urgent else None  # the LLM waits while this piece is synthesized
             request_id = self.request_id  # (the next round of a reply with tools is another request)
             if paused is not None:
                 paused.pause(request_id, FIRST_PIECE_PAUSE_MAX_S)
             deadline = self._runs_dry_at(tts_started)
             # audio as it is made: a piece decoded head first (``PiperSynthesizer``) is heard before its rest exists
-            chunks = iter(self._tts.synthesize(text, self._voice, urgent=urgent, deadline=deadline))
+            chunks = iter(self._tts.synthesize(text, self.options.voice, urgent=urgent, deadline=deadline))
             quiet = np.zeros(0, np.float32)  # a first piece's chunks with nothing audible yet: trimmed with the next
             try:
                 while (samples := await self._run(lambda c=chunks: next(c, None))) is not None:
@@ -485,8 +515,9 @@ class Reply:
         """Let other replies' LLM steps go first while this one's listener has audio enough (``yield_ahead_s``)."""
         now = self._clock.now()
         ahead_s = self._runs_dry_at(now) - now
-        if self._scheduling is not None and self._yield_ahead_s and ahead_s > self._yield_ahead_s:
-            self._scheduling.yield_to_others(self.request_id, ahead_s - self._yield_ahead_s)
+        yield_ahead_s = self.options.yield_ahead_s
+        if self._scheduling is not None and yield_ahead_s and ahead_s > yield_ahead_s:
+            self._scheduling.yield_to_others(self.request_id, ahead_s - yield_ahead_s)
 
 
 def _repeats(piece: str, said: list[str]) -> bool:

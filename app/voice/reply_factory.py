@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 from app import protocol
 from app.config import Settings
-from app.stages.base import Message, ToolSpec, TurnEndVerdict, VoiceStages, scheduling_of
-from app.voice.clock import Clock, RunBlocking
+from app.stages.base import GenerationSettings, Message, ToolSpec, TurnEndVerdict, VoiceStages, scheduling_of
 from app.voice.context import Fitted
 from app.voice.history import History
 from app.voice.language import reply_in
 from app.voice.prefs import Preferences
-from app.voice.reply import Reply, ReplyTools, SendBytes, SendJson
+from app.voice.reply import Reply, ReplyOptions, ReplyTools, ReplyWiring
 from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner, load_server_tools
+from app.voice.turn_state import TurnState
 from app.voice.warmup import WarmPrefix
 
 OnMetrics = Callable[[protocol.TurnMetrics], None]
@@ -59,39 +59,35 @@ class ReplyFactory:
     def __init__(
         self,
         models: VoiceStages,
-        settings: Callable[[], Settings],
+        state: TurnState,
         history: History,
         prefs: Preferences,
+        wiring: ReplyWiring,
         *,
-        send_json: SendJson,
-        send_bytes: SendBytes,
-        clock: Clock,
-        run_blocking: RunBlocking,
         session_id: str,
-        on_complete: Callable[[Reply], None],
-        on_failed: Callable[[Reply], None],
-        on_metrics: Callable[[], OnMetrics | None],
         pending_calls: PendingCalls | None = None,
         client_results: ClientResults = "wait",
     ) -> None:
-        """``on_complete``/``on_failed``: a reply was produced to its end / failed; ``on_metrics``: who is told each
-        turn's figures (read at each reply: the server sets it after the session is made). ``pending_calls``: where
-        the client's tool results are awaited; ``client_results``: whether a reply waits for them ("wait") or ends
-        at its calls ("next_response": the Realtime API's way).
+        """``state``: the session's settings and the turn's language, read at each reply (a live ``tune`` applies to
+        the next); ``wiring``: what each reply is wired to; ``pending_calls``: where the client's tool results are
+        awaited; ``client_results``: whether a reply waits for them ("wait") or ends at its calls
+        ("next_response": the Realtime API's way).
         """
-        self._models, self._settings, self._history, self._prefs = models, settings, history, prefs
-        self._send_json, self._send_bytes = send_json, send_bytes
-        self._clock, self._run, self._session_id = clock, run_blocking, session_id
-        self._on_complete, self._on_failed, self._on_metrics = on_complete, on_failed, on_metrics
+        self._models, self._state, self._history, self._prefs = models, state, history, prefs
+        self._wiring, self._session_id = wiring, session_id
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._pending_calls = pending_calls or PendingCalls()
         self._client_results: ClientResults = client_results
 
-    def prompt(self, user_text: str | None, language: str | None, *, related: bool = True) -> Fitted:
-        """The messages that answer ``user_text``: the system prompt (asking for ``language``) and the history
+    @property
+    def settings(self) -> Settings:
+        return self._state.settings
+
+    def prompt(self, user_text: str | None, *, related: bool = True) -> Fitted:
+        """The messages that answer ``user_text``: the system prompt (asking for the turn's language) and the history
         (None: the history alone, which ends with the results of the assistant's calls; ``related`` False:
         without the history, see ``alone_prompt``)."""
-        settings = self._settings()
+        settings, language = self.settings, self._state.language
         return self._history.prompt(
             reply_in(self._prefs.current.system_prompt, language),
             user_text,
@@ -102,21 +98,27 @@ class ReplyFactory:
             language=language,
         )
 
-    def alone_prompt(self, user_text: str, language: str | None, related: list[Message]) -> list[Message] | None:
+    def messages_for(self, user_text: str) -> list[Message]:
+        """``prompt``'s messages (the LLM's end-of-turn verdict is asked with them)."""
+        return self.prompt(user_text).messages
+
+    def upcoming_prefix(self) -> list[Message]:
+        """What the next turn's prompt starts with: the system prompt and the history."""
+        return self._history.upcoming_prefix(self._prefs.current.system_prompt)
+
+    def alone_prompt(self, user_text: str, related: list[Message]) -> list[Message] | None:
         """``user_text`` without the conversation (but what the system prompt recalls of it), for the reply to be
-        written from where the LLM finds the words stand alone (``Reply.start``); None when it will not weigh
-        them: ``history_relevance_nats`` is 0, the LLM is not on this machine, tools are in play, or the prompt is
-        the same as ``related`` (``prompt``'s messages for the words, which the caller has made already).
+        written from where the LLM finds the words stand alone (``ReplyRequest.alone``); None when it will not weigh
+        them: ``history_relevance_nats`` is 0, the LLM is not on this machine, or the prompt is the same as
+        ``related`` (``prompt``'s messages for the words, which the caller has made already).
 
         Why: SmolLM2-135M shown any earlier exchange answers fewer questions right than asked each alone (one
         exchange costs as much as sixteen messages), yet a follow-up ("And Spain?") needs it; the model's own
-        log-probabilities tell the two apart, in any language (README, "Conversation policy").
+        log-probabilities tell the two apart, in any language (``app.policy``).
         """
-        if not self._settings().history_relevance_nats or scheduling_of(self._models.llm) is None:
+        if not self.settings.history_relevance_nats or scheduling_of(self._models.llm) is None:
             return None
-        if self.tool_spec() is not None:
-            return None  # a reply with tools is written from the conversation (``Reply._llm_stream``)
-        alone = self.prompt(user_text, language, related=False)
+        alone = self.prompt(user_text, related=False)
         if alone.truncated_chars or alone.messages == related:
             return None
         return alone.messages
@@ -130,54 +132,43 @@ class ReplyFactory:
         both, for the reply to weigh all the words (``Reply.start``), but for a ``spoken`` turn with
         ``history_relevance_spoken`` "heard": it keeps the conversation (the default before the weighing).
 
-        Why: a reply started on both prompts prefills the words twice at the pause, and the verdict apart (the first
-        token ~100 ms later on two cores); the words heard while the user spoke nearly always choose as all of them
-        do (README, "Conversation policy"), and the one prompt also reads the end-of-turn verdict (``take_turn_end``).
+        Why: a reply started on both prompts prefills the words twice at the pause (the first token ~100 ms later on
+        two cores); the words heard while the user spoke nearly always choose as all of them do (``app.policy``).
         """
-        settings = self._settings()
-        threshold, margin = settings.history_relevance_nats or 0.0, settings.history_relevance_margin_nats
+        settings = self.settings
+        threshold, margin = settings.history_relevance_nats, settings.history_relevance_margin_nats
         both = not spoken or settings.history_relevance_spoken == "both"
         return weigh_heard(related, alone, heard_gain, threshold=threshold, margin=margin, undecided_both=both)
 
     def take_turn_end(self, verdict: TurnEndVerdict | None, messages: list[Message]) -> TurnEndVerdict | None:
-        """``verdict`` taken, for the reply to ``messages`` to read from its prefill, where that reply can: the plain
-        text path (no tools) of an LLM on this machine whose reply prompt continues the verdict's
+        """``verdict`` taken, for the reply to ``messages`` to read from its prefill, where that reply can: an LLM on
+        this machine whose reply prompt (with the reply's tools) continues the verdict's
         (``LocalScheduling.turn_end_position``); None otherwise (the tracker then asks the LLM apart)."""
         scheduling = scheduling_of(self._models.llm)
-        if verdict is None or scheduling is None or self.tool_spec() is not None:
+        if verdict is None or scheduling is None:
             return None
-        position = scheduling.turn_end_position(messages)
+        position = scheduling.turn_end_position(messages, self.tool_spec())
         if position is None:
             return None
         verdict.take(position)
         return verdict
 
-    def new(self, turn_id: int, user_text: str, language: str | None) -> Reply:
-        settings = self._settings()
-        reply = Reply(
-            turn_id,
-            user_text,
-            llm=self._models.llm,
-            tts=self._models.tts,
-            send_json=self._send_json,
-            send_bytes=self._send_bytes,
-            clock=self._clock,
-            run_blocking=self._run,
-            request_id=f"{self._session_id}-{turn_id}-{next(self._request_ids)}",
+    def new(self, turn_id: int, user_text: str) -> Reply:
+        settings, language = self.settings, self._state.language
+        options = ReplyOptions(
+            sampling=GenerationSettings.from_settings(settings),
             first_clause_chars=settings.first_clause_chars,
             first_piece_words=settings.first_piece_words,
-            yield_ahead_s=settings.llm_yield_ahead_s,
-            min_gain_nats=settings.history_relevance_nats or 0.0,
-            earlier_replies=self._history.earlier_replies(),
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
             first_piece_priority=settings.first_piece_priority or self._models.solo,
+            yield_ahead_s=settings.llm_yield_ahead_s,
+            min_gain_nats=settings.history_relevance_nats,
+            earlier_replies=self._history.earlier_replies(),
             voice=self._prefs.voice_for(language),
-            tools=self._tools(settings),
             speak=self._prefs.current.reply_audio,
-            on_complete=self._on_complete,
-            on_failed=self._on_failed,
-            on_metrics=self._on_metrics(),
         )
+        request_id = f"{self._session_id}-{turn_id}-{next(self._request_ids)}"
+        reply = Reply(turn_id, user_text, self._wiring, request_id=request_id, options=options, tools=self._tools())
         asked = self._history.asked(user_text, language)
         if asked != user_text:
             reply.metrics.asked_in_full = asked
@@ -187,7 +178,7 @@ class ReplyFactory:
     def session_tools(self) -> SessionTools:
         """What the session's replies may call now: the client's tools, else the server's."""
         prefs = self._prefs.current
-        server = load_server_tools(self._settings().tool_entry_point)
+        server = load_server_tools(self.settings.tool_entry_point)
         return SessionTools(prefs.tools, server, prefs.tool_choice, prefs.parallel_tool_calls)
 
     def warm_prefix(self) -> WarmPrefix | None:
@@ -203,7 +194,7 @@ class ReplyFactory:
         """The tools the next reply's request has (None: the plain text path)."""
         return self.session_tools().spec(self._history.messages)
 
-    def _tools(self, settings: Settings) -> ReplyTools | None:
+    def _tools(self) -> ReplyTools | None:
         """The reply's tools: None without any, in this session or in its history (the plain text path)."""
         tools = self.session_tools()
         spec = tools.spec(self._history.messages)
@@ -214,9 +205,9 @@ class ReplyFactory:
         runner = ToolRunner(
             tools,
             self._pending_calls,
-            timeout_s=settings.tool_timeout_s,
-            clock=self._clock,
-            run_blocking=self._run,
+            timeout_s=self.settings.tool_timeout_s,
+            clock=self._wiring.clock,
+            run_blocking=self._wiring.run_blocking,
             client_results=self._client_results,
         )
-        return ReplyTools(spec, runner, settings.tool_filler)
+        return ReplyTools(spec, runner, self.settings.tool_filler)

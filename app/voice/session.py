@@ -6,6 +6,7 @@ what was heard), with the client's preferences. Each part is a unit of ``app.voi
 
 * ``listening``: audio -> VAD -> ASR -> speech started / paused / resumed / committed / dropped;
 * ``reply_factory``: the prompt and the ``Reply`` (LLM -> clauses -> TTS -> audio, cancellable);
+* ``answering``: a committed turn answered (the reply started, or the held speculation released);
 * ``speculation``: a reply started at a pause, held back, used if the turn commits with that text;
 * ``barge_in``: speech over a reply stops it, unless a backchannel;
 * ``continuation``: the user going on right after a commit;
@@ -18,7 +19,6 @@ all injected: whole conversations run in tests with scripted stand-ins and a man
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from collections.abc import Callable
 
@@ -29,16 +29,18 @@ from app.audio import ASR_SAMPLE_RATE, StreamResampler, pcm16_to_float
 from app.config import Settings
 from app.stages.base import Message, VoiceStages
 from app.voice import utterance as heard
+from app.voice.answering import Answering
 from app.voice.barge_in import BargeIn
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
 from app.voice.continuation import ContinuationRule, ContinuedTurns
 from app.voice.history import History
 from app.voice.listening import listen
 from app.voice.prefs import Preferences, SessionPrefs
-from app.voice.reply import Reply, SendBytes, SendJson
+from app.voice.reply import Reply, ReplyWiring, SendBytes, SendJson
 from app.voice.reply_factory import ReplyFactory
 from app.voice.speculation import Speculation
 from app.voice.tools import ClientResults, PendingCalls, load_server_tools
+from app.voice.turn_state import TurnState
 from app.voice.turns import is_filler, looks_unfinished
 from app.voice.warmup import PrefixWarmup
 
@@ -61,85 +63,62 @@ class VoiceSession:
         the Realtime API's way, "next_response"). ``withdraw_unheard``: a ``cancel`` before any of the reply was
         heard takes the turn back (left in, the next reply answered it); not for the Realtime door, whose
         conversation items are the client's."""
-        self.models, self.settings, self._send_json = models, settings, send_json
+        self.models, self._send_json = models, send_json
         self._clock, self._run = clock or MonotonicClock(), run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
+        self._state = TurnState(settings)  # what the parts below read at each use
         self._history = History(
             settings.max_history_messages,
             settings.history_replies,
             settings.recalled_user_statements,
             follow_ups=settings.follow_ups,
         )
-        self._turn_ids = itertools.count(1)
-        self._reply: Reply | None = None  # the released reply (producing or playing)
-        self._turn_language: str | None = None  # the language of the turn being answered, when known
-        self._closed = False
-        self._withdraw_unheard = withdraw_unheard
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
         server_tools = tuple(tool.name for tool in load_server_tools(settings.tool_entry_point))
         self._prefs = Preferences(
             settings.system_prompt, models.asr, models.tts, tool_choice=settings.tool_choice, server_tools=server_tools
         )
         self._pending_calls = PendingCalls()
-        self._configure_input(protocol.INPUT_SAMPLE_RATE)
+        wiring = ReplyWiring(models, send_json, send_bytes, self._clock, self._run, listener=self)
         self._replies = ReplyFactory(
             models,
-            lambda: self.settings,
+            self._state,
             self._history,
             self._prefs,
-            send_json=send_json,
-            send_bytes=send_bytes,
-            clock=self._clock,
-            run_blocking=self._run,
+            wiring,
             session_id=self.session_id,
-            on_complete=self._record_reply,
-            on_failed=lambda reply: self._history.forget_failed(reply.user_text),
-            on_metrics=lambda: self.on_turn_metrics,
             pending_calls=self._pending_calls,
             client_results=client_tool_results,
         )
-        self._speculation = Speculation(
-            self._replies,
-            language=lambda: self._turn_language,
-            heard_gain=lambda text, related: self._warmup.heard_gain(text, related),
-        )
-        self._barge_in = BargeIn(
-            reply=lambda: self._reply,
-            hear=lambda: self._tracker.transcribe_speech_so_far(),
-            stop=self._stop_reply_for_speech,
-        )
+        self._configure_input(protocol.INPUT_SAMPLE_RATE)
+        self._warmup = PrefixWarmup(self._replies, self._llm_needed)
+        self._speculation = Speculation(self._replies, self._warmup)
+        parts = (self._replies, self._state, self._history, self._prefs, self._warmup)
+        self._answering = Answering(*parts, send_json=send_json, clock=self._clock, withdraw_unheard=withdraw_unheard)
+        self._barge_in = BargeIn(self._state, self._stop_reply_for_speech)
+        rule = ContinuationRule(settings.continuation_ms, settings.continuation_heard_ms)
+        answer = self._answering.start_turn
         self._continued = ContinuedTurns(
-            ContinuationRule(settings.continuation_ms, settings.continuation_heard_ms),
-            history=self._history,
-            clock=self._clock,
-            send_json=send_json,
-            reply=lambda: self._reply,
-            let_go=self._let_go,
-            continue_turn=lambda turn_id, text: self._tracker.continue_turn(turn_id, text),
-            start_turn=self._start_turn,
+            rule, self._state, history=self._history, clock=self._clock, send_json=send_json, start_turn=answer
         )
-        self._warmup = PrefixWarmup(
-            self._replies.warm_prefix,
-            settings=lambda: self.settings,
-            upcoming_prefix=lambda: self._history.upcoming_prefix(self.prefs.system_prompt),
-            prompt=lambda text: self._replies.prompt(text, self._turn_language),
-            llm_needed=self._llm_needed,
-            alone_prompt=lambda text, related: self._replies.alone_prompt(text, self._turn_language, related),
-        )
+
+    @property
+    def settings(self) -> Settings:
+        return self._state.settings
 
     # ------------------------------------------------------------------ input
     def _configure_input(self, sample_rate: int) -> None:
         self.input_sample_rate = sample_rate
         self._resampler = StreamResampler(sample_rate, ASR_SAMPLE_RATE)
-        self._tracker = listen(
+        self._tracker = self._state.tracker = listen(
             self.models,
             self.settings,
             self._on_utterance_event,
-            next_turn_id=lambda: next(self._turn_ids),
+            next_turn_id=self._state.next_turn_id,
             clock=self._clock,
             run_blocking=self._run,
-            language=lambda: self.prefs.language,
-            prompt=lambda text: self._replies.prompt(text, self._turn_language).messages,
+            language=self._prefs.language,
+            prompt=self._replies.messages_for,
         )
 
     async def start(self) -> None:
@@ -164,7 +143,7 @@ class VoiceSession:
     @property
     def busy(self) -> bool:
         """A reply is being produced or played: the user is listening, not idle."""
-        return self._reply is not None and self._reply.active()
+        return self._state.reply is not None and self._state.reply.active()
 
     async def report(self, message: protocol.ServerMessage) -> None:
         """Send an event that does not come from the conversation itself (a transport limit, say)."""
@@ -177,24 +156,25 @@ class VoiceSession:
             self._configure_input(message.sample_rate)
             await self.start()
         elif isinstance(message, protocol.UserText):
-            self._turn_language = self._prefs.fixed_language
+            self._state.language = self._prefs.fixed_language
             self._continued.abandon()
-            await self._interrupt_reply()
+            await self._answering.interrupt()
             now = self._clock.now()
-            await self._start_turn(next(self._turn_ids), message.text, speech_end=now, commit=now, spoken=False)
+            turn_id = self._state.next_turn_id()
+            await self._answering.start_turn(turn_id, message.text, speech_end=now, commit=now, spoken=False)
         elif isinstance(message, protocol.Reset):
             self._continued.abandon()
-            await self._interrupt_reply()
+            await self._answering.interrupt()
             await self._drop_utterance()
             self._history.clear()
         elif isinstance(message, protocol.Playback):
-            reply = self._reply
+            reply = self._state.reply
             if reply is not None and reply.turn_id == message.turn_id:
                 reply.playback.report(message.played_ms / 1000, self._clock.now())
         elif isinstance(message, protocol.Cancel):
             self._continued.abandon()
             await self._speculation.cancel()
-            await self._interrupt_reply(barge_in=False)
+            await self._answering.interrupt(barge_in=False)
         elif isinstance(message, protocol.SessionConfig):
             await self._configure(message)
         elif isinstance(message, protocol.ToolResult):
@@ -206,9 +186,9 @@ class VoiceSession:
         """Answer from the history as it stands (it ends with the results of the assistant's calls, added by the
         client); returns the reply's turn id. The Realtime door's ``response.create`` after ``function_call_output``."""
         self._continued.abandon()
-        await self._interrupt_reply()
-        turn_id, now = next(self._turn_ids), self._clock.now()
-        self._answer(turn_id, "", self._replies.prompt(None, self._turn_language).messages, speech_end=now, commit=now)
+        await self._answering.interrupt()
+        turn_id, now = self._state.next_turn_id(), self._clock.now()
+        self._answering.answer(turn_id, "", self._replies.prompt(None).messages, speech_end=now, commit=now)
         return turn_id
 
     async def _configure(self, message: protocol.SessionConfig) -> None:
@@ -230,7 +210,7 @@ class VoiceSession:
         unknown = [name for name in changes if name not in Settings.model_fields]
         if unknown:
             raise ValueError(f"not a setting: {', '.join(unknown)}")
-        self.settings = self.settings.model_copy(update=changes)
+        self._state.settings = self.settings.model_copy(update=changes)
         await self.handle(protocol.Start(sample_rate=self.input_sample_rate))
 
     async def feed_audio(self, samples: np.ndarray) -> None:
@@ -260,7 +240,7 @@ class VoiceSession:
                 if self.prefs.barge_in and speech_ms >= self.settings.barge_in_ms:
                     await self._barge_in.speaking(speech_ms, confirm=self.settings.barge_in_confirm)
             case heard.TailText():
-                self._turn_language = event.language or self._turn_language
+                self._state.language = event.language or self._state.language
                 said = self._continued.new_words(event.text)
                 if self.settings.speculative_reply and not self._barge_in.only_backchannel(said):
                     if not is_filler(said) and not looks_unfinished(event.text):
@@ -286,143 +266,44 @@ class VoiceSession:
     async def _stop_reply_for_speech(self) -> None:
         """The user is saying more than a backchannel: a continued turn's reply is withdrawn, any other interrupted."""
         if not await self._continued.withdraw_if_held():
-            await self._interrupt_reply()
+            await self._answering.interrupt()
 
     async def _on_committed(self, turn: heard.Committed) -> None:
-        self._turn_language = turn.language or self._prefs.fixed_language
+        self._state.language = turn.language or self._prefs.fixed_language
         await self._continued.committed(turn.turn_id)
-        await self._interrupt_reply()
+        await self._answering.interrupt()
         figures = turn.figures()
+        timing = {"speech_end": turn.speech_end, "commit": turn.commit, **figures}
         speculation = await self._speculation.take(turn.text)
         if speculation is not None:
-            await self._send_json(
-                protocol.Transcript(turn_id=speculation.turn_id, text=turn.text, final=True, language=turn.language)
-            )
-            await self._tell_if_voiceless(turn.turn_id)
-            self._history.remember({"role": "user", "content": turn.text})
-            speculation.commit, speculation.speech_end = turn.commit, turn.speech_end
-            speculation.metrics = speculation.metrics.model_copy(update={**figures, "speculative": True})
-            self._reply = speculation
-            await speculation.release()
-            return
-        await self._start_turn(
-            turn.turn_id, turn.text, speech_end=turn.speech_end, commit=turn.commit, language=turn.language, **figures
-        )
+            await self._answering.release(speculation, turn.text, language=turn.language, **timing)
+        else:
+            await self._answering.start_turn(turn.turn_id, turn.text, language=turn.language, **timing)
 
     async def _drop_utterance(self) -> None:
         await self._tracker.drop()
         await self._speculation.cancel()
 
-    # ------------------------------------------------------------------ replies
-    async def _start_turn(
-        self,
-        turn_id: int,
-        text: str,
-        *,
-        speech_end: float,
-        commit: float,
-        language: str | None = None,
-        spoken: bool = True,
-        **figures,
-    ) -> None:
-        await self._send_json(protocol.Transcript(turn_id=turn_id, text=text, final=True, language=language))
-        fitted = self._replies.prompt(text, self._turn_language)
-        # before the words are in the history
-        alone = self._replies.alone_prompt(text, self._turn_language, fitted.messages)
-        if fitted.truncated_chars:
-            text = fitted.messages[-1]["content"]
-            left_out = f"That was too long for the model: {fitted.truncated_chars} characters at the end were left out."
-            await self._send_json(protocol.Notice(turn_id=turn_id, code="truncated", message=left_out))
-        await self._tell_if_voiceless(turn_id)
-        self._history.remember({"role": "user", "content": text})
-        heard_gain = self._warmup.heard_gain(text, fitted.messages) if spoken else None
-        weighing = self._replies.weigh(fitted.messages, alone, heard_gain, spoken=spoken)
-        self._answer(
-            turn_id,
-            text,
-            weighing.messages,
-            speech_end=speech_end,
-            commit=commit,
-            alone=weighing.alone,
-            weighed=weighing.gain,
-            **figures,
-        )
+    # ------------------------------------------------------------------ how replies end (``ReplyListener``)
+    def reply_complete(self, reply: Reply) -> None:
+        self._answering.record(reply)
 
-    def _answer(
-        self,
-        turn_id: int,
-        text: str,
-        messages: list[Message],
-        *,
-        speech_end: float,
-        commit: float,
-        alone: list[Message] | None = None,
-        weighed: float | None = None,
-        **figures,
-    ) -> None:
-        """Start the reply the user hears (``text``: what it answers, "" for the history's last results; ``alone``
-        and ``weighed``: how the reply weighs the conversation, ``ReplyFactory.weigh``)."""
-        reply = self._replies.new(turn_id, text, self._turn_language)
-        reply.speech_end, reply.commit = speech_end, commit
-        reply.metrics = reply.metrics.model_copy(update=figures)
-        self._reply = reply
-        reply.start(messages, released=True, alone=alone, weighed=weighed)
+    def reply_failed(self, reply: Reply) -> None:
+        self._history.forget_failed(reply.user_text)
 
-    async def _tell_if_voiceless(self, turn_id: int) -> None:
-        notice = self._prefs.voiceless_notice(self._turn_language, turn_id)
-        if notice is not None:
-            await self._send_json(notice)
-
-    def _record_reply(self, reply: Reply) -> None:
-        for message in reply.tool_messages:
-            self._history.remember(message)
-        if reply.answer_text:
-            self._history.remember({"role": "assistant", "content": reply.answer_text})
-        if reply.text or reply.tool_messages:
-            self._warmup.next_prompt()
+    def turn_metrics(self, metrics: protocol.TurnMetrics) -> None:
+        if self.on_turn_metrics is not None:
+            self.on_turn_metrics(metrics)
 
     def _llm_needed(self) -> bool:
         """The tail transcription is about to run, a speculation runs or a reply is written: no prefill now."""
         if self._tracker.speech_may_be_ending or self._speculation.running:
             return True
-        return self._reply is not None and self._reply.producing
-
-    def _let_go(self, reply: Reply) -> None:
-        """A continued turn's reply is withdrawn: it is no longer the one the user hears."""
-        if self._reply is reply:
-            self._reply = None
-
-    async def _interrupt_reply(self, barge_in: bool = True) -> None:
-        """Barge-in (or ``cancel``): stop the reply, tell the client to stop playing, keep only what was heard."""
-        reply, self._reply = self._reply, None
-        if reply is None or not reply.active():
-            return
-        recorded = reply.finished and reply.released  # (``_record_reply`` ran)
-        await reply.cancel()  # (the calls it waits for are cancelled: the client is told)
-        heard_text = reply.heard_text(self._clock.now())
-        if not recorded:
-            for message in reply.tool_messages:  # calls made and answered stay made
-                self._history.remember(message)
-        self._history.keep_only_heard(
-            reply.heard_answer(heard_text),
-            reply_was_recorded=recorded and bool(reply.answer_text),
-            withdrawn_if_unheard=self._withdraw_unheard and not barge_in,
-        )
-        self._warmup.next_prompt()
-        if self._closed:
-            return
-        await self._send_json(protocol.Interrupt(turn_id=reply.turn_id))
-        reply.metrics.barge_in = barge_in
-        await self._send_json(
-            protocol.TurnDone(turn_id=reply.turn_id, text=heard_text, interrupted=True, metrics=reply.final_metrics())
-        )
+        return self._state.reply is not None and self._state.reply.producing
 
     async def close(self) -> None:
         """The client is gone: stop the reply and free its LLM request and TTS work."""
-        self._closed = True
         await self._warmup.close()
         await self._drop_utterance()
-        reply, self._reply = self._reply, None
-        if reply is not None:
-            await reply.cancel()
+        await self._answering.close()
         await self._barge_in.close()

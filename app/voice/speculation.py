@@ -5,12 +5,12 @@ reply is already under way when the endpoint commits the turn. The reply also gi
 end-of-turn verdict on the words where it can (``TurnEndVerdict``), read from its own prefill. If the committed
 text is the speculated one the held reply is handed over (the session releases it); any other text, or the
 user going on, cancels it. The session (``app.voice.session``) says when; replies come from the
-``ReplyFactory`` and the turn's language from a callable, read at each use.
+``ReplyFactory``, in the turn's language.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from app.stages.base import Message
 from app.voice.reply import Reply
@@ -18,16 +18,17 @@ from app.voice.reply_factory import ReplyFactory
 from app.voice.utterance import TailText
 
 
+class HeardGain(Protocol):
+    def heard_gain(self, text: str, related: list[Message]) -> float | None:
+        """What the words heard so far gained from the conversation (``PrefixWarmup.heard_gain``)."""
+        ...
+
+
 class Speculation:
-    def __init__(
-        self,
-        replies: ReplyFactory,
-        language: Callable[[], str | None],
-        heard_gain: Callable[[str, list[Message]], float | None] = lambda text, related: None,
-    ) -> None:
-        """``language``: the language of the turn being answered, when known; ``heard_gain``: what the words heard
-        so far gained from the conversation (``PrefixWarmup.heard_gain``)."""
-        self._replies, self._language, self._heard_gain = replies, language, heard_gain
+    def __init__(self, replies: ReplyFactory, heard: HeardGain) -> None:
+        """``replies`` makes the reply (in the turn's language, ``TurnState.language``); ``heard``: what the words
+        heard so far gained from the conversation."""
+        self._replies, self._heard = replies, heard
         self._reply: Reply | None = None  # a reply to the utterance in progress, held back
 
     @property
@@ -39,18 +40,16 @@ class Speculation:
         if self._reply is not None and self._reply.user_text == tail.text:
             return
         await self.cancel()
-        language = self._language()
-        fitted = self._replies.prompt(tail.text, language)
+        fitted = self._replies.prompt(tail.text)
         if fitted.truncated_chars:
             return  # an over-long turn is answered (with a notice) once committed
-        reply = self._replies.new(tail.turn_id, tail.text, language)
-        reply.speech_end = tail.speech_end
+        reply = self._replies.new(tail.turn_id, tail.text)
+        reply.timed(speech_end=tail.speech_end)
         self._reply = reply
-        alone = self._replies.alone_prompt(tail.text, language, fitted.messages)
-        weighing = self._replies.weigh(
-            fitted.messages, alone, self._heard_gain(tail.text, fitted.messages), spoken=True
-        )
-        turn_end = self._replies.take_turn_end(tail.verdict, weighing.messages) if weighing.alone is None else None
+        alone = self._replies.alone_prompt(tail.text, fitted.messages)
+        heard_gain = self._heard.heard_gain(tail.text, fitted.messages)
+        weighing = self._replies.weigh(fitted.messages, alone, heard_gain, spoken=True)
+        turn_end = self._replies.take_turn_end(tail.verdict, weighing.messages)
         reply.start(weighing.messages, released=False, alone=weighing.alone, turn_end=turn_end, weighed=weighing.gain)
 
     async def cancel(self) -> None:

@@ -25,11 +25,12 @@ _LEADING_WORDS = frozenset(
 # starts, so it is short (the setting ``first_piece_words``, this by default); the price is a short first
 # sentence said in two pieces. A joining word ends the piece from two words before it (at least 3).
 # 4 -> 3 words with the leading words above: one user's heard p50 516 -> 500 ms, four users' 855 -> 710 ms,
-# no underruns (README).
+# no underruns (app/bench/results/turn_taking.md).
 FIRST_PHRASE_MAX_WORDS = 3
 # The second piece is written and spoken while the first one plays (about a second of audio), so it
 # is at most twice the first: it ends at a clause break once SECOND_PHRASE_CLAUSE_WORDS long, before a
-# joining word after first_piece_words, and anywhere at twice first_piece_words (README: underruns).
+# joining word after first_piece_words, and anywhere at twice first_piece_words
+# (underruns: app/bench/results/turn_taking.md).
 SECOND_PHRASE_CLAUSE_WORDS = 3
 # Later pieces end at sentences, but a run-on sentence (small LLMs write 100-word ones) is cut
 # too: speaking it whole would leave the listener in silence while it is written and
@@ -185,7 +186,7 @@ def _loop_cut(text: str, word_ends: list[int]) -> int:
 # Whisper's runaway on a short or padded clip: "Yes. Yes. Yes. Yes. Yes.", "Why is the sky blue? Why is
 # the sky blue? Why" (decoded until its token cap). A transcript that *ends* in a unit said again
 # (twice; a single word LOOP_TIMES_ONE_WORD times), perhaps with a cut-off start of it once more, is
-# kept up to the unit's first time (README, Settings: asr_window_s).
+# kept up to the unit's first time (app/bench/results/asr_window.md).
 TRANSCRIPT_LOOP_TIMES = 2
 # The token cap can also end the runaway's *second* time: "What is the capital look, France? What is
 # the capital look," (a one-user benchmark turn: that trailing comma held the endpoint for the

@@ -105,7 +105,7 @@ class SignalWeights:
     The audio P is Smart Turn's; the text P the LLM's (``LocalScheduling.end_of_turn_probability``),
     floored at ``text_floor`` (below it the words are as unfinished as words get). On that set the words
     say far more than the sound: cut out of fluent speech, a mid-clause pause often sounds finished to
-    Smart Turn, so the fit leans on the text (accuracies: README, "How a turn flows").
+    Smart Turn, so the fit leans on the text (accuracies: app/bench/results/turn_end.md).
     """
 
     bias: float = 2.49

@@ -385,7 +385,7 @@ class UtteranceTracker:
         (``quiet_start``), a window before its silence as a rule; the pause takes the job over when
         the job heard up to where the silence began (``_TailJob.hears_up_to``), else a new one starts
         then. Its audio ends where the quiet has reached rather than ``TAIL_PAD_MS`` after the
-        silence began (what that cost in accuracy: README). The end-of-turn model waits for the
+        silence began (what that cost in accuracy: app/bench/results/turn_flow.md). The end-of-turn model waits for the
         pause: it heard less trailing quiet as a less finished turn.
         """
         quiet = self._vad.quiet_start
@@ -499,7 +499,7 @@ class UtteranceTracker:
         the pause, beside ASR on another core. Why: its ~100 ms of CPU at the pause slowed the tail's
         transcription and the speculative reply's first tokens beside it (one user, heard p50 699 -> 589 ms
         in ``bench voice``, three runs each), while on the labelled set the words decide nearly alone (accuracy 93.1 % words,
-        92.2 % both: README, "How a turn flows").
+        92.2 % both: app/bench/results/turn_end.md).
         The words are told without waiting for the model: a speculative reply needs only them. The LLM's verdict
         comes from the speculative reply's own prefill where it takes it (``TurnEndVerdict``): the verdict's prompt
         is the reply's up to the words' end, so one prefill gives both, the verdict with the reply's first token.

@@ -2,7 +2,7 @@
 
 A turn's prompt is mostly known before the turn: the history (between turns) and the words
 heard so far (while the user speaks). Prefilling it then takes that prefill off the next
-reply's critical path. Only an LLM that keeps a prefix cache can do it (``warm_of`` gives None
+reply's critical path. Only an LLM that keeps a prefix cache can do it (``warm_prefix`` gives None
 otherwise: nothing happens), and it is only an optimisation: a failure is logged and ignored.
 """
 
@@ -13,6 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Protocol
 
 from app.config import Settings
 from app.stages.base import Message
@@ -50,31 +51,34 @@ class HeardWeighed:
     gain: float
 
 
+class Prompts(Protocol):
+    """Where the warm-up reads what the next prompt will be (``ReplyFactory`` is the real one)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    def warm_prefix(self) -> WarmPrefix | None:
+        """The LLM's prefill, looked up at each warm-up (the LLM may be replaced; None: no prefix cache)."""
+        ...
+
+    def upcoming_prefix(self) -> list[Message]:
+        """What the next turn's prompt starts with (the history)."""
+        ...
+
+    def prompt(self, user_text: str | None) -> Fitted:
+        """A turn's whole prompt."""
+        ...
+
+    def alone_prompt(self, user_text: str, related: list[Message]) -> list[Message] | None:
+        """The words without the conversation, when the reply will weigh the two (both are then prefilled with the
+        words scored, so the reply finds the scores and the KV computed)."""
+        ...
+
+
 class PrefixWarmup:
-    def __init__(
-        self,
-        warm_of: Callable[[], WarmPrefix | None],
-        *,
-        settings: Callable[[], Settings],
-        upcoming_prefix: Callable[[], list[Message]],
-        prompt: Callable[[str], Fitted],
-        llm_needed: Callable[[], bool],
-        alone_prompt: Callable[[str, list[Message]], list[Message] | None] = lambda text, related: None,
-    ) -> None:
-        """``warm_of``: the LLM's prefill, looked up at each warm-up (the LLM may be replaced; None: no prefix cache);
-        ``upcoming_prefix``: what the next turn's prompt starts with (the history); ``prompt``: a turn's whole
-        prompt; ``llm_needed``: a tail transcription or a reply needs the cores now (no words are prefilled);
-        ``alone_prompt``: the words without the conversation, when the reply will weigh the two (both are then
-        prefilled with the words scored, so the reply finds the scores and the KV computed).
-        """
-        self._alone_prompt = alone_prompt
-        self._warm_of = warm_of
-        self._settings, self._upcoming_prefix, self._prompt, self._llm_needed = (
-            settings,
-            upcoming_prefix,
-            prompt,
-            llm_needed,
-        )
+    def __init__(self, prompts: Prompts, llm_needed: Callable[[], bool]) -> None:
+        """``llm_needed``: a tail transcription or a reply needs the cores now (no words are prefilled)."""
+        self._prompts, self._llm_needed = prompts, llm_needed
         self._task: asyncio.Task | None = None
         self._closed = False
         self._heard: HeardWeighed | None = None  # the last words so far both prompts scored
@@ -87,10 +91,10 @@ class PrefixWarmup:
         in the gap between turns, takes it off the next turn's critical path. Cheap when
         the prefix cache already holds most of it.
         """
-        warm = self._warm_of()
-        if warm is None or self._closed or self._settings().max_history_messages <= 0:
+        warm = self._prompts.warm_prefix()
+        if warm is None or self._closed or self._prompts.settings.max_history_messages <= 0:
             return
-        upcoming = self._upcoming_prefix()
+        upcoming = self._prompts.upcoming_prefix()
         self._heard, self._words_warmed = None, None  # a new conversation to weigh words after
         if self._task is not None:
             self._task.cancel()
@@ -106,18 +110,18 @@ class PrefixWarmup:
         path; while a speculation runs or a reply is being written (its decode steps would
         wait for the prefill: the listener could hear a gap); and while an earlier warm-up runs.
         """
-        warm = self._warm_of()
-        if warm is None or self._closed or not self._settings().llm_warm_while_speaking:
+        warm = self._prompts.warm_prefix()
+        if warm is None or self._closed or not self._prompts.settings.llm_warm_while_speaking:
             return
         if self._llm_needed() or (self._task is not None and not self._task.done()):
             return
         if text == self._words_warmed:
             return  # the same words as at the last partial: prefilled (and weighed) already
-        fitted = self._prompt(text)
+        fitted = self._prompts.prompt(text)
         if fitted.truncated_chars:
             return
         self._words_warmed = text
-        alone = self._alone_prompt(text, fitted.messages)
+        alone = self._prompts.alone_prompt(text, fitted.messages)
         if alone is None:
             self._task = asyncio.create_task(self._run(warm, [fitted.messages]), name="llm-warm-words")
         else:
@@ -130,7 +134,8 @@ class PrefixWarmup:
         ``MIN_HEARD_SHARE`` of them. None otherwise.
 
         Why: the reply then starts on the one prompt it would choose (``ReplyFactory.weigh``) instead of on both,
-        whose second prefill at the pause costs the first token ~100 ms on two cores (README, "Conversation policy").
+        whose second prefill at the pause costs the first token ~100 ms on two cores
+        (app/bench/results/conversation_policy.md).
         """
         heard = self._heard
         if heard is None or heard.related != related[:-1]:

@@ -7,18 +7,19 @@ import math
 
 import pytest
 
-from app.stages.base import StandAlone, TurnEndVerdict
-from app.stages.llm import EngineChatLLM, GenerationSettings
+from app.stages.base import GenerationSettings, ReplyRequest, StandAlone, TurnEndVerdict
+from app.stages.llm_engine import EngineChatLLM
 from engine.config import EngineConfig
 
 pytestmark = pytest.mark.models
 
 
+SHORT = GenerationSettings(max_tokens=3)
+
+
 @pytest.fixture(scope="module")
 def llm():
-    backend = EngineChatLLM(
-        EngineConfig(dtype="bfloat16", device="cpu", num_threads=1), settings=GenerationSettings(max_tokens=3)
-    )
+    backend = EngineChatLLM(EngineConfig(dtype="bfloat16", device="cpu", num_threads=1))
     yield backend
     backend.close()
 
@@ -34,7 +35,7 @@ PAIRS = [
 
 
 def test_the_template_s_end_of_turn_token_is_found(llm):
-    token, after = llm._turn_end
+    token, after = llm.marks.turn_end
     assert llm.engine.tokenizer.convert_ids_to_tokens(token) == "<|im_end|>" and after >= 1
 
 
@@ -59,7 +60,7 @@ async def test_no_words_no_verdict_and_no_request_left_behind(llm):
 
 
 async def test_a_follow_up_is_answered_with_its_exchange_and_a_question_of_its_own_without(llm):
-    """``stream_weighed``, what ``history_relevance_nats`` uses: an elliptical follow-up gains nats a token from the
+    """A request weighing the words alone (``ReplyRequest.alone``), what ``history_relevance_nats`` uses: an elliptical follow-up gains nats a token from the
     exchange it follows; a question that stands alone gains about nothing (probe: +2.2 against +0.6). Both prompts
     start at once; the one chosen goes on under the reply's request id, the other is aborted at its first token."""
     exchange = [
@@ -73,7 +74,8 @@ async def test_a_follow_up_is_answered_with_its_exchange_and_a_question_of_its_o
         gains: list[float | None] = []
         alone = StandAlone([*CONVERSATION, said], min_gain_nats=1.4, on_weighed=gains.append)
         answered_by = None
-        async for _ in llm.stream_weighed([*CONVERSATION, *exchange, said], alone, request_id):
+        request = ReplyRequest([*CONVERSATION, *exchange, said], request_id, SHORT, alone=alone)
+        async for _ in llm.stream(request):
             answered_by = answered_by or llm._engine_id(request_id)
         [gain] = gains
         assert gain is not None
@@ -89,7 +91,7 @@ async def test_a_follow_up_is_answered_with_its_exchange_and_a_question_of_its_o
 
 async def test_the_warm_up_scores_the_words_as_the_weighed_reply_does(llm):
     """``warm(score_words=True)`` returns the words' mean log-probability a token, which the prefix warm-up weighs the
-    words heard so far with (``PrefixWarmup.heard_gain``): the gain of the two prompts is ``stream_weighed``'s."""
+    words heard so far with (``PrefixWarmup.heard_gain``): the gain of the two prompts is a weighing request's."""
     exchange = [
         {"role": "user", "content": "What is the capital of Italy?"},
         {"role": "assistant", "content": "The capital of Italy is Rome."},
@@ -98,7 +100,7 @@ async def test_the_warm_up_scores_the_words_as_the_weighed_reply_does(llm):
     related, alone = [*CONVERSATION, *exchange, said], [*CONVERSATION, said]
     warmed = await llm.warm(related, score_words=True) - await llm.warm(alone, score_words=True)
     gains: list[float | None] = []
-    async for _ in llm.stream_weighed(related, StandAlone(alone, 1.4, gains.append), "weighed"):
+    async for _ in llm.stream(ReplyRequest(related, "weighed", SHORT, alone=StandAlone(alone, 1.4, gains.append))):
         pass
     assert gains[0] is not None and abs(warmed - gains[0]) < 0.1  # the same scores (bfloat16 sums may differ)
     assert warmed > 1.0  # a follow-up: 2.2 nats a token
@@ -112,7 +114,8 @@ async def _read_by_reply(llm, messages: list[dict], request_id: str) -> tuple[fl
     position = llm.turn_end_position(messages)
     assert position is not None
     verdict.take(position)
-    text = "".join([delta async for delta in llm.stream_reading_turn_end(messages, request_id, verdict)])
+    request = ReplyRequest(messages, request_id, SHORT, turn_end=verdict)
+    text = "".join([delta async for delta in llm.stream(request)])
     return await verdict.wait(), text
 
 
@@ -134,7 +137,7 @@ async def test_a_reply_reads_the_verdict_from_its_own_prefill_as_the_verdict_ask
 async def test_a_reply_whose_prompt_does_not_continue_the_verdict_s_reads_none(llm):
     assert llm.turn_end_position([*CONVERSATION, {"role": "user", "content": " ?"}]) is None  # no words
     assert llm.turn_end_position([*CONVERSATION, {"role": "assistant", "content": "Hi."}]) is None  # not the user's
-    verdict = TurnEndVerdict()  # (not taken): the reply is written as ``stream`` writes it, the verdict None
+    verdict = TurnEndVerdict()  # (not taken): the reply is written as without it, the verdict None
     messages = [*CONVERSATION, {"role": "user", "content": "What time is it?"}]
-    text = "".join([delta async for delta in llm.stream_reading_turn_end(messages, "untaken", verdict)])
+    text = "".join([delta async for delta in llm.stream(ReplyRequest(messages, "untaken", SHORT, turn_end=verdict))])
     assert text and await verdict.wait() is None

@@ -1,4 +1,4 @@
-"""The LLM backends' tool path (``ToolCalling.stream_tools``): the reply's text, then its calls.
+"""The LLM backends' tool path (a ``ReplyRequest`` with ``tools``): the reply's text, then its calls.
 
 The remote backend is tested against a scripted OpenAI-compatible server (an ``httpx`` mock transport,
 no model); the in-process engine with the bundled SmolLM2-135M, whose template has no tools: forced calls
@@ -12,8 +12,9 @@ import json
 import httpx
 import pytest
 
-from app.stages.base import ToolCall, ToolSpec, tool_calling_of
-from app.stages.llm import EngineChatLLM, GenerationSettings, OpenAIChatLLM
+from app.stages.base import GenerationSettings, ReplyRequest, ToolCall, ToolSpec
+from app.stages.llm import OpenAIChatLLM
+from app.stages.llm_engine import EngineChatLLM
 from engine.config import EngineConfig
 
 THERMOSTAT = {
@@ -86,14 +87,14 @@ async def test_the_remote_backend_sends_the_tools_and_puts_streamed_calls_back_t
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
     )
     llm, bodies = remote(reply)
-    assert tool_calling_of(llm) is llm
+    assert "tools" in llm.features
     history = [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": "", "tool_calls": [ToolCall("c0", "get_weather", "{}").as_openai()]},
         {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
     ]
     spec = ToolSpec((WEATHER,), {"type": "function", "function": {"name": "get_weather"}}, parallel=False)
-    events = await collect(llm.stream_tools(history, "r1", spec))
+    events = await collect(llm.stream(ReplyRequest(history, "r1", tools=spec)))
     assert events == [
         "Let me check. ",
         ToolCall("call_a", "get_weather", '{"city": "Paris"}'),
@@ -120,33 +121,38 @@ async def test_sampling_fields_a_strict_server_refuses_are_dropped_once_and_for_
         return httpx.Response(200, content=sse(delta(content="Hi.")), headers={"content-type": "text/event-stream"})
 
     settings = GenerationSettings(dry_multiplier=0.8, min_p=0.05, presence_penalty=0.5)
-    llm = OpenAIChatLLM("http://llm.test", model="served", settings=settings)
+    llm = OpenAIChatLLM("http://llm.test", model="served")
     llm._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
-    assert await collect(llm.stream([{"role": "user", "content": "Hello"}], "r1")) == ["Hi."]
-    assert await collect(llm.stream([{"role": "user", "content": "Again"}], "r2")) == ["Hi."]
+    hello = ReplyRequest([{"role": "user", "content": "Hello"}], "r1", settings)
+    again = ReplyRequest([{"role": "user", "content": "Again"}], "r2", settings)
+    assert await collect(llm.stream(hello)) == ["Hi."]
+    assert await collect(llm.stream(again)) == ["Hi."]
     assert [("dry_multiplier" in body, "min_p" in body, body["presence_penalty"]) for body in bodies] == [
         (True, True, 0.5),
         (False, False, 0.5),
         (False, False, 0.5),
     ]
     with pytest.raises(RuntimeError, match="500"):
-        await collect(llm.stream([{"role": "user", "content": "fail"}], "r3"))
+        await collect(llm.stream(ReplyRequest([{"role": "user", "content": "fail"}], "r3", settings)))
 
 
 async def test_the_remote_backend_sends_no_tool_fields_when_no_call_may_be_made():
     llm, bodies = remote(sse(delta(content="It was sunny.")))
     history = [{"role": "user", "content": "And?"}]
-    assert await collect(llm.stream_tools(history, "r2", ToolSpec((), "none"))) == ["It was sunny."]
+    assert await collect(llm.stream(ReplyRequest(history, "r2", tools=ToolSpec((), "none")))) == ["It was sunny."]
     assert not {"tools", "tool_choice", "parallel_tool_calls"} & set(bodies[0])
-    assert await collect(llm.stream(history, "r3")) == ["It was sunny."]  # the plain path, unchanged
+    assert await collect(llm.stream(ReplyRequest(history, "r3"))) == ["It was sunny."]  # no tools at all
     assert "tools" not in bodies[1]
 
 
 # ---------------------------------------------------------------- the in-process engine, bundled model
+SHORT = GenerationSettings(max_tokens=40, temperature=0.0)
+
+
 @pytest.fixture(scope="module")
 def engine_llm():
     config = EngineConfig(dtype="bfloat16", device="cpu", num_threads=1)
-    backend = EngineChatLLM(config, settings=GenerationSettings(max_tokens=40, temperature=0.0))
+    backend = EngineChatLLM(config)
     yield backend
     backend.close()
 
@@ -179,7 +185,8 @@ async def test_a_forced_call_on_the_bundled_model_parses_and_matches_its_schema(
         {"role": "system", "content": "You are a home assistant."},
         {"role": "user", "content": "Make the bedroom warmer, 22 degrees on Monday."},
     ]
-    events = await collect(engine_llm.stream_tools(messages, f"forced-{id(choice)}", ToolSpec((THERMOSTAT,), choice)))
+    request = ReplyRequest(messages, f"forced-{id(choice)}", SHORT, tools=ToolSpec((THERMOSTAT,), choice))
+    events = await collect(engine_llm.stream(request))
     calls = [e for e in events if isinstance(e, ToolCall)]
     assert len(calls) == 1, events
     [call] = calls
@@ -190,9 +197,43 @@ async def test_a_forced_call_on_the_bundled_model_parses_and_matches_its_schema(
 
 
 @pytest.mark.models
+async def test_every_feature_of_a_reply_request_composes_with_a_forced_call(engine_llm):
+    """DRY reading earlier replies, the words weighed against the words alone, and the end-of-turn verdict read from
+    the prefill, all in one request with tools: the call still parses and matches its schema, the verdict and the
+    weighing are given, and nothing is left in the KV cache. (Before, tools turned the other three off.)"""
+    from app.stages.base import StandAlone, TurnEndVerdict
+
+    system = {"role": "system", "content": "You are a home assistant."}
+    words = {"role": "user", "content": "Make the bedroom warmer, 22 degrees on Monday."}
+    earlier = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello! How can I help?"}]
+    messages = [system, *earlier, words]
+    spec = ToolSpec((THERMOSTAT,), "required", parallel=False)
+    verdict = TurnEndVerdict()
+    position = engine_llm.turn_end_position(messages, spec)
+    assert position is not None
+    verdict.take(position)
+    gains: list[float | None] = []
+    alone = StandAlone([system, words], min_gain_nats=5.0, on_weighed=gains.append)  # 5 nats: the words alone win
+    sampling = GenerationSettings(max_tokens=40, temperature=0.0, dry_multiplier=0.8)
+    request = ReplyRequest(
+        messages, "composed", sampling, tools=spec, alone=alone, turn_end=verdict, earlier_replies=("Hello!",)
+    )
+    events = await collect(engine_llm.stream(request))
+    [call] = [e for e in events if isinstance(e, ToolCall)]
+    assert call.name == "set_thermostat"
+    assert schema_errors(json.loads(call.arguments), THERMOSTAT["function"]["parameters"]) == []
+    probability = await verdict.wait()
+    assert probability is not None and 0.0 <= probability <= 1.0
+    assert len(gains) == 1 and gains[0] is not None
+    assert engine_llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.models
 async def test_auto_on_a_template_without_tools_is_plain_text(engine_llm):
     messages = [{"role": "user", "content": "Say hello."}]
-    events = await collect(engine_llm.stream_tools(messages, "auto-1", ToolSpec((WEATHER,), "auto")))
+    events = await collect(
+        engine_llm.stream(ReplyRequest(messages, "auto-1", SHORT, tools=ToolSpec((WEATHER,), "auto")))
+    )
     assert events and all(isinstance(e, str) for e in events)
 
 
@@ -234,6 +275,7 @@ async def test_a_warm_up_with_the_tools_is_the_start_of_the_reply_s_prompt(engin
     warm_ids = engine_llm.engine.apply_chat_template(plan.messages, add_generation_prompt=False, tools=plan.tools)
     await engine_llm.warm(history, tools=spec)
     hits_before = engine.kv.prefix_hit_tokens
-    await collect(engine_llm.stream_tools([*history, {"role": "user", "content": "And in Rome?"}], "after-warm", spec))
+    asked = [*history, {"role": "user", "content": "And in Rome?"}]
+    await collect(engine_llm.stream(ReplyRequest(asked, "after-warm", SHORT, tools=spec)))
     full_blocks = len(warm_ids) // engine.config.block_size * engine.config.block_size
     assert full_blocks and engine.kv.prefix_hit_tokens - hits_before >= full_blocks

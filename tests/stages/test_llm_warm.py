@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.stages.llm import EngineChatLLM, GenerationSettings
+from app.stages.base import GenerationSettings, ReplyRequest
+from app.stages.llm_engine import EngineChatLLM, Rendered
 from engine.config import EngineConfig
 
 pytestmark = pytest.mark.models
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.models
 @pytest.fixture(scope="module")
 def llm():
     config = EngineConfig(dtype="bfloat16", device="cpu", num_threads=1)
-    backend = EngineChatLLM(config, settings=GenerationSettings(max_tokens=3, temperature=0.0))
+    backend = EngineChatLLM(config)
     yield backend
     backend.close()
 
@@ -34,7 +35,7 @@ async def test_warm_prefix_is_a_prefix_of_the_next_prompt_and_is_reused(llm):
 
     await llm.warm(HISTORY)
     hits_before = engine.kv.prefix_hit_tokens
-    async for _ in llm.stream(nxt, "after-warm"):
+    async for _ in llm.stream(ReplyRequest(nxt, "after-warm", GenerationSettings(max_tokens=3))):
         pass
     full_blocks = len(warm_ids) // engine.config.block_size * engine.config.block_size
     assert engine.kv.prefix_hit_tokens - hits_before >= full_blocks
@@ -43,22 +44,28 @@ async def test_warm_prefix_is_a_prefix_of_the_next_prompt_and_is_reused(llm):
 
 async def test_dry_reads_the_earlier_replies_the_prompt_leaves_out(llm):
     """A reply said before, not in the prompt (the policy left it out), is not said again word for word."""
-    settings = llm.settings
-    llm.settings = GenerationSettings(max_tokens=16, temperature=0.0, dry_multiplier=0.8)
-    try:
-        question = [HISTORY[0], HISTORY[1]]
-        first = "".join([d async for d in llm.stream(question, "first")])
-        again = "".join([d async for d in llm.stream(question, "again")])
-        other = "".join([d async for d in llm.stream(question, "other", earlier_replies=(first,))])
-        assert len(first.split()) >= 4 and again == first  # greedy: the same reply, but for DRY's context
-        assert other != first
-        assert llm.engine.engine.stats()["kv_blocks_used"] == 0
-        # bounded, newest first: a Realtime client may put long assistant messages in the conversation
-        from engine.sampling import MAX_DRY_CONTEXT_TOKENS
+    settings = GenerationSettings(max_tokens=16, temperature=0.0, dry_multiplier=0.8)
+    question = [HISTORY[0], HISTORY[1]]
 
-        params = llm._reply_params(("one two three", *["word " * 20000] * 12))
-        assert sum(map(len, params.dry_context)) == MAX_DRY_CONTEXT_TOKENS  # each long one cut to DRY_REPLY_CHARS
-        assert 1 < len(params.dry_context) < 12 and len(params.dry_context[-1]) < 1000  # the oldest left out
-    finally:
-        llm.settings = settings
-    assert llm._reply_params((first,)).dry_context == ()  # without DRY: nothing to read
+    async def reply(request_id: str, earlier_replies: tuple[str, ...] = ()) -> str:
+        request = ReplyRequest(question, request_id, settings, earlier_replies=earlier_replies)
+        return "".join([d async for d in llm.stream(request)])
+
+    first = await reply("first")
+    again = await reply("again")
+    other = await reply("other", (first,))
+    assert len(first.split()) >= 4 and again == first  # greedy: the same reply, but for DRY's context
+    assert other != first
+    assert llm.engine.engine.stats()["kv_blocks_used"] == 0
+    # bounded, newest first: a Realtime client may put long assistant messages in the conversation
+    from engine.sampling import MAX_DRY_CONTEXT_TOKENS
+
+    def dry_context(earlier: tuple[str, ...], sampling: GenerationSettings = settings):
+        return llm._params(
+            ReplyRequest(question, "p", sampling, earlier_replies=earlier), Rendered([1]), None
+        ).dry_context
+
+    context = dry_context(("one two three", *["word " * 20000] * 12))
+    assert sum(map(len, context)) == MAX_DRY_CONTEXT_TOKENS  # each long one cut to DRY_REPLY_CHARS
+    assert 1 < len(context) < 12 and len(context[-1]) < 1000  # the oldest left out
+    assert dry_context((first,), GenerationSettings()) == ()  # without DRY: nothing to read

@@ -3,13 +3,15 @@ LLM (the replies the prompt shows, the sampling fields a request carries)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from fakes import UnsizedLLM
 from pydantic import ValidationError
 
 from app import protocol
 from app.config import Settings
-from app.policy import POLICIES, SETTINGS, ConversationPolicy, model_name, policy_for
+from app.policy import POLICIES, model_name, policy_for
 from app.stages.base import GenerationSettings
 from app.voice.history import (
     STATEMENT_CHARS,
@@ -42,20 +44,34 @@ def test_a_named_policy_wins_over_the_model_s_and_an_unknown_one_is_refused():
         Settings(llm_policy="tiny")
 
 
-def test_settings_left_empty_hold_the_policy_s_values_and_given_ones_win():
-    policy = POLICIES[Settings().llm_policy]
-    settings = Settings(llm_repetition_penalty=1.3, system_prompt="Be brief.")
+def test_settings_not_given_hold_the_policy_s_values_and_given_ones_win():
+    row = POLICIES["smollm2-135m"]
+    settings = Settings(llm_repetition_penalty=1.3, system_prompt="Be brief.", llm_dry_multiplier=0.0)
+    assert settings.llm_policy == "smollm2-135m"
     assert settings.llm_repetition_penalty == 1.3 and settings.system_prompt == "Be brief."
-    assert settings.max_history_messages == policy.history_messages
-    assert settings.history_replies == policy.history_replies
-    assert settings.llm_max_tokens == policy.max_tokens and settings.llm_temperature == policy.temperature
+    assert settings.llm_dry_multiplier == 0.0  # given, though the row says otherwise
+    assert settings.history_replies == row["history_replies"] == "last"
+    assert settings.history_relevance_nats == row["history_relevance_nats"]
+    default = Settings(llm_policy="default")
+    assert default.history_replies == Settings.model_fields["history_replies"].default == "all"
+    assert default.llm_dry_multiplier == 0.0 and default.max_history_messages == 16
 
 
-def test_every_policy_field_is_a_setting():
-    fields = ConversationPolicy().settings()
-    assert set(fields) == set(SETTINGS.values()) and set(fields) <= set(Settings.model_fields)
-    for policy in POLICIES.values():
-        Settings(**policy.settings())  # each row is a valid set of settings
+def test_every_policy_row_names_settings_by_their_own_names_and_holds_valid_values():
+    for row in POLICIES.values():
+        assert set(row) <= set(Settings.model_fields)
+        Settings(llm_policy="default", **row)  # each row is a valid set of settings
+    with pytest.raises(ValidationError):
+        Settings(llm_dry_multiplier=-1.0)
+
+
+def test_every_sampling_field_is_the_setting_of_the_same_name_and_is_always_filled():
+    settings = Settings(llm_temperature=0.7, llm_min_p=0.05)
+    sampling = GenerationSettings.from_settings(settings)
+    for field in dataclasses.fields(GenerationSettings):
+        value = getattr(settings, f"llm_{field.name}")
+        assert value is not None and getattr(sampling, field.name) == value
+    assert sampling.temperature == 0.7 and sampling.min_p == 0.05 and sampling.dry_multiplier == 0.8
 
 
 def test_the_model_s_name_is_its_folder_s_or_file_s():

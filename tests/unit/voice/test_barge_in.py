@@ -10,21 +10,34 @@ import asyncio
 
 from fakes import StandInReply
 
+from app.config import Settings
 from app.voice.barge_in import BARGE_IN_RECHECK_MS, BargeIn
+from app.voice.turn_state import TurnState
 
 
 class Scene:
-    """A ``BargeIn`` over ``reply``; the user's words so far are ``words`` (or wait for ``gate`` when it is set)."""
+    """A ``BargeIn`` over ``reply`` (the session's ``TurnState``); the scene is the utterance tracker: the user's words
+    so far are ``words`` (or wait for ``gate`` when it is set)."""
 
     def __init__(self, words: str = "Wait, stop.") -> None:
-        self.reply: StandInReply | None = StandInReply()
+        self.state = TurnState(Settings())
+        self.state.tracker = self
+        self.reply = StandInReply()
         self.words = words
         self.gate: asyncio.Event | None = None
         self.heard = 0  # transcriptions asked for
         self.stops = 0
-        self.barge_in = BargeIn(reply=lambda: self.reply, hear=self._hear, stop=self._stop)
+        self.barge_in = BargeIn(self.state, self._stop)
 
-    async def _hear(self) -> str:
+    @property
+    def reply(self) -> StandInReply | None:
+        return self.state.reply
+
+    @reply.setter
+    def reply(self, reply: StandInReply | None) -> None:
+        self.state.reply = reply
+
+    async def transcribe_speech_so_far(self) -> str:
         self.heard += 1
         if self.gate is not None:
             await self.gate.wait()

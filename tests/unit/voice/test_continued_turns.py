@@ -9,8 +9,10 @@ from __future__ import annotations
 from fakes import ManualClock, StandInReply
 
 from app import protocol
+from app.config import Settings
 from app.voice.continuation import ContinuationRule, ContinuedTurns
 from app.voice.history import History
+from app.voice.turn_state import TurnState
 
 FIRST, WHOLE = "I want to visit Paris.", "I want to visit Paris. And London."
 ANSWER = {"role": "assistant", "content": "Paris is lovely."}
@@ -22,27 +24,33 @@ class Scene:
     def __init__(self) -> None:
         self.clock = ManualClock()
         self.history = History(8)
-        self.reply: StandInReply | None = None
+        self.state = TurnState(Settings())
+        self.state.tracker = self  # the tracker told to go on with a turn (``continue_turn``)
         self.sent: list[protocol.ServerMessage] = []
         self.continued: list[tuple[int, str]] = []  # (turn id, text) the tracker was told to go on with
         self.started: list[tuple[int, str]] = []  # turns answered afresh
         self.turns = ContinuedTurns(
             ContinuationRule(window_ms=1500, heard_ms=500),
+            self.state,
             history=self.history,
             clock=self.clock,
             send_json=self._send,
-            reply=lambda: self.reply,
-            let_go=self._let_go,
-            continue_turn=lambda turn_id, text: self.continued.append((turn_id, text)),
             start_turn=self._start_turn,
         )
 
+    @property
+    def reply(self) -> StandInReply | None:
+        return self.state.reply
+
+    @reply.setter
+    def reply(self, reply: StandInReply | None) -> None:
+        self.state.reply = reply
+
+    def continue_turn(self, turn_id: int, text: str) -> None:
+        self.continued.append((turn_id, text))
+
     async def _send(self, message: protocol.ServerMessage) -> None:
         self.sent.append(message)
-
-    def _let_go(self, reply) -> None:
-        if self.reply is reply:
-            self.reply = None
 
     async def _start_turn(self, turn_id: int, text: str, *, speech_end: float, commit: float) -> None:
         self.started.append((turn_id, text))

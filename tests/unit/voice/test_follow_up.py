@@ -172,7 +172,7 @@ PAIRS = json.loads((Path(__file__).parent / "data" / "follow_up_pairs.json").rea
 
 
 def test_on_follow_ups_written_by_others_most_are_rewritten_as_a_person_would_and_nothing_else_is():
-    """290 pairs written apart from the rule (``set`` 5 never mended it; README, "Follow-ups asked in full"): a
+    """290 pairs written apart from the rule (``set`` 5 never mended it; app/bench/results/conversation_policy.md): a
     question of its own is never rewritten, and most follow-ups are rewritten as the person wrote them in full."""
 
     def norm(text: str | None) -> str | None:

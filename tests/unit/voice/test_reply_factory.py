@@ -11,30 +11,45 @@ from harness import ScriptedLLM
 from app.config import Settings
 from app.voice.history import History
 from app.voice.prefs import Preferences
+from app.voice.reply import ReplyWiring
 from app.voice.reply_factory import ReplyFactory, Weighing
+from app.voice.turn_state import TurnState
 
 
 class Scene:
+    """A factory in a session's stead: the scene holds its ``TurnState`` and hears how replies end (``ReplyListener``)."""
+
     def __init__(self, **settings) -> None:
-        self.settings = Settings(system_prompt="Be brief.", **settings)
+        self.state = TurnState(Settings(system_prompt="Be brief.", **settings))
         self.models = FakeStages(ScriptedASR(), ScriptedLLM(["Paris."]))
         self.history = History(8)
         self.completed, self.metrics = [], []
         self.on_metrics = None
-        self.factory = ReplyFactory(
-            self.models,
-            lambda: self.settings,
-            self.history,
-            Preferences(self.settings.system_prompt, self.models.asr, self.models.tts),
-            send_json=self._send,
-            send_bytes=self._send,
-            clock=ManualClock(),
-            run_blocking=run_inline,
-            session_id="s1",
-            on_complete=self.completed.append,
-            on_failed=lambda reply: None,
-            on_metrics=lambda: self.on_metrics,
-        )
+        wiring = ReplyWiring(self.models, self._send, self._send, ManualClock(), run_inline, listener=self)
+        prefs = Preferences(self.settings.system_prompt, self.models.asr, self.models.tts)
+        self.factory = ReplyFactory(self.models, self.state, self.history, prefs, wiring, session_id="s1")
+
+    @property
+    def settings(self) -> Settings:
+        return self.state.settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self.state.settings = settings
+
+    def prompt(self, text: str, language: str):
+        self.state.language = language
+        return self.factory.prompt(text)
+
+    def reply_complete(self, reply) -> None:
+        self.completed.append(reply)
+
+    def reply_failed(self, reply) -> None:
+        pass
+
+    def turn_metrics(self, metrics) -> None:
+        if self.on_metrics is not None:
+            self.on_metrics(metrics)
 
     async def _send(self, item) -> None:
         pass
@@ -44,33 +59,33 @@ def test_the_prompt_asks_for_the_turn_s_language_after_the_history():
     scene = Scene()
     scene.history.remember({"role": "user", "content": "Hi."})
     scene.history.remember({"role": "assistant", "content": "Hello!"})
-    english = scene.factory.prompt("What time is it?", "en").messages
+    english = scene.prompt("What time is it?", "en").messages
     assert english == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi."},
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": "What time is it?"},
     ]
-    german = scene.factory.prompt("Wie spät ist es?", "de").messages
+    german = scene.prompt("Wie spät ist es?", "de").messages
     assert german[0]["content"] == "Be brief. The user speaks German: answer in German."
 
 
 def test_the_settings_of_the_moment_fit_the_prompt():
     scene = Scene(llm_context_tokens=300, llm_max_tokens=200)
     long_turn = " ".join(["word"] * 150)
-    assert scene.factory.prompt(long_turn, "en").truncated_chars > 0
+    assert scene.prompt(long_turn, "en").truncated_chars > 0
     scene.settings = scene.settings.model_copy(update={"llm_context_tokens": 1000})  # tuned live
-    assert scene.factory.prompt(long_turn, "en").truncated_chars == 0
+    assert scene.prompt(long_turn, "en").truncated_chars == 0
 
 
 async def test_each_reply_has_its_own_request_and_reports_to_whoever_listens_by_then():
     scene = Scene()
-    first = scene.factory.new(1, "Hi.", "en")
-    again = scene.factory.new(1, "Hi.", "en")  # a re-speculation of the same turn
+    first = scene.factory.new(1, "Hi.")
+    again = scene.factory.new(1, "Hi.")  # a re-speculation of the same turn
     assert (first.request_id, again.request_id) == ("s1-1-1", "s1-1-2")
     scene.on_metrics = scene.metrics.append  # set after the factory was made, as the server does
-    reply = scene.factory.new(2, "Hi.", "en")
-    reply.start(scene.factory.prompt("Hi.", "en").messages, released=True)
+    reply = scene.factory.new(2, "Hi.")
+    reply.start(scene.prompt("Hi.", "en").messages, released=True)
     for _ in range(30):
         await asyncio.sleep(0)
     assert scene.completed == [reply] and len(scene.metrics) == 1

@@ -20,6 +20,9 @@ class HeldReply(StandInReply):
 
     speech_end = 0.0
 
+    def timed(self, *, speech_end: float, commit: float = 0.0, **figures) -> None:
+        self.speech_end = speech_end
+
     def start(
         self, messages: list[dict], *, released: bool, alone: list[dict] | None = None, turn_end=None, weighed=None
     ) -> None:
@@ -28,7 +31,8 @@ class HeldReply(StandInReply):
 
 
 class Scene:
-    """A ``Speculation`` over a factory whose prompts are cut when longer than ``max_chars``."""
+    """A ``Speculation`` over a factory (the scene) whose prompts are cut when longer than ``max_chars``, in the turn's
+    ``language``."""
 
     def __init__(self, max_chars: int = 100) -> None:
         self.max_chars = max_chars
@@ -36,21 +40,22 @@ class Scene:
         self.made: list[HeldReply] = []
         self.languages: list[str | None] = []
         self.heard: dict[str, float] = {}  # what the words heard so far of each text gained from the conversation
-        self.speculation = Speculation(
-            self, language=lambda: self.language, heard_gain=lambda text, related: self.heard.get(text)
-        )
+        self.speculation = Speculation(self, self)
         self.weighs = True  # whether replies may be written from the words alone (``alone_prompt``)
         self.undecided_both = True  # ``history_relevance_spoken`` "both"
         self.reads_turn_end = True  # whether the LLM can read the end-of-turn verdict from a reply's prefill
 
-    def prompt(self, user_text: str, language: str | None) -> Fitted:
+    def heard_gain(self, text: str, related: list[dict]) -> float | None:
+        return self.heard.get(text)
+
+    def prompt(self, user_text: str) -> Fitted:
         cut = max(0, len(user_text) - self.max_chars)
         return Fitted([{"role": "user", "content": user_text[: self.max_chars]}], truncated_chars=cut)
 
-    def alone_prompt(self, user_text: str, language: str | None, related: list[dict]) -> list[dict] | None:
+    def alone_prompt(self, user_text: str, related: list[dict]) -> list[dict] | None:
         if not self.weighs:
             return None
-        return [{"role": "system", "content": f"Answer in {language}."}, {"role": "user", "content": user_text}]
+        return [{"role": "system", "content": f"Answer in {self.language}."}, {"role": "user", "content": user_text}]
 
     def weigh(self, related: list[dict], alone: list[dict] | None, heard_gain: float | None, *, spoken) -> Weighing:
         assert spoken  # a speculation answers speech
@@ -62,8 +67,8 @@ class Scene:
         verdict.take(len(messages))
         return verdict
 
-    def new(self, turn_id: int, user_text: str, language: str | None) -> HeldReply:
-        self.languages.append(language)
+    def new(self, turn_id: int, user_text: str) -> HeldReply:
+        self.languages.append(self.language)
         self.made.append(HeldReply(turn_id, user_text))
         return self.made[-1]
 
@@ -133,8 +138,8 @@ async def test_cancel_and_take_without_a_speculation_do_nothing():
 
 async def test_a_plain_reply_takes_the_end_of_turn_verdict_to_read_from_its_prefill():
     """One prefill for the reply and the verdict (``TurnEndVerdict``): taken by the reply written from the
-    conversation; not by one that may be written from the words alone (two requests), nor where the LLM cannot read
-    it, nor for a tail that offers none: then the tracker asks the LLM apart."""
+    conversation, also one that weighs the words alone beside it (read from the conversation's prompt); not where the
+    LLM cannot read it, nor for a tail that offers none: then the tracker asks the LLM apart."""
     scene = Scene()
     scene.weighs = False
     offered = TurnEndVerdict()
@@ -144,7 +149,8 @@ async def test_a_plain_reply_takes_the_end_of_turn_verdict_to_read_from_its_pref
     scene.weighs = True
     offered = TurnEndVerdict()
     await scene.pause("What time is it now?", verdict=offered)
-    assert scene.made[-1].turn_end is None and not offered.taken
+    assert scene.made[-1].alone is not None
+    assert scene.made[-1].turn_end is offered and offered.taken and offered.position == 1
 
     scene.weighs, scene.reads_turn_end = False, False
     offered = TurnEndVerdict()
@@ -165,7 +171,8 @@ async def test_an_over_long_tail_takes_no_verdict():
 
 async def test_words_heard_while_the_user_spoke_start_the_reply_on_one_prompt_which_reads_the_verdict():
     """Where the words heard so far clearly chose (``ReplyFactory.weigh``), the reply starts on that prompt alone,
-    and reads the end-of-turn verdict from it, the words-alone prompt too; where they did not, it weighs both."""
+    and reads the end-of-turn verdict from it, the words-alone prompt too; where they did not, it weighs both and
+    reads the verdict from the conversation's prompt."""
     scene = Scene()
     scene.heard = {"And Spain?": 2.4, "What time is it?": -0.6, "How tall is it?": 1.1}
     offered = TurnEndVerdict()
@@ -187,4 +194,4 @@ async def test_words_heard_while_the_user_spoke_start_the_reply_on_one_prompt_wh
     await scene.pause("How tall is it?", verdict=offered)  # 1.1: within the margin of 0.9
     both = scene.made[-1]
     assert both.messages == [{"role": "user", "content": "How tall is it?"}] and both.alone is not None
-    assert both.weighed is None and both.turn_end is None and not offered.taken
+    assert both.weighed is None and both.turn_end is offered and offered.position == 1

@@ -241,7 +241,7 @@ async def test_config_refuses_a_choice_no_tool_can_serve_and_keeps_the_rest():
 
 async def test_a_held_reply_runs_no_tool_until_its_turn_commits():
     conv = await tool_session()
-    reply = conv.session._replies.new(7, "What is the weather in Paris?", "en")
+    reply = conv.session._replies.new(7, "What is the weather in Paris?")
     reply.start([{"role": "user", "content": "What is the weather in Paris?"}], released=False)
     await conv.settle()
     assert not conv.of(protocol.CallTool) and reply.producing, "the call waits for the release"

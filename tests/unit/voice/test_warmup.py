@@ -17,9 +17,11 @@ HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content
 
 
 class Scene:
-    """A ``PrefixWarmup`` whose ``warm`` records each prompt (and waits for ``gate`` when it is set)."""
+    """A ``PrefixWarmup`` whose ``warm`` records each prompt (and waits for ``gate`` when it is set); the scene gives it
+    its prompts, as the reply factory does (``warmup.Prompts``)."""
 
     def __init__(self, warms: bool = True, **settings) -> None:
+        self.warms = warms
         self.settings = Settings(**settings)
         self.warmed: list[list[dict]] = []
         self.finished: list[list[dict]] = []
@@ -30,16 +32,16 @@ class Scene:
         self.scored: list[bool] = []
         self.alone: list[dict] | None = None  # what alone_prompt says (None: the words are not weighed)
         self.related_score, self.alone_score = -1.0, -2.5
-        self.warmup = PrefixWarmup(
-            lambda: self._warm if warms else None,
-            settings=lambda: self.settings,
-            upcoming_prefix=lambda: HISTORY,
-            prompt=self._prompt,
-            llm_needed=lambda: self.llm_needed,
-            alone_prompt=lambda text, related: (
-                None if self.alone is None else [*self.alone, {"role": "user", "content": text}]
-            ),
-        )
+        self.warmup = PrefixWarmup(self, lambda: self.llm_needed)
+
+    def warm_prefix(self):
+        return self._warm if self.warms else None
+
+    def upcoming_prefix(self) -> list[dict]:
+        return HISTORY
+
+    def alone_prompt(self, text: str, related: list[dict]) -> list[dict] | None:
+        return None if self.alone is None else [*self.alone, {"role": "user", "content": text}]
 
     async def _warm(self, messages, *, score_words: bool = False) -> float | None:
         self.warmed.append(messages)
@@ -54,7 +56,7 @@ class Scene:
         # the words' mean log-probability a token: ``related_score`` after the conversation, else ``alone_score``
         return self.alone_score if messages[0] == (self.alone or [None])[0] else self.related_score
 
-    def _prompt(self, text: str) -> Fitted:
+    def prompt(self, text: str) -> Fitted:
         return Fitted([*HISTORY, {"role": "user", "content": text}], truncated_chars=self.truncated_chars)
 
     async def settle(self) -> None:
