@@ -270,9 +270,33 @@ def test_int8_linear_keeps_a_non_finite_input_non_finite():
     assert fk.int8_linear(torch.full((1, 32), 1e-41), q[:, :32].contiguous(), torch.ones(4)).abs().max() < 1e-30
 
 
+# How far the kernel's perplexity of STORY may move from int8pack's: the spread of the measurement, not a
+# number one CPU met (see the test's docstring for the figures).
+INT8_DOT_PERPLEXITY_BOUND = 0.03
+COARSE_LEVELS = 7  # the negative control: activations on +-7 levels per block of 32 (int4), a step 18x the kernel's
+
+
 @int8_dot
 def test_int8_dot_kernel_keeps_perplexity_and_greedy_answers(prompts, monkeypatch):
-    """The kernel quantizes activations: against the same engine on int8pack, perplexity and greedy answers."""
+    """The kernel quantizes activations: against the same engine on int8pack, perplexity and greedy answers.
+
+    Why 3%: per block of 32 the kernel rounds each activation to amax / 127 steps, an error of at most
+    0.4% of the block's largest value (RMS ~0.23%), once per linear. What that costs the perplexity of
+    STORY (94 tokens) depends less on the method than on which way each value happens to round, and that
+    changes with the CPU's bf16 arithmetic upstream (and int8pack's own path for the reference). Measured
+    on an AVX2 EPYC: 0.995; a 2-core Xeon with AVX-512 VNNI: 1.012 (it failed the former bound of 1%).
+    The same run with every activation nudged by half a bf16 ulp (24 seeds, standing for other CPUs'
+    arithmetic): mean 1.004, sd 0.008, max 1.021 (1.023 against int8pack nudged alike). So the method
+    costs ~0.5% and one 94-token measurement scatters ~1% around that: 3% is about three standard
+    deviations above the mean. (A 512-token text narrows the scatter to ~0.4% at five times the
+    perplexity time.)
+
+    The negative control is the same measurement through the same kernel with the activations first
+    rounded to +-7 levels per block (an int4 step, 18x the kernel's; an error as gross as a wrong block
+    scale): 2.08 here, 1.64-2.62 over the nudged seeds, so the bound catches it on any CPU. Rounding
+    only 4x coarser (+-31 levels) measures 1.05 +- 0.03: this text cannot tell that from the kernel's
+    own error, and the bound does not claim to.
+    """
     from engine_prompts import STORY
 
     dot = LLMEngine(EngineConfig(dtype="bfloat16", quantization="int8", device="cpu"))
@@ -295,8 +319,18 @@ def test_int8_dot_kernel_keeps_perplexity_and_greedy_answers(prompts, monkeypatc
         for layer in dot.model.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 every_row.setattr(getattr(layer, name), "max_rows", 1 << 20)
-        assert abs(dot.perplexity(ids) / reference - 1) < 0.01
-    assert len(calls) >= 4 * len(dot.model.layers)
+        ratio = dot.perplexity(ids) / reference
+        assert abs(ratio - 1) < INT8_DOT_PERPLEXITY_BOUND, ratio
+        assert len(calls) >= 4 * len(dot.model.layers)
+
+        def coarsely(self, x):  # the same kernel, its input already rounded to COARSE_LEVELS per block of 32
+            blocks = x.float().view(x.shape[0], -1, 32)
+            step = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30) / COARSE_LEVELS
+            return product(self, (torch.round(blocks / step) * step).view(x.shape).to(x.dtype))
+
+        every_row.setattr(type(dot.model.layers[0].qkv.dot), "product", coarsely)
+        coarse = dot.perplexity(ids) / reference
+        assert coarse > 1 + INT8_DOT_PERPLEXITY_BOUND, f"the bound would miss a far coarser rounding: {coarse}"
     params = SamplingParams(max_tokens=8)
     sel = prompts[:10]
     calls.clear()
