@@ -326,7 +326,7 @@ class Settings(BaseSettings):
             settings.llm_policy = policy_for(settings.llm_policy, settings.llm_model, settings.llm_backend)
         except ValueError as exc:
             raise ValueError(f"llm_policy: {exc}") from None
-        row = {name: value for name, value in CONVERSATION_POLICIES[settings.llm_policy].items()}
+        row = CONVERSATION_POLICIES[settings.llm_policy]
         defaults = {name: value for name, value in row.items() if name not in settings.model_fields_set}
         if not defaults:
             return settings

@@ -291,15 +291,6 @@ def open_reply(llm: ChatLLM, request: ReplyRequest) -> AsyncIterator[str | ToolC
     return llm.stream(request.within(llm.features))
 
 
-async def reply_text(llm: ChatLLM, request: ReplyRequest) -> str:
-    """The whole text of a reply (calls are not expected: a request without tools)."""
-    stream = open_reply(llm, request)
-    try:
-        return "".join([piece async for piece in stream if isinstance(piece, str)])
-    finally:
-        await stream.aclose()
-
-
 @runtime_checkable
 class LocalScheduling(Protocol):
     """An LLM that runs on this machine's cores, beside speech recognition and synthesis: the voice app
