@@ -39,8 +39,9 @@ from app.stages.base import (
     scheduling_of,
 )
 from app.voice.clock import Clock, RunBlocking
+from app.voice.pieces import PieceCutter
 from app.voice.playback import ReplyPlayback
-from app.voice.text import FIRST_PHRASE_MAX_WORDS, SentenceSplitter, loop_end, speakable, words
+from app.voice.text import FIRST_PHRASE_MAX_WORDS, speakable
 from app.voice.tools import ToolRunner, calls_message, next_round
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,6 @@ FIRST_PIECE_PAUSE_MAX_S = 2.0
 # leaves this much audio for its next piece to be written and synthesized in, with four users on 2 cores
 # (figures: app/bench/results/turn_flow.md).
 YIELD_AHEAD_S = 3.0
-# A piece of at least this many words said again word for word ends the reply: the bundled
-# SmolLM2-135M loops ("I'm not today. I'm not today.", or a 120-token run-on that repeats one
-# clause), which is 30 s of the same words for the listener. (Loops inside one piece:
-# ``app.voice.text.loop_end``.)
-REPEAT_MIN_WORDS = 3
-
 SendJson = Callable[[protocol.ServerMessage], Awaitable[None]]
 SendBytes = Callable[[bytes], Awaitable[None]]
 
@@ -383,13 +378,12 @@ class Reply:
     ) -> tuple[list[ToolCall], bool, bool]:
         """One LLM request: its text spoken piece by piece, its calls returned; and whether a guard cut it
         (repeated: a piece said again; looping: a few words said again and again)."""
-        splitter = SentenceSplitter(
-            first_clause_chars=self.options.first_clause_chars, first_piece_words=self.options.first_piece_words
+        cutter = PieceCutter(
+            said, first_clause_chars=self.options.first_clause_chars, first_piece_words=self.options.first_piece_words
         )
         stream = open_reply(self._llm, self._request(messages, spec, alone))
         round_start = len(self.text_parts)
         calls: list[ToolCall] = []
-        repeated = looping = False
         try:
             async for event in stream:
                 if self.metrics.llm_ttft_ms is None:
@@ -402,33 +396,21 @@ class Reply:
                     delta = " " + delta.lstrip()  # the answer after what was said before the calls
                 self.text_parts.append(delta)
                 await self._emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
-                written = "".join(self.text_parts[round_start:])
-                loop_at = loop_end(written)
-                if looping := loop_at is not None:  # say the loop's first time, not the rest
-                    before = len(written) - len(delta)
-                    splitter.forget_last(max(0, before - loop_at))
-                    delta = delta[: max(0, loop_at - before)]
-                for piece in splitter.push(delta):
-                    if self.metrics.llm_first_piece_ms is None:
-                        self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
-                    if repeated := _repeats(piece, said):
-                        break
-                    said.append(piece)
-                    pieces.put_nowait(_Piece(piece, answer=answer))
-                if repeated or looping:
+                self._queue(cutter, cutter.push(delta), pieces, answer)
+                if cutter.stopped:
                     log.info("turn %s: the LLM repeated itself; the reply ends before the repeat", self.turn_id)
                     break
         finally:
             await stream.aclose()  # aborts the LLM request if we stopped early
-        rest = None if repeated else splitter.flush()
-        if rest and _repeats(rest, said):  # the last piece, said again at the very end
-            rest, repeated = None, True
-        if rest:
-            if self.metrics.llm_first_piece_ms is None:  # the whole reply was one short piece
-                self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
-            said.append(rest)
-            pieces.put_nowait(_Piece(rest, answer=answer))
-        return calls, repeated, looping
+        self._queue(cutter, cutter.flush(), pieces, answer)
+        return calls, cutter.repeated, cutter.looping
+
+    def _queue(self, cutter: PieceCutter, cut: list[str], pieces: asyncio.Queue, answer: bool) -> None:
+        """The pieces cut, to be spoken; the first one (or a guard) is when the LLM's first piece came."""
+        if (cut or cutter.repeated) and self.metrics.llm_first_piece_ms is None:
+            self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
+        for piece in cut:
+            pieces.put_nowait(_Piece(piece, answer=answer))
 
     async def _call(
         self, messages: list[Message], calls: list[ToolCall], pieces: asyncio.Queue, said: list[str]
@@ -518,12 +500,6 @@ class Reply:
         yield_ahead_s = self.options.yield_ahead_s
         if self._scheduling is not None and yield_ahead_s and ahead_s > yield_ahead_s:
             self._scheduling.yield_to_others(self.request_id, ahead_s - yield_ahead_s)
-
-
-def _repeats(piece: str, said: list[str]) -> bool:
-    """``piece`` says again, word for word, one of the pieces ``said`` before it (and is long enough to count)."""
-    spoken = words(piece)
-    return len(spoken) >= REPEAT_MIN_WORDS and any(words(earlier) == spoken for earlier in said)
 
 
 async def cancel_task(task: asyncio.Task) -> None:
