@@ -88,7 +88,8 @@ class Window:
 
 
 class PromptMarks:
-    """Where a chat template's prompts are read: its end-of-turn token, the user's words, the verdict's prompt."""
+    """Where a chat template's prompts are read: its end-of-turn token, the user's words, the verdict's prompt, and the
+    positions a request scores for the verdict and the weighing (``window``), read back from its first output."""
 
     def __init__(self, engine, render) -> None:
         self._engine, self._render = engine, render
@@ -165,6 +166,23 @@ class PromptMarks:
         decode = self._engine.tokenizer.decode
         ends = [lp for t, lp in top if t != token and _ends_a_sentence(decode([t]))]
         return min(1.0, math.exp(end_logprob) + sum(math.exp(lp) for lp in ends))
+
+    def window(self, span: tuple[int, int] | None, position: int | None) -> Window | None:
+        """The positions a prompt scores: its words' ``span`` (weighing) and the verdict's ``position``."""
+        named = (self.turn_end[0],) if position is not None else ()
+        ranges = ([(span[0], span[0] + span[1])] if span else []) + ([(position, position + 1)] if named else [])
+        if not ranges:
+            return None
+        return Window(min(r[0] for r in ranges), max(r[1] for r in ranges), top=bool(named), named=named)
+
+    def verdict(self, first, window: Window, position: int) -> float | None:
+        """P(end of turn) read at ``position`` from the reply's first output (its prompt's scores)."""
+        scored = first.prompt_top_logprobs
+        offset = position - window.start
+        if first.error or not scored or len(scored) <= offset:
+            return None
+        there = scored[offset]
+        return self.probability(there.named[0][1], there.top)
 
 
 class EngineChatLLM:
@@ -312,10 +330,10 @@ class EngineChatLLM:
                 if alone.on_weighed is not None:
                     alone.on_weighed(None)
                 alone, spans = None, None
-        windows = [self._window(spans[0] if spans else None, position)]
+        windows = [self.marks.window(spans[0] if spans else None, position)]
         prompts = [rendered]
         if alone is not None:
-            windows.append(self._window(spans[1], None))
+            windows.append(self.marks.window(spans[1], None))
             prompts.append(self.render(alone.messages, request.tools))
         ids = [request.request_id, f"{request.request_id}-alone"][: len(prompts)]
         requests = [
@@ -339,7 +357,7 @@ class EngineChatLLM:
                             continue
                         firsts = [outs[0] for outs in early]
                         if verdict is not None:
-                            verdict.set(self._verdict(firsts[0], windows[0], position))
+                            verdict.set(self.marks.verdict(firsts[0], windows[0], position))
                         chosen = 0 if alone is None else self._choose(firsts, windows, spans, alone)
                         if len(prompts) > 1:
                             self.engine.abort(ids[1 - chosen])  # frees its KV blocks before the next step
@@ -353,23 +371,6 @@ class EngineChatLLM:
             if verdict is not None:
                 verdict.set(None)  # (no-op once set) the reply failed or was stopped before its first token
             self._engine_ids.pop(request.request_id, None)
-
-    def _window(self, span: tuple[int, int] | None, position: int | None) -> Window | None:
-        """The positions a prompt scores: its words' ``span`` (weighing) and the verdict's ``position``."""
-        named = (self.marks.turn_end[0],) if position is not None else ()
-        ranges = ([(span[0], span[0] + span[1])] if span else []) + ([(position, position + 1)] if named else [])
-        if not ranges:
-            return None
-        return Window(min(r[0] for r in ranges), max(r[1] for r in ranges), top=bool(named), named=named)
-
-    def _verdict(self, first, window: Window, position: int) -> float | None:
-        """P(end of turn) read at ``position`` from the reply's first output (its prompt's scores)."""
-        scored = first.prompt_top_logprobs
-        offset = position - window.start
-        if first.error or not scored or len(scored) <= offset:
-            return None
-        there = scored[offset]
-        return self.marks.probability(there.named[0][1], there.top)
 
     @staticmethod
     def _choose(firsts: list, windows: list[Window], spans, alone: StandAlone) -> int:
