@@ -1,4 +1,4 @@
-"""One LLM request's text cut into the pieces a reply speaks, with the guards that end a reply saying itself again.
+"""One LLM request's text cut into the pieces a reply speaks (``Piece``), with the guards that end a reply saying itself again.
 
 Two guards, both for small models (the bundled SmolLM2-135M loops: "I'm not today. I'm not today.", or a
 120-token run-on repeating one clause, 30 s of the same words for the listener):
@@ -11,9 +11,21 @@ Either ends the reply; the ``Reply`` counts which one did (``TurnMetrics.guard_*
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from app.voice.text import SentenceSplitter, loop_end, words
 
 REPEAT_MIN_WORDS = 3
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text to speak. ``filler``: said while a tool runs, never written (not the reply's text, nor what was heard).
+    ``answer``: written after the tools' results (its first audio is the answer's, ``TurnMetrics.answer_ms``)."""
+
+    text: str
+    filler: bool = False
+    answer: bool = False
 
 
 def repeats(piece: str, said: list[str]) -> bool:

@@ -22,10 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from app import protocol
-from app.audio import first_audible, float_to_pcm16, trim_leading_quiet
 from app.stages.base import (
     GenerationSettings,
     Message,
@@ -39,25 +36,14 @@ from app.stages.base import (
     scheduling_of,
 )
 from app.voice.clock import Clock, RunBlocking
-from app.voice.pieces import PieceCutter
+from app.voice.pieces import Piece, PieceCutter
 from app.voice.playback import ReplyPlayback
+from app.voice.reply_audio import ReplyAudio
 from app.voice.text import FIRST_PHRASE_MAX_WORDS, speakable
 from app.voice.tools import ToolRunner, calls_message, next_round
 
 log = logging.getLogger(__name__)
 
-AUDIO_CHUNK_MS = 100  # reply audio is sent in pieces this long so an interrupt drops little
-# A reply's audio starts this long before its first audible sample. Piper's bundled voice
-# begins each piece with ~50 ms of near-silence; sent whole, it was waited for before the first
-# word. Later pieces keep theirs: it is part of the gap between pieces, and of the audio buffered
-# ahead of the next piece (with four users on 2 cores, cutting it from every piece went with
-# more underruns).
-LEAD_KEEP_MS = 20
-# With first_piece_priority the LLM waits (at most this long) while the first piece is
-# synthesized: nothing can be heard before that audio, and the text is already ahead of it.
-# The session asks for it while the server has one session open (``Settings.solo_speedups``): with
-# several users the paused request would also wait for the shared Piper lock (app/bench/results/turn_flow.md).
-FIRST_PIECE_PAUSE_MAX_S = 2.0
 # A reply's text runs far ahead of its speech (120 tokens written in a few seconds are 20 s of
 # audio), and with several users each of its decode steps slows a reply whose listener hears
 # nothing yet (a bigger batch, and cores shared with ASR and Piper). So once a reply has more than
@@ -68,16 +54,6 @@ FIRST_PIECE_PAUSE_MAX_S = 2.0
 YIELD_AHEAD_S = 3.0
 SendJson = Callable[[protocol.ServerMessage], Awaitable[None]]
 SendBytes = Callable[[bytes], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Text to speak. ``filler``: said while a tool runs, never written (not the reply's text, nor what was heard).
-    ``answer``: written after the tools' results (its first audio is the answer's, ``TurnMetrics.answer_ms``)."""
-
-    text: str
-    filler: bool = False
-    answer: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,7 +227,7 @@ class Reply:
             self._wiring.listener.reply_complete(self)  # recorded before the client hears it is done
         held, self._held = self._held, []
         for item in held:
-            await self._emit(item)
+            await self.emit(item)
 
     async def cancel(self) -> None:
         if self._task is not None:
@@ -287,7 +263,7 @@ class Reply:
                 "turn %s: the words stand alone (%.2f nats); answered without the conversation", self.turn_id, gain
             )
 
-    async def _emit(self, item: protocol.ServerMessage | bytes) -> None:
+    async def emit(self, item: protocol.ServerMessage | bytes) -> None:
         """Send now if released, else hold it back (speculation). How a call settled is always sent: its call was
         (calls run only while the reply is released), and the client waits for it."""
         if not self.released and not isinstance(item, protocol.ToolDone):
@@ -306,8 +282,11 @@ class Reply:
 
     async def _produce(self, messages: list[Message], alone: list[Message] | None = None) -> None:
         """LLM tokens -> clauses/sentences -> TTS -> audio, all overlapped; with tools, round after round."""
-        pieces: asyncio.Queue[_Piece | None] = asyncio.Queue()
-        speaker = asyncio.create_task(self._speak(pieces), name=f"tts-{self.turn_id}")
+        pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
+        speaker = asyncio.create_task(
+            ReplyAudio(self, self._tts, self._scheduling, self._clock, self._run).speak(pieces),
+            name=f"tts-{self.turn_id}",
+        )
         self._produce_started = self._clock.now()
         said: list[str] = []
         spec = self._tools.spec if self._tools is not None else None
@@ -338,13 +317,13 @@ class Reply:
                 self._wiring.listener.reply_complete(
                     self
                 )  # recorded before the client hears it is done (and may answer its calls)
-            await self._emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
+            await self.emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one failed turn must not end the conversation
             log.exception("turn %s failed", self.turn_id)
             self._wiring.listener.reply_failed(self)
-            await self._emit(protocol.Error(code="turn_failed", message=f"could not answer: {exc}"))
+            await self.emit(protocol.Error(code="turn_failed", message=f"could not answer: {exc}"))
         finally:
             self._turn_end_unread()
             await cancel_task(speaker)
@@ -395,7 +374,7 @@ class Reply:
                 if len(self.text_parts) == round_start and self.text_parts and not self.text_parts[-1][-1:].isspace():
                     delta = " " + delta.lstrip()  # the answer after what was said before the calls
                 self.text_parts.append(delta)
-                await self._emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
+                await self.emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
                 self._queue(cutter, cutter.push(delta), pieces, answer)
                 if cutter.stopped:
                     log.info("turn %s: the LLM repeated itself; the reply ends before the repeat", self.turn_id)
@@ -410,7 +389,7 @@ class Reply:
         if (cut or cutter.repeated) and self.metrics.llm_first_piece_ms is None:
             self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
         for piece in cut:
-            pieces.put_nowait(_Piece(piece, answer=answer))
+            pieces.put_nowait(Piece(piece, answer=answer))
 
     async def _call(
         self, messages: list[Message], calls: list[ToolCall], pieces: asyncio.Queue, said: list[str]
@@ -425,8 +404,8 @@ class Reply:
         self.spoken_before_answer = " ".join(said)
         self.metrics.tool_calls = (self.metrics.tool_calls or 0) + len(calls)
         if self._tools.filler and runner.waits_for(calls) and not speakable(round_text):
-            pieces.put_nowait(_Piece(self._tools.filler, filler=True))
-        result = await runner.run(self.turn_id, calls, self._emit)
+            pieces.put_nowait(Piece(self._tools.filler, filler=True))
+        result = await runner.run(self.turn_id, calls, self.emit)
         self.metrics.tool_ms = (self.metrics.tool_ms or 0.0) + result.tool_s * 1000
         self.tool_messages += [called, *(result.messages or ())]
         if result.messages is None:
@@ -440,66 +419,10 @@ class Reply:
         if looping:
             self.metrics.guard_loop = (self.metrics.guard_loop or 0) + 1
 
-    async def _speak(self, pieces: asyncio.Queue[_Piece | None]) -> None:
-        sample_rate = self._tts.sample_rate
-        while (piece := await pieces.get()) is not None:
-            text = speakable(piece.text)
-            if not text or not self.speaks:
-                continue
-            tts_started = self._clock.now()
-            first = self.metrics.tts_first_audio_ms is None
-            urgent = first and self.options.first_piece_priority
-            paused = self._scheduling if urgent else None  # the LLM waits while this piece is synthesized
-            request_id = self.request_id  # (the next round of a reply with tools is another request)
-            if paused is not None:
-                paused.pause(request_id, FIRST_PIECE_PAUSE_MAX_S)
-            deadline = self._runs_dry_at(tts_started)
-            # audio as it is made: a piece decoded head first (``PiperSynthesizer``) is heard before its rest exists
-            chunks = iter(self._tts.synthesize(text, self.options.voice, urgent=urgent, deadline=deadline))
-            quiet = np.zeros(0, np.float32)  # a first piece's chunks with nothing audible yet: trimmed with the next
-            try:
-                while (samples := await self._run(lambda c=chunks: next(c, None))) is not None:
-                    if first and self.metrics.tts_first_audio_ms is None:
-                        samples = np.concatenate([quiet, samples])
-                        if first_audible(samples) is None:
-                            quiet = samples
-                            continue
-                        samples = trim_leading_quiet(samples, sample_rate, LEAD_KEEP_MS)
-                        await self._first_audio(tts_started, sample_rate)
-                    if piece.answer and self.metrics.answer_ms is None:
-                        self.metrics.answer_ms = (self._clock.now() - self.speech_end) * 1000
-                    await self._send_audio(samples)
-            finally:
-                if paused is not None:
-                    paused.resume(request_id)
-            if first and self.metrics.tts_first_audio_ms is None:
-                await self._first_audio(tts_started, sample_rate)  # (a piece with nothing audible: sent whole)
-                await self._send_audio(quiet)
-            self.playback.add_piece("" if piece.filler else piece.text)
-            self._yield_if_ahead()
-
-    async def _send_audio(self, samples: np.ndarray) -> None:
-        """In ``AUDIO_CHUNK_MS`` pieces, so an interrupt drops little."""
-        chunk = self._tts.sample_rate * AUDIO_CHUNK_MS // 1000
-        for offset in range(0, len(samples), chunk):
-            await self._emit(float_to_pcm16(samples[offset : offset + chunk]))
-
-    async def _first_audio(self, tts_started: float, sample_rate: int) -> None:
-        self.metrics.tts_first_audio_ms = (self._clock.now() - tts_started) * 1000
-        await self._emit(protocol.AudioStart(turn_id=self.turn_id, sample_rate=sample_rate))
-
-    def _runs_dry_at(self, now: float) -> float:
+    def runs_dry_at(self, now: float) -> float:
         """When the listener runs out of audio: what was sent has played, and what is held back after it."""
         held_s = sum(len(item) // 2 for item in self._held if isinstance(item, bytes)) / self._tts.sample_rate
         return self.playback.runs_dry_at(now) + held_s
-
-    def _yield_if_ahead(self) -> None:
-        """Let other replies' LLM steps go first while this one's listener has audio enough (``yield_ahead_s``)."""
-        now = self._clock.now()
-        ahead_s = self._runs_dry_at(now) - now
-        yield_ahead_s = self.options.yield_ahead_s
-        if self._scheduling is not None and yield_ahead_s and ahead_s > yield_ahead_s:
-            self._scheduling.yield_to_others(self.request_id, ahead_s - yield_ahead_s)
 
 
 async def cancel_task(task: asyncio.Task) -> None:

@@ -16,26 +16,18 @@ from app.voice.turn_state import TurnState
 
 
 class Scene:
-    """A ``BargeIn`` over ``reply`` (the session's ``TurnState``); the scene is the utterance tracker: the user's words
+    """A ``BargeIn`` over ``state.reply`` (the session's ``TurnState``); the scene is the utterance tracker: the user's words
     so far are ``words`` (or wait for ``gate`` when it is set)."""
 
     def __init__(self, words: str = "Wait, stop.") -> None:
         self.state = TurnState(Settings())
         self.state.tracker = self
-        self.reply = StandInReply()
+        self.state.reply = StandInReply()
         self.words = words
         self.gate: asyncio.Event | None = None
         self.heard = 0  # transcriptions asked for
         self.stops = 0
         self.barge_in = BargeIn(self.state, self._stop)
-
-    @property
-    def reply(self) -> StandInReply | None:
-        return self.state.reply
-
-    @reply.setter
-    def reply(self, reply: StandInReply | None) -> None:
-        self.state.reply = reply
 
     async def transcribe_speech_so_far(self) -> str:
         self.heard += 1
@@ -73,10 +65,10 @@ async def test_without_confirmation_the_reply_stops_unheard():
 
 async def test_nothing_happens_without_a_reply_playing():
     scene = Scene()
-    scene.reply = None
+    scene.state.reply = None
     await scene.speaking(400, confirm=False)
-    scene.reply = StandInReply()
-    scene.reply.playing = False  # played out
+    scene.state.reply = StandInReply()
+    scene.state.reply.playing = False  # played out
     await scene.speaking(800)
     assert (scene.heard, scene.stops) == (0, 0)
 
@@ -106,7 +98,7 @@ async def test_a_reply_replaced_while_the_words_were_heard_is_not_stopped():
     scene = Scene()
     scene.gate = asyncio.Event()
     await scene.speaking(400)
-    scene.reply = StandInReply(turn_id=2)  # the turn moved on meanwhile
+    scene.state.reply = StandInReply(turn_id=2)  # the turn moved on meanwhile
     scene.gate.set()
     await scene.speaking(0)
     assert (scene.heard, scene.stops) == (1, 0)

@@ -38,14 +38,6 @@ class Scene:
             start_turn=self._start_turn,
         )
 
-    @property
-    def reply(self) -> StandInReply | None:
-        return self.state.reply
-
-    @reply.setter
-    def reply(self, reply: StandInReply | None) -> None:
-        self.state.reply = reply
-
     def continue_turn(self, turn_id: int, text: str) -> None:
         self.continued.append((turn_id, text))
 
@@ -58,10 +50,10 @@ class Scene:
     async def spoken_turn_answered(self, *, heard_s: float = 0.0) -> StandInReply:
         """Turn 1 was committed from speech now, and its reply plays (recorded in the history)."""
         await self.turns.committed(1)
-        self.reply = StandInReply(1, FIRST, commit=self.clock.now(), heard_s=heard_s)
+        self.state.reply = StandInReply(1, FIRST, commit=self.clock.now(), heard_s=heard_s)
         self.history.remember({"role": "user", "content": FIRST})
         self.history.remember(ANSWER)
-        return self.reply
+        return self.state.reply
 
     def withdrawn(self) -> list[int]:
         return [m.turn_id for m in self.sent if isinstance(m, protocol.TurnContinued)]
@@ -85,9 +77,9 @@ async def test_speech_too_late_or_after_too_much_was_heard_or_after_a_typed_turn
     heard_reply = await heard.spoken_turn_answered(heard_s=0.6)  # past the 500 ms heard
     await heard.turns.speech_started(onset=heard.clock.now() + 0.3)
     typed = Scene()
-    typed.reply = StandInReply(1, FIRST, commit=typed.clock.now())  # no spoken turn was committed
+    typed.state.reply = StandInReply(1, FIRST, commit=typed.clock.now())  # no spoken turn was committed
     await typed.turns.speech_started(onset=typed.clock.now() + 0.3)
-    for each, its_reply in ((scene, reply), (heard, heard_reply), (typed, typed.reply)):
+    for each, its_reply in ((scene, reply), (heard, heard_reply), (typed, typed.state.reply)):
         assert not each.turns.holding and its_reply.log == [] and each.continued == []
         assert each.turns.new_words(WHOLE) == WHOLE
 
@@ -97,7 +89,7 @@ async def test_the_turn_committed_again_withdraws_the_held_reply():
     reply = await scene.spoken_turn_answered()
     await scene.turns.speech_started(onset=scene.clock.now() + 0.3)
     await scene.turns.committed(1)
-    assert reply.log == ["hold", "cancel"] and scene.reply is None
+    assert reply.log == ["hold", "cancel"] and scene.state.reply is None
     assert scene.withdrawn() == [1] and not scene.turns.holding
     await scene.turns.end()  # nothing is left to end
     assert scene.started == [] and reply.log == ["hold", "cancel"]
@@ -118,7 +110,7 @@ async def test_words_over_the_held_reply_withdraw_it_and_a_cough_after_that_answ
     reply = await scene.spoken_turn_answered()
     await scene.turns.speech_started(onset=scene.clock.now() + 0.3)
     assert await scene.turns.withdraw_if_held()
-    assert reply.log == ["hold", "cancel"] and scene.reply is None and scene.withdrawn() == [1]
+    assert reply.log == ["hold", "cancel"] and scene.state.reply is None and scene.withdrawn() == [1]
     assert not await scene.turns.withdraw_if_held()  # already withdrawn: the session interrupts nothing held
     await scene.turns.end()  # the words turned out to be nothing: the stopped reply is made again
     assert scene.started == [(1, FIRST)] and scene.withdrawn() == [1]
@@ -129,7 +121,7 @@ async def test_only_the_held_reply_is_withdrawn():
     assert not await scene.turns.withdraw_if_held()  # nothing held
     await scene.spoken_turn_answered()
     await scene.turns.speech_started(onset=scene.clock.now() + 0.3)
-    scene.reply = StandInReply(2, "Something else.")  # (the session's reply is another one)
+    scene.state.reply = StandInReply(2, "Something else.")  # (the session's reply is another one)
     assert not await scene.turns.withdraw_if_held()
     assert scene.withdrawn() == [] and scene.turns.holding
 

@@ -11,7 +11,8 @@ import asyncio
 import pytest
 
 from app import protocol
-from app.voice.reply import LEAD_KEEP_MS, YIELD_AHEAD_S
+from app.voice.reply import YIELD_AHEAD_S
+from app.voice.reply_audio import LEAD_KEEP_MS
 
 QUESTION = "What is the capital of France?"
 ENDPOINT_MS, UNFINISHED_MS, PAUSE_MS = 400, 1200, 96
