@@ -22,10 +22,11 @@ import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from app import protocol
+from app.skills.base import ServerTool
 from app.stages.base import Message, ToolCall, ToolSpec
 from app.voice.clock import Clock, RunBlocking
 from app.voice.context import TRUNCATION_MARK, cut_at_word
@@ -41,17 +42,6 @@ Emit = Callable[[protocol.ServerMessage], Awaitable[None]]
 
 
 # ---------------------------------------------------------------- the server's own tools
-@dataclass(frozen=True)
-class ServerTool:
-    """A tool an operator registers: ``run(arguments)`` (a dict) returns its result (text, or anything JSON can
-    write); it may be a coroutine function, else it runs on a worker thread."""
-
-    name: str
-    run: Callable[[dict[str, Any]], Any]
-    description: str = ""
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
-
-
 @functools.cache
 def load_server_tools(entry_point: str | None) -> tuple[ServerTool, ...]:
     """The tools of ``entry_point`` ("module:function"): the function returns ``ServerTool`` values or dicts with

@@ -8,7 +8,9 @@ engine.structured_output   the low floor beside the sampler (formats, grammars):
                   engine.openai_api (the request schema, the tool parser, the chat plan)
 app.protocol, app.audio, app.config, app.policy   the base: import no other app package
 app.stages        the base, and engine (the in-process LLM backend)
-app.voice         the base, and of the stages only their interfaces (app.stages.base)
+app.skills        the base and the skills (the assistant's abilities, tools a session may call)
+app.voice         the base, and of the stages and skills only their interfaces (app.stages.base,
+                  app.skills.base): the server hands a session its models and its skills
 app.server        anything but clients and benchmarks
 app.clients       the base only
 benchmarks        (app.bench, engine.benchmarks) are imported by no product module; the one
@@ -109,8 +111,10 @@ def allowed(importer: str, imported: str, module_level: bool) -> bool:
         return within(imported, *BASE) or imported == "app"
     if within(importer, "app.stages"):
         return within(imported, *BASE, "app.stages", "engine")
+    if within(importer, "app.skills"):
+        return within(imported, *BASE, "app.skills")
     if within(importer, "app.voice"):
-        return within(imported, *BASE, "app.voice", "app.stages.base")
+        return within(imported, *BASE, "app.voice", "app.stages.base", "app.skills.base")
     if within(importer, "app.clients"):
         return within(imported, *BASE, "app.clients")
     if within(importer, "app.server"):
@@ -193,6 +197,8 @@ def test_lazy_relative_and_from_package_imports_count():
         ("engine.llm_engine", "app.config", False),
         ("app.voice.session", "app.stages.asr", False),
         ("app.voice.session", "app.stages.base", True),
+        ("app.voice.session", "app.skills.timers", False),
+        ("app.skills.timers", "app.voice.tools", False),
         ("app.server.app", "app.bench.voice", False),
         ("app.cli", "app.bench.voice", True),
         ("engine.structured_output.grammar", "engine.openai_api.protocol", False),

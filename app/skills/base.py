@@ -1,0 +1,65 @@
+"""What a skill is: a maker of tools for one conversation, and what those tools act for.
+
+Why per conversation: a timer belongs to the session that set it (it rings there), and a tool's ``run`` takes
+only its arguments, so the owner is bound when the session's tools are made (``Skill.tools(owner)``).
+
+Why arguments as the user says them ("ten minutes", "tomorrow at nine"): a small model copies words well and
+computes badly (asked to convert "10 minutes" to seconds it wrote 60), so the server parses durations, times
+and quantities with a well-kept library, and the tool's result says what it understood ("a timer for 10
+minutes, ends at 14:32"), which the model reads back to the user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ServerTool:
+    """A tool an operator registers: ``run(arguments)`` (a dict) returns its result (text, or anything JSON can
+    write); it may be a coroutine function, else it runs on a worker thread."""
+
+    name: str
+    run: Callable[[dict[str, Any]], Any]
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class WallClock(Protocol):
+    """Local wall time, injected (tests pass a fake): timers and reminders compare against it."""
+
+    def now(self) -> datetime:
+        """The local time, timezone-aware."""
+        ...
+
+
+class SystemWallClock:
+    def now(self) -> datetime:
+        return datetime.now().astimezone()
+
+
+Announce = Callable[[str, str], None]
+"""``announce(kind, text)``: say ``text`` to the user of a conversation, unprompted (a timer ended, a reminder is
+due); ``kind`` is the skill's name ("timer", "reminder"). Called on the event loop; it does not block."""
+
+
+@dataclass(frozen=True)
+class SkillOwner:
+    """The conversation a skill's tools act for: its id, and how to speak to its user unprompted."""
+
+    conversation_id: str
+    announce: Announce
+
+
+class Skill(Protocol):
+    """One ability. ``name``: the setting that turns it off. ``tools(owner)``: the tools one conversation may call.
+    ``close(owner)``: the conversation ended (its timers go; reminders stay: they are on disk)."""
+
+    name: str
+
+    def tools(self, owner: SkillOwner) -> tuple[ServerTool, ...]: ...
+
+    def close(self, owner: SkillOwner) -> None: ...
