@@ -75,8 +75,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    from app.stages.registry import policy_line
+
     for key, value in settings.model_dump().items():
         print(f"{key} = {value!r}")
+    print(f"# {policy_line(settings)}")
     return 0
 
 

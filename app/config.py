@@ -46,8 +46,10 @@ class Settings(BaseSettings):
     # LLM
     llm_backend: Literal["engine", "transformers", "openai"] = "engine"
     llm_model: str = Field(
-        "bundled",
-        description="'bundled' (SmolLM2-135M-Instruct), a model dir, or a GGUF file (llama.cpp, Ollama, LM Studio)",
+        "auto",
+        description="'auto' (Qwen2.5-Coder-0.5B-Instruct when the set-up fetched it, else the bundled model), "
+        "'bundled' (SmolLM2-135M-Instruct: small and fast, no tools), 'qwen2.5-coder-0.5b', 'qwen2.5-coder-1.5b' "
+        "(fetched by `python -m engine.mirrors fetch NAME`), a model dir, or a GGUF file (llama.cpp, Ollama, LM Studio)",
     )
     llm_url: str | None = Field(None, description="OpenAI-compatible base URL (e.g. http://host:8001/v1)")
     llm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -87,8 +89,8 @@ class Settings(BaseSettings):
     # (app/policy.py) changes the defaults of some of these for its model; a setting given wins over the row.
     llm_policy: str = Field(
         "auto",
-        description="the row of app/policy.py the settings below default to: auto = the one for llm_model's "
-        f"name, or one of: {', '.join(CONVERSATION_POLICIES)}",
+        description="the row of app/policy.py the settings below default to: auto = the one for what llm_model "
+        f"is (its architecture, size and chat template), or one of: {', '.join(CONVERSATION_POLICIES)}",
     )
     # short and near SmolLM2's training prompt: longer "voice style" instructions made it answer in broken French
     system_prompt: str = Field(

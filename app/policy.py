@@ -2,19 +2,22 @@
 
 A 135M model is not a 7B one: fed the transcript of its own earlier answers, SmolLM2-135M copies
 them and answers earlier questions, and greedy decoding loops (app/bench/results/conversation_policy.md).
-So some settings (``app.config``) take their default from a row of ``POLICIES``, chosen by the LLM's
-name (``policy_for``); a setting the user gives wins over the row. A row holds only what was measured
+So some settings (``app.config``) take their default from a row of ``POLICIES``, chosen by what the LLM is
+(its architecture, size and chat template, read from its files: ``policy_for``); a setting the user gives wins
+over the row. A row holds only what was measured
 on its model (``parley bench quality``); the default row (no changes) is what every other model gets.
 """
 
 from __future__ import annotations
 
-from pathlib import PurePath
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
+
+from engine.model_traits import ModelTraits, traits_of
 
 HistoryReplies = Literal["all", "last", "none"]
 FollowUps = Literal["as_said", "in_full", "in_full_alone"]
-BUNDLED_LLM = "SmolLM2-135M-Instruct"  # what llm_model "bundled" is (``engine.weights.resolve_model``)
 
 
 # Each row names settings (``app.config.Settings``, by their own names) and the value the row gives them; a setting
@@ -38,22 +41,41 @@ POLICIES: dict[str, dict[str, object]] = {
     },
 }
 
-# a model whose name (lower case) contains the key gets that policy; the first match wins
-MODEL_POLICIES: tuple[tuple[str, str], ...] = (("smollm2-135m", "smollm2-135m"),)
+
+@dataclass(frozen=True)
+class PolicyRule:
+    """A model the row ``row`` was measured on, recognised by its own metadata (``engine.model_traits``): a renamed
+    file or an Ollama blob is the same model, and a model it was not measured on never gets it."""
+
+    row: str
+    matches: Callable[[ModelTraits], bool]
+    describes: str
 
 
-def model_name(llm_model: str, llm_backend: str) -> str:
-    """The LLM's name as the policy table reads it: the bundled model's, or a folder's or file's last part."""
-    if llm_model == "bundled":
-        return "" if llm_backend == "openai" else BUNDLED_LLM  # a remote server's own model is unknown here
-    return PurePath(llm_model.rstrip("/\\")).name
+# the first rule that matches wins; a model none matches (or one not on this machine: a remote server's) gets "default"
+MODEL_POLICIES: tuple[PolicyRule, ...] = (
+    PolicyRule(
+        "smollm2-135m",
+        lambda t: t.architecture == "llama" and t.parameters < 200_000_000 and not t.tool_template,
+        "a Llama-shaped model under 200M parameters with no tools in its template (SmolLM2-135M)",
+    ),
+)
+
+
+def model_traits(llm_model: str, llm_backend: str) -> ModelTraits | None:
+    """What the LLM is, read from its files; None for a remote server's model (not known here) or one not found."""
+    if llm_backend == "openai":
+        return None
+    return traits_of(llm_model)
 
 
 def policy_for(name: str, llm_model: str, llm_backend: str) -> str:
-    """The policy to use: ``name`` when it is not "auto", else the row whose key the model's name contains."""
+    """The policy to use: ``name`` when it is not "auto", else the row of the first rule the model's traits match."""
     if name != "auto":
         if name not in POLICIES:
             raise ValueError(f"no conversation policy {name!r}; policies: auto, {', '.join(POLICIES)}")
         return name
-    found = model_name(llm_model, llm_backend).lower()
-    return next((policy for key, policy in MODEL_POLICIES if key in found), "default")
+    traits = model_traits(llm_model, llm_backend)
+    if traits is None:
+        return "default"
+    return next((rule.row for rule in MODEL_POLICIES if rule.matches(traits)), "default")

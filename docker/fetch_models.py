@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+# the names Parley resolves without a hub (engine/weights.py): the bundled packages and the set-up's mirrored models
+PARLEY_NAMES = frozenset({"bundled", "bundled-multilingual", "auto", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"})
 WHISPER_FILES = ["config.json", "preprocessor_config.json", "model.bin", "tokenizer.json", "vocabulary.*"]
 LLM_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 XTTS_FILES = ["config.json", "model.pth", "vocab.json", "speakers_xtts.pth", "dvae.pth", "mel_stats.pth"]
@@ -27,8 +29,9 @@ def say(message: str) -> None:
 
 
 def is_hub_name(value: str) -> bool:
-    """Not 'bundled' and not an existing file or folder: a name to fetch."""
-    return bool(value) and value != "bundled" and not Path(value).exists()
+    """Not a name Parley knows itself ('bundled', 'auto', a mirrored model fetched by the set-up) and not an
+    existing file or folder: a name to fetch."""
+    return bool(value) and value not in PARLEY_NAMES and not Path(value).exists()
 
 
 def whisper_repo(name: str) -> str:
@@ -44,7 +47,7 @@ def planned(env: dict[str, str]) -> list[tuple[str, str, str, list[str]]]:
     asr = env.get("PARLEY_ASR_MODEL", "bundled")
     if is_hub_name(asr):
         plan.append(("PARLEY_ASR_MODEL", "ASR (faster-whisper)", whisper_repo(asr), WHISPER_FILES))
-    llm = env.get("PARLEY_LLM_MODEL", "bundled")
+    llm = env.get("PARLEY_LLM_MODEL", "auto")
     if env.get("PARLEY_LLM_BACKEND", "engine") in ("engine", "transformers") and is_hub_name(llm):
         plan.append(("PARLEY_LLM_MODEL", "LLM", llm, LLM_FILES))
     if env.get("PARLEY_TTS_BACKEND", "piper") == "coqui":

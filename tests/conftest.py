@@ -9,6 +9,7 @@ instead of passing on a warm cache. (A model loaded by some other subprocess is 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 import wave
@@ -21,6 +22,11 @@ from harness import start_server, stop_server
 from app.audio import float_to_pcm16
 from app.bench.launcher import ROOT
 from app.bench.samples import synthesize_speech
+
+# The suite's LLM is the bundled SmolLM2-135M (fast, and always installed), not the default brain ("auto": the
+# fetched Qwen2.5-Coder-0.5B): every `Settings()` and every `parley serve` a test starts reads this. The tests of
+# the default brain itself name it (``llm_model="auto"`` or "qwen2.5-coder-0.5b").
+os.environ.setdefault("PARLEY_LLM_MODEL", "bundled")
 
 OUTPUT_DIR = ROOT / "test-output"
 MODELS = "models"

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.config import Settings
+from app.policy import model_traits
 from app.stages.asr import Transcriber
 from app.stages.base import (
     ChatLLM,
@@ -141,6 +142,13 @@ def one_blas_thread() -> None:
     threadpool_limits(1, user_api="blas")
 
 
+def policy_line(settings: Settings) -> str:
+    """What the LLM is and the conversation policy that follows from it (said at start-up and by ``parley config``)."""
+    traits = model_traits(settings.llm_model, settings.llm_backend)
+    what = traits.describe() if traits is not None else "a model not known here (its files are not on this machine)"
+    return f"LLM {settings.llm_model!r} is {what}: conversation policy {settings.llm_policy!r}"
+
+
 def load_models(settings: Settings, progress: Callable[[str], None] = print) -> Models:
     """Load VAD, ASR, LLM and TTS, printing one line per model with its load time."""
     one_blas_thread()
@@ -166,6 +174,7 @@ def load_models(settings: Settings, progress: Callable[[str], None] = print) -> 
             window_s=settings.asr_window_s,
         ),
     )
+    progress(policy_line(settings))
     llm = timed(f"LLM ({settings.llm_backend}: {settings.llm_url or settings.llm_model})", lambda: make_llm(settings))
     tts = timed(f"TTS ({settings.tts_backend} {settings.tts_voice})", lambda: make_tts(settings))
     turn = timed(f"end of turn ({settings.turn_model})", lambda: make_turn_detector(settings, progress))

