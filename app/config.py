@@ -225,6 +225,18 @@ class Settings(BaseSettings):
     continuation_heard_ms: int = Field(
         500, ge=0, le=5000, description="a reply heard longer than this is not withdrawn; speech over it is a new turn"
     )
+    reply_speech_s: float = Field(
+        15.0,
+        ge=3,
+        le=600,
+        description="a reply ends at the first sentence end after about this much speech (app/voice/runaway.py)",
+    )
+    reply_long_speech_s: float = Field(
+        60.0,
+        ge=3,
+        le=600,
+        description="the same, when the user asked for something long (a story, in detail: English only)",
+    )
     first_clause_chars: int = Field(16, ge=0, description="speak the first clause once this long (0: sentences)")
     first_piece_words: int = Field(
         3,  # as app.voice.text.FIRST_PHRASE_MAX_WORDS, where the figures are

@@ -12,12 +12,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import date
 from typing import Literal
 
 from engine.model_traits import ModelTraits, traits_of
 
 HistoryReplies = Literal["all", "last", "none"]
 FollowUps = Literal["as_said", "in_full", "in_full_alone"]
+
+
+DATE_PLACEHOLDER = "{date}"  # a system prompt's place for today's date (``app.voice.reply_factory``)
+# For a model that follows instructions (the default brain): its words are heard, not read, and it can act. Short
+# sentences, nothing a voice cannot say, numbers as words, never an action it did not take. The date is in it; the
+# time comes from the clock tool (in the prompt it would change the prompt's prefix-cached start every minute).
+SPEECH_PROMPT = (
+    "You are Parley, a voice assistant. Everything you write is spoken aloud: answer in one to three short "
+    "sentences of plain speech, with no lists, markdown, code or emoji, and write numbers in words. "
+    f"Today is {DATE_PLACEHOLDER}. When one of your tools can do what the user asks, call it; never say you did "
+    "something you did not do. If you cannot do what is asked, say so in one sentence."
+)
+
+
+def spoken_date(day: date) -> str:
+    """``Sunday, 6 December 2026``: how the prompt says the date (the model reads it back to a listener)."""
+    return f"{day:%A}, {day.day} {day:%B %Y}"
 
 
 # Each row names settings (``app.config.Settings``, by their own names) and the value the row gives them; a setting
@@ -39,6 +57,8 @@ POLICIES: dict[str, dict[str, object]] = {
         "history_relevance_nats": 0.9,
         "follow_ups": "in_full_alone",
     },
+    # the default brain: its prompt for speech; the rest as any model (measured: app/bench/results/default_brain.md)
+    "qwen2.5-0.5b": {"system_prompt": SPEECH_PROMPT},
 }
 
 
@@ -58,6 +78,11 @@ MODEL_POLICIES: tuple[PolicyRule, ...] = (
         "smollm2-135m",
         lambda t: t.architecture == "llama" and t.parameters < 200_000_000 and not t.tool_template,
         "a Llama-shaped model under 200M parameters with no tools in its template (SmolLM2-135M)",
+    ),
+    PolicyRule(
+        "qwen2.5-0.5b",
+        lambda t: t.architecture == "qwen2" and t.tool_template and t.parameters < 1_000_000_000,
+        "a Qwen2 model under 1B parameters with tools in its template (Qwen2.5-Coder-0.5B-Instruct)",
     ),
 )
 

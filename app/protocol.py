@@ -316,6 +316,13 @@ class TurnMetrics(BaseModel):
         None, description="times the reply was ended where a piece of 3 or more words was said again"
     )
     guard_loop: int | None = Field(None, description="times the reply was cut at a few words said again and again")
+    guard_runaway: int | None = Field(
+        None,
+        description="times the reply was cut where its text stopped being speech (no spaces, counting, repetition)",
+    )
+    guard_length: int | None = Field(
+        None, description="times the reply ended at a sentence once its speech budget was spent"
+    )
     # Tool calls (``app.voice.tools``): absent in a turn that made none.
     tool_calls: int | None = Field(None, description="function calls the reply made")
     tool_ms: float | None = Field(None, description="the tools' own time: calls sent to their last result")

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from app.protocol import TurnMetrics
+from app.protocol import GUARD_FIELDS, TurnMetrics
 from app.server.admission import Admission
 from engine.metrics import EngineCollector
 
@@ -44,6 +44,12 @@ class VoiceMetrics:
         self.turns = Counter("parley_turns_total", "turns answered", registry=self.registry)
         self.barge_ins = Counter("parley_barge_ins_total", "replies interrupted by the user", registry=self.registry)
         self.underruns = Counter("parley_underruns_total", "reply audio chunks sent late", registry=self.registry)
+        self.guards = Counter(
+            "parley_reply_guards_total",
+            "replies cut short by a guard (repeat, loop, runaway, length: app/voice/pieces.py)",
+            ["guard"],
+            registry=self.registry,
+        )
         self.sessions = Gauge("parley_sessions", "open voice sessions", registry=self.registry)
         self.evictions = Counter(
             "parley_evictions_total", "connections closed by the server's limits", ["reason"], registry=self.registry
@@ -70,6 +76,9 @@ class VoiceMetrics:
         if metrics.barge_in:
             self.barge_ins.inc()
         self.underruns.inc(metrics.underruns)
+        for field in GUARD_FIELDS:
+            if getattr(metrics, field):
+                self.guards.labels(guard=field.removeprefix("guard_")).inc(getattr(metrics, field))
 
     def attach_llm(self, llm: object) -> None:
         """Export the in-process engine's figures (``parley_engine_*``, the names ``parley engine serve`` uses)."""

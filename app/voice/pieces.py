@@ -1,19 +1,28 @@
 """One LLM request's text cut into the pieces a reply speaks (``Piece``), with the guards that end a reply saying itself again.
 
-Two guards, both for small models (the bundled SmolLM2-135M loops: "I'm not today. I'm not today.", or a
+The guards, mostly for small models (the bundled SmolLM2-135M loops: "I'm not today. I'm not today.", or a
 120-token run-on repeating one clause, 30 s of the same words for the listener):
 
-* a loop inside the text (``app.voice.text.loop_end``): its first time is said, not the rest;
-* a piece of at least ``REPEAT_MIN_WORDS`` words said again word for word: it is not said.
+* ``loop``: a loop inside the text (``app.voice.text.loop_end``): its first time is said, not the rest;
+* ``repeat``: a piece of at least ``REPEAT_MIN_WORDS`` words said again word for word: it is not said;
+* ``runaway``: text that is no longer speech, of any shape (``app.voice.runaway.runaway_at``): what came
+  before it is said;
+* ``length``: the reply's speech budget is spent (``app.voice.runaway.SpeechBudget``): it ends at a sentence.
 
-Either ends the reply; the ``Reply`` counts which one did (``TurnMetrics.guard_*``).
+Each ends the reply; the ``Reply`` counts which one did (``TurnMetrics.guard_*``) and keeps what was said.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Literal
 
+from app.voice.runaway import SpeechBudget, runaway_at
 from app.voice.text import SentenceSplitter, loop_end, words
+
+log = logging.getLogger(__name__)
+Guard = Literal["repeat", "loop", "runaway", "length"]
 
 REPEAT_MIN_WORDS = 3
 
@@ -35,44 +44,65 @@ def repeats(piece: str, said: list[str]) -> bool:
 
 
 class PieceCutter:
-    """Text deltas in, pieces to speak out. ``said``: the reply's pieces so far (every round's), appended to."""
+    """Text deltas in, pieces to speak out. ``said``: the reply's pieces so far (every round's), appended to.
+    ``budget``: how much the reply may still say (``runaway.SpeechBudget``; shared by its rounds)."""
 
-    def __init__(self, said: list[str], *, first_clause_chars: int, first_piece_words: int) -> None:
+    def __init__(
+        self, said: list[str], *, first_clause_chars: int, first_piece_words: int, budget: SpeechBudget | None = None
+    ) -> None:
         self._splitter = SentenceSplitter(first_clause_chars=first_clause_chars, first_piece_words=first_piece_words)
         self._said = said
+        self._budget = budget or SpeechBudget(None)
         self._written = ""
-        self.repeated = False  # a piece was said again
-        self.looping = False  # a few words were said again and again
+        self.stop: Guard | None = None  # which guard ended the text (nothing after it is spoken)
 
     @property
     def stopped(self) -> bool:
-        """A guard cut the text: nothing after it is spoken."""
-        return self.repeated or self.looping
+        return self.stop is not None
 
     def push(self, delta: str) -> list[str]:
         """The pieces ``delta`` completes (up to a guard)."""
+        if self.stopped:
+            return []
         before = len(self._written)
         self._written += delta
-        loop_at = loop_end(self._written)
-        if loop_at is not None:  # say the loop's first time, not the rest
-            self.looping = True
-            self._splitter.forget_last(max(0, before - loop_at))
-            delta = delta[: max(0, loop_at - before)]
+        cut = self._cut_at()
+        if cut is not None:  # say what came before it, not the rest
+            self._splitter.forget_last(max(0, before - cut))
+            delta = delta[: max(0, cut - before)]
         return self._keep(self._splitter.push(delta))
 
     def flush(self) -> list[str]:
-        """The last piece, at the text's end (none after a repeat)."""
-        if self.repeated:
+        """The last piece, at the text's end (none after a repeat, or once the budget is spent)."""
+        if self.stop in ("repeat", "length"):
             return []
         rest = self._splitter.flush()
         return self._keep([rest] if rest else [])
+
+    def _cut_at(self) -> int | None:
+        """Where a loop or a runaway begins in the text written so far (and the guard is set), or None."""
+        loop_at = loop_end(self._written)
+        if loop_at is not None:
+            self.stop = "loop"
+            return loop_at
+        runaway = runaway_at(self._written)
+        if runaway is not None:
+            self.stop = "runaway"
+            log.info("a runaway reply (%s) is cut: %r", runaway.shape, self._written[runaway.at : runaway.at + 60])
+            return runaway.at
+        return None
 
     def _keep(self, pieces: list[str]) -> list[str]:
         kept = []
         for piece in pieces:
             if repeats(piece, self._said):
-                self.repeated = True
+                self.stop = "repeat"
                 break
-            self._said.append(piece)
-            kept.append(piece)
+            say, stop = self._budget.admit(piece)
+            if say:
+                self._said.append(piece)
+                kept.append(piece)
+            if stop:
+                self.stop = self.stop or "length"
+                break
         return kept

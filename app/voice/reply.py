@@ -36,9 +36,10 @@ from app.stages.base import (
     scheduling_of,
 )
 from app.voice.clock import Clock, RunBlocking
-from app.voice.pieces import Piece, PieceCutter
+from app.voice.pieces import Guard, Piece, PieceCutter
 from app.voice.playback import ReplyPlayback
 from app.voice.reply_audio import ReplyAudio
+from app.voice.runaway import SpeechBudget
 from app.voice.text import FIRST_PHRASE_MAX_WORDS, speakable
 from app.voice.tools import ToolRunner, calls_message, next_round
 
@@ -65,7 +66,8 @@ class ReplyOptions:
     past which its LLM steps let others go first; ``min_gain_nats``: the words are answered alone where the
     conversation makes them less likely than this (``history_relevance_nats``: 0, the conversation always goes);
     ``earlier_replies``: the conversation's, for the LLM's DRY; ``voice``: the TTS voice (None: the default);
-    ``speak``: False for a text-only reply (the client's ``reply_audio``).
+    ``speak``: False for a text-only reply (the client's ``reply_audio``); ``speech_budget_s``: about how long it may
+    speak (``app.voice.runaway.SpeechBudget``; None: no bound).
     """
 
     sampling: GenerationSettings = field(default_factory=GenerationSettings)
@@ -77,6 +79,7 @@ class ReplyOptions:
     earlier_replies: Sequence[str] = ()
     voice: str | None = None
     speak: bool = True
+    speech_budget_s: float | None = None
 
 
 class ReplyListener(Protocol):
@@ -289,14 +292,15 @@ class Reply:
         )
         self._produce_started = self._clock.now()
         said: list[str] = []
+        budget = SpeechBudget(self.options.speech_budget_s)
         spec = self._tools.spec if self._tools is not None else None
         rounds = 0
         try:
             while True:
-                calls, repeated, looping = await self._write(
-                    messages, spec, pieces, said, answer=rounds > 0, alone=alone if rounds == 0 else None
+                calls, stop = await self._write(
+                    messages, spec, pieces, said, budget, answer=rounds > 0, alone=alone if rounds == 0 else None
                 )
-                if not calls or repeated or looping or self._tools is None or self._tools.runner is None:
+                if not calls or stop or self._tools is None or self._tools.runner is None:
                     break
                 rounds += 1
                 messages = await self._call(messages, calls, pieces, said)
@@ -304,11 +308,11 @@ class Reply:
                     break  # the calls' results come in a later response
                 spec = next_round(spec, rounds)
                 self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
-            if repeated or looping:
+            if stop:
                 before, answer = said[: self._said_before_answer], said[self._said_before_answer :]
                 self.text_parts = [" ".join(before) + (" " if before else ""), " ".join(answer)]
                 self._answer_from = 1  # what is spoken (the page and the history get it)
-                self._count_guards(repeated=repeated, looping=looping)
+                self._count_guard(stop)
             pieces.put_nowait(None)
             await speaker
             self._produced_at = self._clock.now()
@@ -351,14 +355,19 @@ class Reply:
         spec: ToolSpec | None,
         pieces: asyncio.Queue,
         said: list[str],
+        budget: SpeechBudget,
         *,
         answer: bool,
         alone: list[Message] | None = None,
-    ) -> tuple[list[ToolCall], bool, bool]:
-        """One LLM request: its text spoken piece by piece, its calls returned; and whether a guard cut it
-        (repeated: a piece said again; looping: a few words said again and again)."""
+    ) -> tuple[list[ToolCall], Guard | None]:
+        """One LLM request: its text spoken piece by piece, its calls returned; and the guard that cut it, if one did
+        (``app.voice.pieces``)."""
+        options = self.options
         cutter = PieceCutter(
-            said, first_clause_chars=self.options.first_clause_chars, first_piece_words=self.options.first_piece_words
+            said,
+            first_clause_chars=options.first_clause_chars,
+            first_piece_words=options.first_piece_words,
+            budget=budget,
         )
         stream = open_reply(self._llm, self._request(messages, spec, alone))
         round_start = len(self.text_parts)
@@ -377,16 +386,16 @@ class Reply:
                 await self.emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
                 self._queue(cutter, cutter.push(delta), pieces, answer)
                 if cutter.stopped:
-                    log.info("turn %s: the LLM repeated itself; the reply ends before the repeat", self.turn_id)
+                    log.info("turn %s: the reply ends here (guard: %s)", self.turn_id, cutter.stop)
                     break
         finally:
             await stream.aclose()  # aborts the LLM request if we stopped early
         self._queue(cutter, cutter.flush(), pieces, answer)
-        return calls, cutter.repeated, cutter.looping
+        return calls, cutter.stop
 
     def _queue(self, cutter: PieceCutter, cut: list[str], pieces: asyncio.Queue, answer: bool) -> None:
         """The pieces cut, to be spoken; the first one (or a guard) is when the LLM's first piece came."""
-        if (cut or cutter.repeated) and self.metrics.llm_first_piece_ms is None:
+        if (cut or cutter.stopped) and self.metrics.llm_first_piece_ms is None:
             self.metrics.llm_first_piece_ms = (self._clock.now() - self._produce_started) * 1000
         for piece in cut:
             pieces.put_nowait(Piece(piece, answer=answer))
@@ -412,12 +421,10 @@ class Reply:
             return None
         return [*messages, called, *result.messages]
 
-    def _count_guards(self, *, repeated: bool, looping: bool) -> None:
+    def _count_guard(self, guard: Guard) -> None:
         """Which guard cut the reply, as per-turn counts (``TurnMetrics.guard_*``): how often the LLM needed one."""
-        if repeated:
-            self.metrics.guard_repeat = (self.metrics.guard_repeat or 0) + 1
-        if looping:
-            self.metrics.guard_loop = (self.metrics.guard_loop or 0) + 1
+        field = f"guard_{guard}"
+        setattr(self.metrics, field, (getattr(self.metrics, field) or 0) + 1)
 
     def runs_dry_at(self, now: float) -> float:
         """When the listener runs out of audio: what was sent has played, and what is held back after it."""

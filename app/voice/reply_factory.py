@@ -7,6 +7,8 @@ applies to the next), the client's preferences (system prompt, voice) and the tu
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import functools
 import itertools
 from collections.abc import Callable
@@ -14,12 +16,14 @@ from dataclasses import dataclass
 
 from app import protocol
 from app.config import Settings
+from app.policy import DATE_PLACEHOLDER, spoken_date
 from app.stages.base import GenerationSettings, Message, ToolSpec, TurnEndVerdict, VoiceStages, scheduling_of
 from app.voice.context import Fitted
 from app.voice.history import History
 from app.voice.language import reply_in
 from app.voice.prefs import Preferences
 from app.voice.reply import Reply, ReplyOptions, ReplyTools, ReplyWiring
+from app.voice.runaway import speech_budget_s
 from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner, load_server_tools
 from app.voice.turn_state import TurnState
 from app.voice.warmup import WarmPrefix
@@ -67,6 +71,7 @@ class ReplyFactory:
         session_id: str,
         pending_calls: PendingCalls | None = None,
         client_results: ClientResults = "wait",
+        today: Callable[[], datetime.date] = datetime.date.today,
     ) -> None:
         """``state``: the session's settings and the turn's language, read at each reply (a live ``tune`` applies to
         the next); ``wiring``: what each reply is wired to; ``pending_calls``: where the client's tool results are
@@ -75,6 +80,7 @@ class ReplyFactory:
         """
         self._models, self._state, self._history, self._prefs = models, state, history, prefs
         self._wiring, self._session_id = wiring, session_id
+        self._today = today
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._pending_calls = pending_calls or PendingCalls()
         self._client_results: ClientResults = client_results
@@ -89,7 +95,7 @@ class ReplyFactory:
         without the history, see ``alone_prompt``)."""
         settings, language = self.settings, self._state.language
         return self._history.prompt(
-            reply_in(self._prefs.current.system_prompt, language),
+            reply_in(self.system_prompt(), language),
             user_text,
             self._models.llm,
             context_tokens=settings.llm_context_tokens,
@@ -104,7 +110,15 @@ class ReplyFactory:
 
     def upcoming_prefix(self) -> list[Message]:
         """What the next turn's prompt starts with: the system prompt and the history."""
-        return self._history.upcoming_prefix(self._prefs.current.system_prompt)
+        return self._history.upcoming_prefix(self.system_prompt())
+
+    def system_prompt(self) -> str:
+        """The session's system prompt, with today's date where it says ``{date}`` (``app.policy``): the date, not the
+        time, so the prompt the prefix cache holds changes once a day, not once a minute (the time is a tool's)."""
+        prompt = self._prefs.current.system_prompt
+        if DATE_PLACEHOLDER not in prompt:
+            return prompt
+        return prompt.replace(DATE_PLACEHOLDER, spoken_date(self._today()))
 
     def alone_prompt(self, user_text: str, related: list[Message]) -> list[Message] | None:
         """``user_text`` without the conversation (but what the system prompt recalls of it), for the reply to be
@@ -155,8 +169,12 @@ class ReplyFactory:
 
     def new(self, turn_id: int, user_text: str) -> Reply:
         settings, language = self.settings, self._state.language
+        budget_s = speech_budget_s(user_text, language, settings.reply_speech_s, settings.reply_long_speech_s)
+        sampling = GenerationSettings.from_settings(settings)
+        if budget_s > settings.reply_speech_s:  # room in tokens for what the budget lets it say (~4 characters each)
+            sampling = dataclasses.replace(sampling, max_tokens=max(sampling.max_tokens, int(budget_s * 4.5)))
         options = ReplyOptions(
-            sampling=GenerationSettings.from_settings(settings),
+            sampling=sampling,
             first_clause_chars=settings.first_clause_chars,
             first_piece_words=settings.first_piece_words,
             # the server's solo mode (``registry.set_open_sessions``) turns it on while one session is open
@@ -166,6 +184,7 @@ class ReplyFactory:
             earlier_replies=self._history.earlier_replies(),
             voice=self._prefs.voice_for(language),
             speak=self._prefs.current.reply_audio,
+            speech_budget_s=budget_s,
         )
         request_id = f"{self._session_id}-{turn_id}-{next(self._request_ids)}"
         reply = Reply(turn_id, user_text, self._wiring, request_id=request_id, options=options, tools=self._tools())

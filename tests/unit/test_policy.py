@@ -298,3 +298,26 @@ async def test_a_spoken_turn_starts_on_the_one_prompt_its_words_heard_so_far_cho
     metrics = conv.of(protocol.TurnDone)[-1].metrics
     assert metrics.history_weighed_early and metrics.history_left_out
     assert metrics.history_gain_nats == pytest.approx(0.1)
+
+
+async def test_the_speech_prompt_carries_today_s_date_and_the_prefix_warmed_is_the_prompt_s(conversation):
+    import datetime
+
+    from app.policy import SPEECH_PROMPT, spoken_date
+
+    assert spoken_date(datetime.date(2026, 12, 6)) == "Sunday, 6 December 2026"
+    conv = conversation(llm_pieces=["Fine."], system_prompt=SPEECH_PROMPT)
+    days = {spoken_date(datetime.date.today())}
+    await conv.type("What day is it?")
+    days.add(spoken_date(datetime.date.today()))  # (a run across midnight)
+    system = conv.llm.calls[-1][0]["content"]
+    assert "{date}" not in system and any(f"Today is {day}." in system for day in days)
+    assert conv.session._replies.upcoming_prefix()[0]["content"].startswith(system.split(" The user")[0])
+
+
+def test_the_default_brain_gets_its_row_by_what_it_is(tmp_path):
+    qwen_like = _gguf(tmp_path / "model.gguf", "qwen2", 630_167_424, "{% if tools %}<tool_call>{% endif %}")
+    assert policy_for("auto", qwen_like, "engine") == "qwen2.5-0.5b"
+    assert Settings(llm_model=qwen_like).system_prompt == POLICIES["qwen2.5-0.5b"]["system_prompt"]
+    bigger = _gguf(tmp_path / "big.gguf", "qwen2", 7_615_616_512, "{% if tools %}<tool_call>{% endif %}")
+    assert policy_for("auto", bigger, "engine") == "default"

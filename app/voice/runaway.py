@@ -1,0 +1,130 @@
+"""A reply that is no longer speech, whatever its shape, and a reply too long to listen to.
+
+The loop and repeat guards (``app.voice.pieces``) catch words said again. They missed this one, from the bundled
+model on a misheard question: "This guy is a 2018-2020-10-01-12-12-20-20-21-20-22-23-24-…", 32 s of spoken numbers
+with a 6 s stall (no space, so the sentence splitter held it until the token cap; digits are exempt from the loop
+guard, since "0.0.0.0" is a number). So three shapes are checked on the text written so far, none of them a word
+list (they hold in any language):
+
+* an unbroken run: ``MAX_UNBROKEN_CHARS`` characters with no space (no word of a spoken language is that long; a
+  URL or a hash is not for the ear either);
+* counting: more than ``MAX_NUMBER_RUN`` numbers in a row with no word between them ("count to ten" is ten);
+* repetition that is not word for word: the text compresses like Whisper's own hallucination test
+  (``zlib`` ratio above ``MAX_COMPRESSION_RATIO`` once ``COMPRESSION_MIN_CHARS`` long; 2.4 is faster-whisper's
+  ``compression_ratio_threshold``).
+
+Each gives where the speakable text should end (``runaway_at``): before the run or past the tenth number.
+
+The length budget (``SpeechBudget``): a voice reply past about 15 s loses its listener (a pancake recipe took 30 s,
+simple questions 15-24 s with the bundled model), so a reply ends at the first sentence end after the budget, or
+at the next piece past ``BUDGET_OVERRUN`` times it.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+MAX_UNBROKEN_CHARS = 40
+MAX_NUMBER_RUN = 12
+MAX_COMPRESSION_RATIO = 2.4
+COMPRESSION_MIN_CHARS = 200
+# Piper's bundled joe voice says 16-19 characters a second (measured on four answers of 14-19 words: 16.9 on
+# average; 3.2 words a second); the budget is counted in characters, steadier than words.
+SPOKEN_CHARS_PER_S = 16.0
+BUDGET_OVERRUN = 1.25
+# An English request for a long answer gets the long budget (``reply_long_speech_s``). A word list, so English only
+# and named so (``asks_for_long_reply_en``); other languages keep the short budget. A recipe is not on it: said
+# whole it took 30 s, and a listener asks for the next step.
+_LONG_REQUEST_EN = re.compile(
+    r"\b(stor(y|ies)|in (great |more |full )?detail|detailed|step by step|at length|everything about|long|essay|"
+    r"poem|all (of )?the (steps|details))\b",
+    re.IGNORECASE,
+)
+
+_UNBROKEN = re.compile(rf"\S{{{MAX_UNBROKEN_CHARS + 1},}}")
+# a number, and what may sit between two numbers of a run: separators, not words
+_NUMBER = re.compile(r"\d+(?:[.,:]\d+)*")
+_BETWEEN_NUMBERS = re.compile(r"[\s,;:/\-–—+=.()]*")
+_SENTENCE_END = re.compile(r"[.!?…。！？][\"')\]]*$")
+
+
+@dataclass(frozen=True)
+class Runaway:
+    """Where the speakable text ends (``at``, a character offset of the text checked) and which shape ran away."""
+
+    at: int
+    shape: str  # "unbroken", "counting" or "repetitive"
+
+
+def runaway_at(text: str) -> Runaway | None:
+    """The first runaway in ``text`` (a reply's text so far), or None while it is still speech."""
+    found = [r for r in (_unbroken(text), _counting(text), _repetitive(text)) if r is not None]
+    return min(found, key=lambda r: r.at) if found else None
+
+
+def _unbroken(text: str) -> Runaway | None:
+    match = _UNBROKEN.search(text)
+    return Runaway(match.start(), "unbroken") if match else None
+
+
+def _counting(text: str) -> Runaway | None:
+    run, last_end = 0, -1
+    for match in _NUMBER.finditer(text):
+        joined = last_end >= 0 and _BETWEEN_NUMBERS.fullmatch(text, last_end, match.start()) is not None
+        run = run + 1 if joined else 1
+        if run > MAX_NUMBER_RUN:
+            return Runaway(last_end, "counting")  # the numbers up to here are said
+        last_end = match.end()
+    return None
+
+
+def _repetitive(text: str) -> Runaway | None:
+    if len(text) < COMPRESSION_MIN_CHARS:
+        return None
+    data = text.encode()
+    if len(data) / len(zlib.compress(data)) <= MAX_COMPRESSION_RATIO:
+        return None
+    # where it began to repeat: the shortest prefix that already compresses past the threshold, less its tail
+    for end in range(COMPRESSION_MIN_CHARS, len(text) + 1, 20):
+        head = text[:end].encode()
+        if len(head) / len(zlib.compress(head)) > MAX_COMPRESSION_RATIO:
+            return Runaway(max(0, end - COMPRESSION_MIN_CHARS // 2), "repetitive")
+    return Runaway(len(text), "repetitive")
+
+
+def asks_for_long_reply_en(words: str) -> bool:
+    """The user asked, in English, for something long (a story, in detail, step by step)."""
+    return _LONG_REQUEST_EN.search(words) is not None
+
+
+def speech_budget_s(words: str, language: str | None, short_s: float, long_s: float) -> float:
+    """How long the reply to ``words`` may speak."""
+    long = (language or "").startswith("en") and asks_for_long_reply_en(words)
+    return max(short_s, long_s) if long else short_s
+
+
+def ends_sentence(piece: str) -> bool:
+    return _SENTENCE_END.search(piece.rstrip()) is not None
+
+
+class SpeechBudget:
+    """How much a reply may say: ``seconds`` of speech (None: no bound), counted in characters spoken.
+
+    A piece that ends a sentence past the budget is the last; a piece that would take the reply past
+    ``BUDGET_OVERRUN`` times it is not said (a hard bound: a run-on sentence never ends on its own)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self._chars = None if seconds is None else seconds * SPOKEN_CHARS_PER_S
+        self._spoken = 0
+
+    def admit(self, piece: str) -> tuple[bool, bool]:
+        """(say ``piece``, stop after it): counts it as said when it is said."""
+        if self._chars is None:
+            return True, False
+        after = self._spoken + len(piece) + 1
+        if after > self._chars * BUDGET_OVERRUN and self._spoken > 0:
+            return False, True
+        self._spoken = after
+        return True, after >= self._chars and ends_sentence(piece)
