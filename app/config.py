@@ -276,6 +276,19 @@ class Settings(BaseSettings):
     tool_choice: Literal["auto", "required", "none"] = Field(
         "auto", description="how replies use the server-side tools (a session's config sets its own)"
     )
+    # Skills: the assistant's own abilities, tools for sessions that declare none (README, Skills)
+    skills: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["clock", "timers", "reminders", "calculator"],
+        description="the built-in skills on (comma-separated; empty: none): clock, timers, reminders, calculator",
+    )
+    data_dir: str = Field(
+        "", description="where the server keeps what must survive a restart (reminders); empty: ~/.local/share/parley"
+    )
+    mcp_servers: str = Field(
+        "",
+        max_length=20000,
+        description="Model Context Protocol servers whose tools the LLM may call: a JSON list (README, Skills)",
+    )
     min_speech_ms: int = Field(96, ge=0)
     max_utterance_s: float = Field(30.0, gt=0)
 
@@ -321,7 +334,7 @@ class Settings(BaseSettings):
         0.9, gt=0, le=1, description="refuse new sessions when this share of memory (or GPU memory) is in use"
     )
 
-    @field_validator("allowed_origins", "allowed_hosts", mode="before")
+    @field_validator("allowed_origins", "allowed_hosts", "skills", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         """A list from a flag or variable is written "a,b" (a TOML file gives a real list)."""

@@ -18,6 +18,7 @@ from app.server.access import AccessPolicy, HostGuard
 from app.server.admission import Admission
 from app.server.metrics import VoiceMetrics
 from app.server.realtime import serve_realtime
+from app.server.skills import ServerSkills
 from app.server.ws import serve_voice
 from app.stages.registry import Models, load_models
 from app.voice.tools import load_server_tools
@@ -37,6 +38,8 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
             print(f"server tools: {', '.join(tool.name for tool in server_tools)}", flush=True)
         if app.state.models is None:
             app.state.models = await asyncio.to_thread(load_models, settings, lambda line: print(line, flush=True))
+        for line in await skills.start():
+            print(line, flush=True)
         for warning in app.state.access.startup_warnings():
             print(f"WARNING: {warning}", flush=True)
         admission.size_cap()  # the models now hold their memory: what is left is the sessions'
@@ -52,6 +55,7 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
         gc.unfreeze()
         for session in list(app.state.sessions):
             await session.close()
+        await skills.stop()
         app.state.models.close()
 
     app = FastAPI(title="Parley", lifespan=lifespan)
@@ -60,6 +64,8 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
     app.state.access = access = AccessPolicy(settings)
     app.state.admission = admission = Admission(settings, on_memory_pressure=lambda: _release_llm_cache(app))
     app.state.metrics = VoiceMetrics(admission)
+    skills = ServerSkills(settings)  # a bad skills or mcp_servers setting fails here, before any model loads
+    app.state.skills = skills.skills
     app.add_middleware(HostGuard, policy=access)
 
     @app.middleware("http")

@@ -28,7 +28,7 @@ async def serve_voice(websocket: WebSocket, state: State, settings: Settings) ->
     async def send_json(message: protocol.ServerMessage) -> None:
         await connection.send(protocol.encode(message))
 
-    session = VoiceSession(state.models, settings, send_json, connection.send)
+    session = VoiceSession(state.models, settings, send_json, connection.send, skills=state.skills)
     rate = AudioRateLimit(settings.max_audio_rate, state.metrics.rate_limited.inc)
 
     async def on_audio(data: bytes) -> None:

@@ -105,6 +105,14 @@ class Answering:
         self._state.reply = reply
         reply.start(messages, released=True, alone=alone, weighed=weighed)
 
+    def say(self, turn_id: int, words: str) -> None:
+        """Words of the server's own (an announcement), spoken as a reply; the history keeps them as said."""
+        now = self._clock.now()
+        reply = self._replies.new(turn_id, "", script=words)
+        reply.timed(speech_end=now, commit=now)
+        self._state.reply = reply
+        reply.start([], released=True)
+
     async def _tell_if_voiceless(self, turn_id: int) -> None:
         notice = self._prefs.voiceless_notice(self._state.language, turn_id)
         if notice is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,7 +67,8 @@ class ReplyOptions:
     conversation makes them less likely than this (``history_relevance_nats``: 0, the conversation always goes);
     ``earlier_replies``: the conversation's, for the LLM's DRY; ``voice``: the TTS voice (None: the default);
     ``speak``: False for a text-only reply (the client's ``reply_audio``); ``speech_budget_s``: about how long it may
-    speak (``app.voice.runaway.SpeechBudget``; None: no bound).
+    speak (``app.voice.runaway.SpeechBudget``; None: no bound); ``script``: the words to say, the server's own (a
+    timer rang), in place of the LLM's.
     """
 
     sampling: GenerationSettings = field(default_factory=GenerationSettings)
@@ -80,6 +81,7 @@ class ReplyOptions:
     voice: str | None = None
     speak: bool = True
     speech_budget_s: float | None = None
+    script: str | None = None
 
 
 class ReplyListener(Protocol):
@@ -369,7 +371,10 @@ class Reply:
             first_piece_words=options.first_piece_words,
             budget=budget,
         )
-        stream = open_reply(self._llm, self._request(messages, spec, alone))
+        if options.script is not None:
+            stream = _said(options.script)
+        else:
+            stream = open_reply(self._llm, self._request(messages, spec, alone))
         round_start = len(self.text_parts)
         calls: list[ToolCall] = []
         try:
@@ -439,3 +444,8 @@ async def cancel_task(task: asyncio.Task) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+async def _said(words: str) -> AsyncIterator[str]:
+    """A script as the LLM's stream would give it."""
+    yield words

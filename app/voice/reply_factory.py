@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from app import protocol
 from app.config import Settings
 from app.policy import DATE_PLACEHOLDER, spoken_date
+from app.skills.base import ServerTool
 from app.stages.base import GenerationSettings, Message, ToolSpec, TurnEndVerdict, VoiceStages, scheduling_of
 from app.voice.context import Fitted
 from app.voice.history import History
@@ -24,7 +25,7 @@ from app.voice.language import reply_in
 from app.voice.prefs import Preferences
 from app.voice.reply import Reply, ReplyOptions, ReplyTools, ReplyWiring
 from app.voice.runaway import speech_budget_s
-from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner, load_server_tools
+from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner
 from app.voice.turn_state import TurnState
 from app.voice.warmup import WarmPrefix
 
@@ -71,16 +72,18 @@ class ReplyFactory:
         session_id: str,
         pending_calls: PendingCalls | None = None,
         client_results: ClientResults = "wait",
+        server_tools: tuple[ServerTool, ...] = (),
         today: Callable[[], datetime.date] = datetime.date.today,
     ) -> None:
         """``state``: the session's settings and the turn's language, read at each reply (a live ``tune`` applies to
         the next); ``wiring``: what each reply is wired to; ``pending_calls``: where the client's tool results are
         awaited; ``client_results``: whether a reply waits for them ("wait") or ends at its calls
-        ("next_response": the Realtime API's way).
+        ("next_response": the Realtime API's way); ``server_tools``: the operator's and the skills' tools, which a
+        session that declares none may call.
         """
         self._models, self._state, self._history, self._prefs = models, state, history, prefs
         self._wiring, self._session_id = wiring, session_id
-        self._today = today
+        self._today, self._server_tools = today, server_tools
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._pending_calls = pending_calls or PendingCalls()
         self._client_results: ClientResults = client_results
@@ -167,7 +170,8 @@ class ReplyFactory:
         verdict.take(position)
         return verdict
 
-    def new(self, turn_id: int, user_text: str) -> Reply:
+    def new(self, turn_id: int, user_text: str, *, script: str | None = None) -> Reply:
+        """A reply to ``user_text`` (``script``: the words it says, written by the server, not the LLM)."""
         settings, language = self.settings, self._state.language
         budget_s = speech_budget_s(user_text, language, settings.reply_speech_s, settings.reply_long_speech_s)
         sampling = GenerationSettings.from_settings(settings)
@@ -185,6 +189,7 @@ class ReplyFactory:
             voice=self._prefs.voice_for(language),
             speak=self._prefs.current.reply_audio,
             speech_budget_s=budget_s,
+            script=script,
         )
         request_id = f"{self._session_id}-{turn_id}-{next(self._request_ids)}"
         reply = Reply(turn_id, user_text, self._wiring, request_id=request_id, options=options, tools=self._tools())
@@ -197,7 +202,7 @@ class ReplyFactory:
     def session_tools(self) -> SessionTools:
         """What the session's replies may call now: the client's tools, else the server's."""
         prefs = self._prefs.current
-        server = load_server_tools(self.settings.tool_entry_point)
+        server = self._server_tools
         return SessionTools(prefs.tools, server, prefs.tool_choice, prefs.parallel_tool_calls)
 
     def warm_prefix(self) -> WarmPrefix | None:

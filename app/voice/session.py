@@ -27,8 +27,10 @@ import numpy as np
 from app import protocol
 from app.audio import ASR_SAMPLE_RATE, StreamResampler, pcm16_to_float
 from app.config import Settings
+from app.skills.base import SessionSkills, SkillOwner
 from app.stages.base import Message, VoiceStages
 from app.voice import utterance as heard
+from app.voice.announcements import Announcements
 from app.voice.answering import Answering
 from app.voice.barge_in import BargeIn
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
@@ -57,12 +59,13 @@ class VoiceSession:
         run_blocking: RunBlocking | None = None,
         client_tool_results: ClientResults = "wait",
         withdraw_unheard: bool = True,
+        skills: SessionSkills | None = None,
     ) -> None:
         """``client_tool_results``: a reply that calls the client's tools waits for their ``tool_result`` ("wait"), or
         ends at its calls, whose results the client adds to the history before asking for the answer (``respond``:
         the Realtime API's way, "next_response"). ``withdraw_unheard``: a ``cancel`` before any of the reply was
         heard takes the turn back (left in, the next reply answered it); not for the Realtime door, whose
-        conversation items are the client's."""
+        conversation items are the client's. ``skills``: the server's (their tools, and their news said here)."""
         self.models, self._send_json = models, send_json
         self._clock, self._run = clock or MonotonicClock(), run_blocking or run_in_thread
         self.session_id = uuid.uuid4().hex[:12]
@@ -74,9 +77,13 @@ class VoiceSession:
             follow_ups=settings.follow_ups,
         )
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
-        server_tools = tuple(tool.name for tool in load_server_tools(settings.tool_entry_point))
+        self._skills = skills
+        self._announcements = Announcements(send_json, self._say, lambda: self.busy or self._tracker.in_utterance)
+        self._owner = SkillOwner(self.session_id, self._announcements.announce)
+        server_tools = load_server_tools(settings.tool_entry_point) + (skills.tools(self._owner) if skills else ())
+        names = tuple(tool.name for tool in server_tools)
         self._prefs = Preferences(
-            settings.system_prompt, models.asr, models.tts, tool_choice=settings.tool_choice, server_tools=server_tools
+            settings.system_prompt, models.asr, models.tts, tool_choice=settings.tool_choice, server_tools=names
         )
         self._pending_calls = PendingCalls()
         wiring = ReplyWiring(models, send_json, send_bytes, self._clock, self._run, listener=self)
@@ -89,6 +96,7 @@ class VoiceSession:
             session_id=self.session_id,
             pending_calls=self._pending_calls,
             client_results=client_tool_results,
+            server_tools=server_tools,
         )
         self._configure_input(protocol.INPUT_SAMPLE_RATE)
         self._warmup = PrefixWarmup(self._replies, self._llm_needed)
@@ -122,7 +130,10 @@ class VoiceSession:
         )
 
     async def start(self) -> None:
-        """Tell the client the conversation is ready, and what it takes and gives (sent again at each ``start``)."""
+        """Tell the client the conversation is ready, and what it takes and gives (sent again at each ``start``); the
+        skills may speak here from now on."""
+        if self._skills is not None:
+            self._skills.opened(self._owner)
         await self._send_json(
             protocol.Ready(
                 input_sample_rate=self.input_sample_rate,
@@ -301,8 +312,15 @@ class VoiceSession:
             return True
         return self._state.reply is not None and self._state.reply.producing
 
+    async def _say(self, words: str) -> None:
+        """An announcement's words, spoken as a turn of the assistant's own."""
+        self._answering.say(self._state.next_turn_id(), words)
+
     async def close(self) -> None:
         """The client is gone: stop the reply and free its LLM request and TTS work."""
+        if self._skills is not None:
+            self._skills.close(self._owner)
+        await self._announcements.close()
         await self._warmup.close()
         await self._drop_utterance()
         await self._answering.close()

@@ -99,6 +99,10 @@ class SessionTools:
             return ToolSpec((), "none")  # earlier calls are rendered; none can be made now
         return None
 
+    def client_tool(self, name: str) -> bool:
+        """Whether ``name`` is one of the client's tools (its calls are the client's to run)."""
+        return any(tool.name == name for tool in self.client)
+
     def server_tool(self, name: str) -> ServerTool | None:
         """The server's tool ``name``, when the session runs the server's tools."""
         if self.client:
@@ -193,13 +197,13 @@ class ToolRunner:
 
     def waits_for(self, calls: list[ToolCall]) -> bool:
         """Whether the reply waits for these calls' results (else it ends at them)."""
-        return self._client_results == "wait" or all(self._tools.server_tool(c.name) for c in calls)
+        return self._client_results == "wait" or not any(self._tools.client_tool(c.name) for c in calls)
 
     async def run(self, turn_id: int, calls: list[ToolCall], emit: Emit) -> RoundResult:
         """Announce ``calls``, run or await each, and say how each settled; cancelling this cancels them all."""
         started = self._clock.now()
         for call in calls:
-            runs_on = "server" if self._tools.server_tool(call.name) else "client"
+            runs_on = "client" if self._tools.client_tool(call.name) else "server"  # (an unknown tool: it fails here)
             await emit(
                 protocol.CallTool(
                     turn_id=turn_id, call_id=call.id, name=call.name, arguments=call.arguments, runs_on=runs_on
@@ -231,9 +235,11 @@ class ToolRunner:
 
     async def _result(self, call: ToolCall) -> tuple[str, str]:
         """(status, what the LLM reads) of one call."""
-        tool = self._tools.server_tool(call.name)
-        if tool is None:
+        if self._tools.client_tool(call.name):
             return "completed", output_text(await self._pending.open(call.id))
+        tool = self._tools.server_tool(call.name)
+        if tool is None:  # a model that made a tool up: it reads that it cannot do that, and says so
+            return "failed", failure(f"there is no tool named {call.name!r}: tell the user you cannot do that")
         try:
             arguments = json.loads(call.arguments or "{}")
             if inspect.iscoroutinefunction(tool.run):

@@ -1,0 +1,45 @@
+"""The server's skills, made from the settings and run for as long as the server: the built-in ones (their due
+loops) and the MCP servers' tools (their connections), one ``SkillSet`` every session uses."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from app.config import Settings
+from app.skills.base import SystemWallClock
+from app.skills.builtin import SkillSet, builtin_skills
+from app.skills.mcp import McpHub, parse_mcp_servers
+
+log = logging.getLogger(__name__)
+
+
+def data_dir(settings: Settings) -> Path:
+    """Where what must survive a restart is kept (``data_dir``, else ``~/.local/share/parley``)."""
+    return Path(settings.data_dir).expanduser() if settings.data_dir else Path.home() / ".local" / "share" / "parley"
+
+
+class ServerSkills:
+    """``start`` (the MCP servers connected, the due loops running), ``skills`` for the sessions, ``stop``.
+
+    Made at once (a bad ``skills`` or ``mcp_servers`` setting fails the start with what is wrong); an MCP server
+    that does not answer is left out with a line saying why, and the server starts anyway."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._hub = McpHub(parse_mcp_servers(settings.mcp_servers))
+        builtin = builtin_skills(settings.skills, clock=SystemWallClock(), data_dir=data_dir(settings))
+        self.skills = SkillSet([*builtin, self._hub.skill])
+
+    async def start(self) -> list[str]:
+        """Start everything; one line per skill and MCP server, for the start-up log."""
+        await self._hub.start()
+        await self.skills.start()
+        lines = [f"skills: {', '.join(s.name for s in self.skills.skills if s.name != 'mcp') or 'none'}"]
+        if self._hub.tools or self._hub.failures:
+            lines.append(f"MCP tools: {', '.join(t.name for t in self._hub.tools) or 'none'}")
+        lines += [f"WARNING: MCP server {name} left out: {why}" for name, why in self._hub.failures.items()]
+        return lines
+
+    async def stop(self) -> None:
+        await self.skills.stop()
+        await self._hub.close()

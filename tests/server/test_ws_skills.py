@@ -1,0 +1,73 @@
+"""The built-in skills over ``/ws`` (the FastAPI app in-process, scripted stages, the real skills and wall clock): a
+call acts, its result says what was understood, and a timer rings in the conversation that set it, shown and said."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+from fakes import FakeStages, ScriptedASR, ToolScriptedLLM
+from fastapi.testclient import TestClient
+from test_ws_tools import URL, events_until
+
+from app.config import Settings
+from app.server.app import create_app
+from app.stages.base import ToolCall
+
+
+def app_with(llm: ToolScriptedLLM, **settings):
+    settings.setdefault("max_sessions", 4)
+    return create_app(Settings(**settings), models=FakeStages(ScriptedASR(), llm))
+
+
+def test_a_timer_is_set_by_a_call_and_rings_in_its_conversation(tmp_path):
+    set_it = ToolCall("call_1", "set_timer", json.dumps({"duration": "one second", "label": "tea"}))
+    llm = ToolScriptedLLM([[set_it], ["Your tea timer is set."]])
+    with (
+        TestClient(app_with(llm, data_dir=str(tmp_path)), base_url="http://127.0.0.1:8000") as client,
+        client.websocket_connect(URL) as ws,
+    ):
+        assert json.loads(ws.receive_text())["type"] == "ready"
+        ws.send_text(json.dumps({"type": "text", "text": "Set a tea timer for one second."}))
+        events, _ = events_until(ws, "turn_done")
+        call = next(e for e in events if e["type"] == "tool_call")
+        done = next(e for e in events if e["type"] == "tool_done")
+        assert call["runs_on"] == "server" and call["name"] == "set_timer"
+        assert done["status"] == "completed" and "1 second" in done["output"]
+        assert events[-1]["text"] == "Your tea timer is set."
+        # the timer ends: shown at once, then said as a turn of the assistant's own
+        rang, audio = events_until(ws, "turn_done")
+        notice = next(e for e in rang if e["type"] == "notice")
+        assert notice["code"] == "timer" and "tea" in notice["message"]
+        assert rang[-1]["text"] == notice["message"] and audio > 0
+    assert llm.specs and {t["function"]["name"] for t in llm.specs[0].tools} >= {"set_timer", "get_time", "calculate"}
+
+
+def test_the_clock_answers_with_the_local_date_and_an_operator_can_turn_skills_off(tmp_path):
+    ask = ToolCall("call_1", "get_time", "{}")
+    llm = ToolScriptedLLM([[ask], ["It is noon."]])
+    with (
+        TestClient(app_with(llm, data_dir=str(tmp_path), skills="clock"), base_url="http://127.0.0.1:8000") as client,
+        client.websocket_connect(URL) as ws,
+    ):
+        assert json.loads(ws.receive_text())["type"] == "ready"
+        days = {f"{datetime.date.today().day} {datetime.date.today():%B}"}
+        ws.send_text(json.dumps({"type": "text", "text": "What time is it?"}))
+        events, _ = events_until(ws, "turn_done")
+        days.add(f"{datetime.date.today().day} {datetime.date.today():%B}")
+        done = next(e for e in events if e["type"] == "tool_done")
+        assert done["status"] == "completed" and any(day in done["output"] for day in days)
+    assert [t["function"]["name"] for t in llm.specs[0].tools] == ["get_time"]
+
+
+def test_no_skills_means_no_tools_and_a_call_to_an_unknown_tool_fails_at_once(tmp_path):
+    ghost = ToolCall("call_1", "play_music", json.dumps({"song": "anything"}))
+    llm = ToolScriptedLLM([[ghost], ["I cannot play music."]])
+    app = app_with(llm, data_dir=str(tmp_path), skills="", tool_entry_point="fakes:server_tools")
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client, client.websocket_connect(URL) as ws:
+        assert json.loads(ws.receive_text())["type"] == "ready"
+        ws.send_text(json.dumps({"type": "text", "text": "Play some music."}))
+        events, _ = events_until(ws, "turn_done")
+        done = next(e for e in events if e["type"] == "tool_done")
+        assert done["status"] == "failed" and "no tool" in done["output"]
+        assert events[-1]["text"] == "I cannot play music."
