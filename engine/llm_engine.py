@@ -201,6 +201,8 @@ class LLMEngine:
                     f"the vocabulary [0, {vocab})"
                 )
             grammar = self._grammar_state(params.grammar)
+            if params.lazy_grammar is not None:
+                self._grammar_state(params.lazy_grammar.grammar)  # compiled now: a bad one fails the request here
             if (
                 params.prompt_logprobs_from is not None
                 and self.kv.enable_prefix_caching
@@ -228,6 +230,14 @@ class LLMEngine:
         self._states[request_id] = _RequestState(req, detok, row)
         self.prompt_tokens_total += req.num_prompt_tokens
         return request_id
+
+    @staticmethod
+    def _lazy_trigger(row, token: int) -> bool:
+        """``token`` starts the row's lazy grammar: a trigger anywhere, or an opener as the reply's first token."""
+        lazy = row.params.lazy_grammar
+        if lazy is None:
+            return False
+        return token in lazy.triggers or (not row.output_token_ids and token in lazy.openers)
 
     def _grammar_state(self, grammar: str | None) -> GrammarState | None:
         if grammar is None:
@@ -441,6 +451,8 @@ class LLMEngine:
         for rid, row, tok, err in zip(sample_ids, rows, tokens, errs, strict=True):
             if err is None and not 0 <= tok < vocab:
                 err = f"sampled token id {tok} is outside the vocabulary [0, {vocab})"
+            if err is None and row.grammar is None and self._lazy_trigger(row, tok):
+                row.grammar = self.grammars.state(row.params.lazy_grammar.grammar)
             if err is None and row.grammar is not None:
                 err = row.grammar.accept(tok)
             if err is None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import TokenLogprobs
-from engine.structured_output.grammar import GrammarState, grammar_bias
+from engine.structured_output.grammar import GrammarState, LazyGrammar, grammar_bias
 
 # Below this a positive temperature overflows the scaled logits (1e-40 made every row inf, and
 # the multinomial draw then failed inside the engine loop); 0 is the way to ask for greedy.
@@ -65,7 +65,8 @@ class SamplingParams:
     (see ``_apply_dry``); ``dry_context``: token sequences DRY reads too, as if they came before the prompt,
     each apart (no repeat is matched across their ends): text not to be said again that the prompt does not hold,
     a chat's earlier replies it leaves out (``app.stages.llm``). ``grammar``: an llguidance grammar the tokens must follow
-    (``engine.structured_output.grammar``). ``skip_special_tokens``: leave special tokens out of the text (a
+    (``engine.structured_output.grammar``); ``lazy_grammar``: one that applies from a trigger on (free text or a
+    well-formed call: ``LazyGrammar``). ``skip_special_tokens``: leave special tokens out of the text (a
     tool-call marker that is one, Mistral's ``[TOOL_CALLS]``, must stay in).
     """
 
@@ -94,6 +95,7 @@ class SamplingParams:
     dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
     dry_context: tuple[tuple[int, ...], ...] = ()
     grammar: str | None = None
+    lazy_grammar: LazyGrammar | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

@@ -48,10 +48,13 @@ due); ``kind`` is the skill's name ("timer", "reminder"). Called on the event lo
 
 @dataclass(frozen=True)
 class SkillOwner:
-    """The conversation a skill's tools act for: its id, and how to speak to its user unprompted."""
+    """The conversation a skill's tools act for: its id, how to speak to its user unprompted, and ``heard()``: the
+    user's last words ("" when not known), which an action's arguments must come from (a small model asked to turn
+    on the lights, with no tool for that, set a ten-minute timer)."""
 
     conversation_id: str
     announce: Announce
+    heard: Callable[[], str] = lambda: ""
 
 
 class Skill(Protocol):

@@ -27,7 +27,7 @@ from typing import Any
 
 from app.skills.base import ServerTool, SkillOwner, WallClock
 from app.skills.clock import DueLoop
-from app.skills.spoken_time import SpokenTimeError, describe_moment, parse_when
+from app.skills.spoken_time import SpokenTimeError, describe_moment, parse_when, words_heard
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,8 @@ class ReminderSkill:
 
     # ------------------------------------------------------------ the skill
     def tools(self, owner: SkillOwner) -> tuple[ServerTool, ...]:
-        text = {"type": "string", "description": "What to remind the user of, e.g. 'call mom'."}
-        when = {"type": "string", "description": "When, as the user said it, e.g. 'tomorrow at nine'."}
+        text = {"type": "string", "description": "What to remind the user of, in the user's words."}
+        when = {"type": "string", "description": "When, in the user's words."}
         return (
             ServerTool(
                 "set_reminder",
@@ -209,6 +209,9 @@ class ReminderSkill:
             if not text:
                 return {"error": "what should I remind you of?"}
             due_at = parse_when(arguments.get("when", ""), now, max_ahead=MAX_AHEAD)
+            heard = owner.heard()
+            if heard and not (words_heard(text, heard, 0.5) and words_heard(arguments["when"], heard)):
+                return {"error": "the user did not say that: set no reminder, ask them what and when"}
             self._store.add(text, due_at, owner.conversation_id, now, self._max_reminders)
         except SpokenTimeError as error:
             return {"error": str(error)}

@@ -110,6 +110,27 @@ def duration_seconds(text: str) -> float | None:
     return seconds if found else None
 
 
+# Words an argument may add to what the user said without changing it ("at", "the"), and words a model copies in
+# from a tool's description or its own habit that the user's sentence need not hold ("pm" for "in the evening").
+_FREE_WORDS = frozenset("a an the at on in of for to my me by this that is am pm o'clock".split())
+
+
+def words_heard(argument: str, heard: str, share: float = 1.0) -> bool:
+    """Whether at least ``share`` of ``argument``'s words (numbers as digits, small words left out) are among the
+    words of ``heard``, the user's sentence: an action's argument must come from what the user said (a small model
+    filled a reminder with its description's example, "call mom", when asked to water the plants)."""
+    said = set(_digits(heard[: MAX_TEXT_CHARS * 4]).replace(",", " ").split())
+    words = [w for w in _digits(argument).replace(",", " ").split() if w not in _FREE_WORDS]
+    return not words or sum(w in said for w in words) >= share * len(words)
+
+
+def said_durations(words: str) -> set[float]:
+    """The seconds of each duration said anywhere in ``words`` (a user's sentence), and of all of them together."""
+    text = _spoken_fractions(_digits(words[: MAX_TEXT_CHARS * 4]))
+    found = [float(m[1]) * _UNIT_SECONDS[_UNIT_OF_WORD[m[2]]] for m in re.finditer(rf"({_NUMBER})\s*({_UNIT})\b", text)]
+    return {*found, sum(found)} if found else set()
+
+
 def parse_duration(text: str, *, min_seconds: float = 1, max_seconds: float = 7 * 86400) -> float:
     """The seconds ``text`` says, within bounds; SpokenTimeError says why not."""
     text = _checked(text, "duration")

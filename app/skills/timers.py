@@ -22,7 +22,7 @@ from typing import Any
 
 from app.skills.base import ServerTool, SkillOwner, WallClock
 from app.skills.clock import DueLoop
-from app.skills.spoken_time import SpokenTimeError, describe_duration, parse_duration
+from app.skills.spoken_time import SpokenTimeError, describe_duration, parse_duration, said_durations, words_heard
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class TimerSkill:
 
     # ------------------------------------------------------------ the skill
     def tools(self, owner: SkillOwner) -> tuple[ServerTool, ...]:
-        label = {"type": "string", "description": "What the timer is for, e.g. 'pasta'."}
+        label = {"type": "string", "description": "What the timer is for, only when the user said it."}
         return (
             ServerTool(
                 "set_timer",
@@ -123,6 +123,11 @@ class TimerSkill:
             label = _label(arguments)
         except SpokenTimeError as error:
             return {"error": str(error)}
+        heard = owner.heard()
+        if heard and seconds not in said_durations(heard):
+            return {"error": "the user did not say how long: set no timer, ask them (or say what you can do)"}
+        if heard and label and not words_heard(label, heard):
+            label = ""  # a label the user did not say ("Kitchen lights are on.", "10 minutes timer") is left out
         now = self._clock.now()
         with self._lock:
             if len(self._owned(owner)) >= self._max_per_conversation:

@@ -58,6 +58,7 @@ class Rendered:
     grammar: str | None = None  # a forced call's grammar
     tool_format: object | None = None  # the reply is parsed for calls in this format (None: text only)
     skip_special_tokens: bool = True
+    lazy_grammar: object | None = None  # tool_choice "auto": free text, or a well-formed call once one opens
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,16 @@ class EngineChatLLM:
         ids = self.engine.apply_chat_template(
             plan.messages, add_generation_prompt=add_generation_prompt, tools=plan.tools
         )
-        return Rendered(ids, plan.grammar, plan.tool_format, plan.skip_special_tokens)
+        return Rendered(ids, plan.grammar, plan.tool_format, plan.skip_special_tokens, plan.lazy_grammar)
+
+    def prepare_tools(self) -> None:
+        """Build what the first reply with tools would otherwise wait for: the grammar library's view of the
+        vocabulary and the tokens that open a bare call (a second or two for a 152k-token vocabulary)."""
+        from engine.structured_output.grammar import opener_ids
+
+        core = self.engine.engine
+        core.grammars.tokenizer()
+        opener_ids(core.tokenizer)
 
     def tool_plan(self, messages: list[Message], tools: ToolSpec):
         """What a request with ``tools`` needs (``engine.openai_api.tool_plan.ChatPlan``)."""
@@ -273,13 +283,16 @@ class EngineChatLLM:
                 if room <= 0:
                     break
         max_tokens = settings.max_tokens
-        if rendered.grammar is not None:
-            max_tokens = max(max_tokens, FORCED_CALL_MIN_TOKENS)
+        if rendered.grammar is not None or rendered.lazy_grammar is not None:
+            max_tokens = max(
+                max_tokens, FORCED_CALL_MIN_TOKENS
+            )  # (a call's JSON is not spoken: the budget does not bind it)
         return SamplingParams(
             max_tokens=max_tokens,
             **settings.sampling(),
             dry_context=context[::-1],
             grammar=rendered.grammar,
+            lazy_grammar=rendered.lazy_grammar,
             skip_special_tokens=rendered.skip_special_tokens,
             **(window.params() if window is not None else {}),
         )

@@ -79,7 +79,7 @@ class VoiceSession:
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
         self._skills = skills
         self._announcements = Announcements(send_json, self._say, lambda: self.busy or self._tracker.in_utterance)
-        self._owner = SkillOwner(self.session_id, self._announcements.announce)
+        self._owner = SkillOwner(self.session_id, self._announcements.announce, self._last_heard)
         server_tools = load_server_tools(settings.tool_entry_point) + (skills.tools(self._owner) if skills else ())
         names = tuple(tool.name for tool in server_tools)
         self._prefs = Preferences(
@@ -311,6 +311,11 @@ class VoiceSession:
         if self._tracker.speech_may_be_ending or self._speculation.running:
             return True
         return self._state.reply is not None and self._state.reply.producing
+
+    def _last_heard(self) -> str:
+        """The user's last words (what a skill's action must come from)."""
+        said = [m.get("content") for m in self._history.messages if m.get("role") == "user"]
+        return said[-1] if said and isinstance(said[-1], str) else ""
 
     async def _say(self, words: str) -> None:
         """An announcement's words, spoken as a turn of the assistant's own."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -212,6 +213,8 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
         await check_grammar(plan.grammar, plan.grammar_param)
         params = sampling_params(req, len(prompt), plan.grammar, plan.skip_special_tokens)
+        if plan.lazy_grammar is not None:
+            params = dataclasses.replace(params, lazy_grammar=plan.lazy_grammar)
         return await _generate(request, "chat", prompt, params, req, plan.tool_format)
 
     @app.post("/v1/completions")

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from engine.chat import added_token_texts
 from engine.openai_api.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, NamedToolChoice
-from engine.structured_output.formats import ToolFormat
-from engine.structured_output.grammar import tool_call_grammar
+from engine.structured_output.formats import HERMES, ToolFormat
+from engine.structured_output.grammar import LazyGrammar, lazy_call_grammar, opener_ids, tool_call_grammar
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class ChatPlan:
     grammar: str | None  # the reply's grammar: forced calls, or the response_format
     grammar_param: str | None  # the request field the grammar comes from (for errors)
     skip_special_tokens: bool  # False when a call marker is a special token (it must reach the parser)
+    lazy_grammar: LazyGrammar | None = None  # tool_choice "auto": free text, or a well-formed call once one opens
 
 
 def special_tokens(tokenizer) -> dict[str, int]:
@@ -90,14 +91,16 @@ def plan_chat(req: ChatCompletionRequest, fmt: ToolFormat, tokenizer) -> ChatPla
         tools = defuse([t.model_dump(exclude_none=True) for t in req.tools or ()])
     else:
         messages = _with_system_note(messages, _plain_json_note(chosen))
-    grammar = None
+    grammar = lazy = None
+    pairs = [(f.name, f.arguments_schema) for f in chosen]
+    added = added_token_texts(tokenizer)
+    marker_ids = {m: added[m] for m in fmt.markers if m in added}
     if forced:
-        pairs = [(f.name, f.arguments_schema) for f in chosen]
-        added = added_token_texts(tokenizer)
-        marker_ids = {m: added[m] for m in fmt.markers if m in added}
         grammar = tool_call_grammar(fmt, pairs, req.parallel_tool_calls and named is None, marker_ids)
+    elif fmt is HERMES:  # (the one format whose bare calls are a model's slip, not its template's syntax)
+        lazy = lazy_call_grammar(fmt, pairs, opener_ids(tokenizer))
     keep_special = any(m in special_tokens(tokenizer) for m in fmt.markers)
-    return ChatPlan(messages, tools, fmt, grammar, "tools", not keep_special)
+    return ChatPlan(messages, tools, fmt, grammar, "tools", not keep_special, lazy)
 
 
 def _history(messages: list[ChatMessage], fmt: ToolFormat, defuse) -> list[dict]:

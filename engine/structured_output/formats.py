@@ -47,7 +47,8 @@ class ToolFormat:
 
 
 # Qwen 2.5/3, Hermes 2 Pro, SmolLM3 and the SmolLM2 1.7B: <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
-HERMES = ToolFormat("hermes", open="<tool_call>", close="</tool_call>")
+# (small Qwen models often write the JSON bare, without the tags: a reply that opens with a call object is one too)
+HERMES = ToolFormat("hermes", open="<tool_call>", close="</tool_call>", json_at_start=True)
 # Llama 3.1-3.3 JSON calls: {"name": ..., "parameters": ...}, optionally after <|python_tag|>, several joined by ";"
 LLAMA3 = ToolFormat("llama3", open="<|python_tag|>", json_at_start=True, separator=";", args_key="parameters")
 # Mistral 7B v0.3 / Nemo (before the v11 tokenizer): [TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]

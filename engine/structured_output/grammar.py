@@ -15,11 +15,13 @@ reads to the model as one it wrote itself and to ``engine.openai_api.tool_parser
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,6 +79,62 @@ def tool_call_grammar(
         rules.insert(0, f"start: {call}" + (f" ({between} {call})*" if parallel else ""))
         rules.append(f"call: %json {_with_style(one)}")
     return _llguidance().LLMatcher.grammar_from_lark("\n".join(rules))
+
+
+# A call to a tool the request did not declare still has a call's shape: it is well-formed, and the caller tells
+# the model it has no such tool (a voice assistant asked to play music says it cannot), rather than a grammar of
+# declared names only turning "play_music" into the nearest declared tool, an action nobody asked for.
+_ANY_NAME = {"type": "string", "minLength": 1, "maxLength": 64}
+# ... and its arguments flat and short: a small model given room nests objects until its token cap (a call to
+# get_time, which takes none, ran 11 s into {"type": "object", "properties": {"type": ...)
+_ANY_ARGUMENTS = {
+    "type": "object",
+    "additionalProperties": {"anyOf": [{"type": "string", "maxLength": 48}, {"type": "number"}, {"type": "boolean"}]},
+    "maxProperties": 4,
+}
+
+
+def _closed(parameters: dict) -> dict:
+    """An object schema that says nothing of other properties, closed to them (a model fills in its own schema's
+    words otherwise: {"expression": "15% of 80", "required": ["expression"]})."""
+    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        return parameters | {"additionalProperties": False}
+    return parameters
+
+
+@dataclass(frozen=True)
+class LazyGrammar:
+    """A grammar that applies from a trigger on (llama.cpp's lazy grammars): the reply is free text until it samples
+    one of ``triggers`` (a marker token), or opens with one of ``openers`` (tokens that start a bare JSON call,
+    ``{``); from that token on it is decoded under ``grammar``, which starts with that token."""
+
+    grammar: str
+    triggers: tuple[int, ...] = ()
+    openers: tuple[int, ...] = ()
+
+
+def lazy_call_grammar(fmt: ToolFormat, tools: Sequence[tuple[str, dict]], openers: Sequence[int]) -> LazyGrammar:
+    """For a format whose calls a model may also write bare (``json_at_start``: Qwen2.5-Coder-0.5B writes Hermes calls
+    without their tags): a reply that opens with ``{`` is decoded as one call, to a declared tool with arguments its
+    schema allows or to another name (see ``_ANY_NAME``), and nothing after it. A call in the
+    format's own markers stays free (the parser reads it): the model knows that syntax, and text may follow."""
+    any_call = {
+        "type": "object",
+        "properties": {"name": _ANY_NAME, fmt.args_key: _ANY_ARGUMENTS},
+        "required": ["name", fmt.args_key],
+        "additionalProperties": False,
+    }
+    declared = [_call_schema(name, _closed(params), fmt.args_key) for name, params in tools]
+    one = {"anyOf": [*declared, any_call]}
+    rules = ["start: call", f"call: %json {_with_style(one)}"]  # one call: a model may repeat it line after line
+    return LazyGrammar(_llguidance().LLMatcher.grammar_from_lark("\n".join(rules)), openers=tuple(openers))
+
+
+@functools.lru_cache(maxsize=8)
+def opener_ids(tokenizer) -> tuple[int, ...]:
+    """The tokens whose text starts with ``{``: a reply that opens with one may be a bare JSON call."""
+    vocab = tokenizer.get_vocab()
+    return tuple(sorted(i for text, i in vocab.items() if tokenizer.convert_tokens_to_string([text]).startswith("{")))
 
 
 def _with_style(schema: dict) -> str:

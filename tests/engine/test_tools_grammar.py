@@ -10,9 +10,18 @@ import torch
 from tool_models import EOS, family_tokenizer, schema_errors
 
 import engine.sampling as sampling_mod
+from engine.llm_engine import LLMEngine
 from engine.sampling import SamplerRow, SamplingParams, make_generator, sample
 from engine.structured_output.formats import HERMES, LLAMA3, MISTRAL, PLAIN_JSON
-from engine.structured_output.grammar import GrammarCompiler, schema_grammar, tool_call_grammar
+from engine.structured_output.grammar import (
+    GrammarCompiler,
+    LazyGrammar,
+    grammar_bias,
+    lazy_call_grammar,
+    opener_ids,
+    schema_grammar,
+    tool_call_grammar,
+)
 
 WEATHER = {
     "type": "object",
@@ -77,6 +86,40 @@ def _rows(tokenizer, n: int, grammar_rows: dict[int, str], compiler: GrammarComp
         state = compiler.state(params.grammar) if params.grammar else None
         rows.append(SamplerRow(params, make_generator(params, "cpu", i), [5, 6], [], (EOS,), grammar=state))
     return rows
+
+
+def test_a_lazy_grammar_keeps_text_free_and_a_bare_call_well_formed(tokenizers):
+    """The default brain writes Hermes calls bare: a reply that opens with "{" is held to one call (a declared tool
+    within its schema, or another name with flat, short arguments, which the caller says it has not got)."""
+    tok = tokenizers["hermes"]
+    compiler = GrammarCompiler(tok, len(tok), [EOS])
+    lazy = lazy_call_grammar(HERMES, TOOLS, opener_ids(tok))
+    assert tok.convert_tokens_to_ids("{") in lazy.openers and lazy.triggers == ()
+    assert all(tok.decode([t]).startswith("{") for t in lazy.openers)
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    assert _accepts(compiler, lazy.grammar, ids(f'{{"name": "get_weather", "arguments": {GOOD}}}'))
+    assert _accepts(compiler, lazy.grammar, ids('{"name": "play_music", "arguments": {"song": "Yesterday"}}'))
+    # what a 0.5B model wrote for get_time (no arguments): its own schema again, nested until its token cap
+    assert not _accepts(compiler, lazy.grammar, ids('{"name": "get_time", "arguments": {"type": "object", "p": {}}}'))
+    assert not _accepts(compiler, lazy.grammar, ids('{"name": "get_time", "arguments": {}}\n{"name": "get_time"'))
+    state = compiler.state(lazy.grammar)
+    for t in ids('{"name": "get_time", "arguments": {}}'):
+        assert state.accept(t) is None
+    allowed = torch.isfinite(grammar_bias([state], len(tok))[0]).nonzero().flatten().tolist()
+    assert allowed == [EOS]  # one call, then the reply ends (its results come in the next round)
+
+
+def test_the_engine_starts_a_lazy_grammar_only_at_its_trigger():
+    lazy = LazyGrammar("unused", triggers=(7,), openers=(3,))
+    row = SamplerRow(SamplingParams(lazy_grammar=lazy), output_token_ids=[])
+    assert LLMEngine._lazy_trigger(row, 3) and LLMEngine._lazy_trigger(row, 7)
+    assert not LLMEngine._lazy_trigger(row, 5)
+    later = SamplerRow(SamplingParams(lazy_grammar=lazy), output_token_ids=[5])
+    assert LLMEngine._lazy_trigger(later, 7) and not LLMEngine._lazy_trigger(later, 3)  # "{" opens only a reply
+    assert not LLMEngine._lazy_trigger(SamplerRow(SamplingParams(), output_token_ids=[]), 3)
 
 
 def test_the_mask_constrains_only_its_own_rows(tokenizer):

@@ -31,6 +31,9 @@ RECORDED = [
     ),
     (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>', None, [TIME]),
     (HERMES, "Paris is lovely. <tool is not a marker", "Paris is lovely. <tool is not a marker", []),
+    # Qwen2.5-Coder-0.5B (the default brain) writes its calls bare, without the tags: still a call
+    (HERMES, '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}', None, [TIME]),
+    (HERMES, '{"answer": "Paris"} is JSON, not a call', '{"answer": "Paris"} is JSON, not a call', []),
     (  # text after a call is content too
         HERMES,
         'Done.<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>\nBye.',

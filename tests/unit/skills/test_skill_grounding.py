@@ -1,0 +1,66 @@
+"""An action's arguments must come from what the user said: the checks that stopped a 0.5B model's made-up actions
+(asked to turn on the lights, with no tool for that, it set a ten-minute timer; asked to water the plants, it set a
+reminder to "call mom", the example in the tool's description)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from skill_fakes import FakeClock, conversation
+
+from app.skills.reminders import ReminderSkill
+from app.skills.spoken_time import said_durations, words_heard
+from app.skills.timers import TimerSkill
+
+
+def heard_by(owner, words: str):
+    return replace(owner, heard=lambda: words)
+
+
+def run(skill, owner, name: str, arguments: dict):
+    return next(t for t in skill.tools(owner) if t.name == name).run(arguments)
+
+
+def test_durations_said_anywhere_in_a_sentence():
+    assert said_durations("Set a timer for ten minutes please.") == {600.0}
+    assert said_durations("an hour and a half for the roast") == {5400.0}
+    assert said_durations("one minute for the eggs and 2 minutes for toast") == {60.0, 120.0, 180.0}
+    assert said_durations("Turn on the kitchen lights.") == set()
+
+
+def test_a_timer_the_user_did_not_ask_for_is_not_set_and_a_made_up_label_is_left_out():
+    skill = TimerSkill(FakeClock())
+    owner, _ = conversation("a")
+    lights = run(skill, heard_by(owner, "Turn on the kitchen lights."), "set_timer", {"duration": "ten minutes"})
+    assert "error" in lights and "did not say how long" in lights["error"]
+    asked = heard_by(owner, "Set a timer for 10 minutes.")
+    assert run(skill, asked, "set_timer", {"duration": "ten minutes", "label": "Kitchen lights are on."}) == {
+        "set": "a timer for 10 minutes",
+        "ends_at": "14:32",
+    }
+    pasta = run(skill, heard_by(owner, "Set a pasta timer for twelve minutes."), "set_timer", {"duration": "12 min"})
+    assert pasta["set"] == "a timer for 12 minutes"
+    assert run(skill, owner, "set_timer", {"duration": "ten minutes"})["set"]  # words not known: not checked
+    assert len(run(skill, owner, "list_timers", {})["timers"]) == 3
+
+
+def test_a_reminder_holds_what_the_user_said_not_a_description_s_example(tmp_path):
+    skill = ReminderSkill(FakeClock(), tmp_path / "r.sqlite3")
+    owner, _ = conversation("a")
+    plants = heard_by(owner, "Remind me to water the plants at 6 pm.")
+    assert "error" in run(skill, plants, "set_reminder", {"text": "call mom", "when": "tomorrow at six pm"})
+    assert "error" in run(skill, plants, "set_reminder", {"text": "water the plants", "when": "tomorrow at 6 pm"})
+    done = run(skill, plants, "set_reminder", {"text": "Water the plants", "when": "6 pm"})
+    assert done["set"] == "a reminder" and done["when"] == "today at 18:00"
+    mother = heard_by(owner, "Remind me to call my mother tomorrow at nine.")
+    assert (
+        run(skill, mother, "set_reminder", {"text": "call mother", "when": "tomorrow at 9"})["when"]
+        == "tomorrow at 09:00"
+    )
+
+
+def test_words_heard_reads_numbers_as_digits_and_lets_small_words_go():
+    assert words_heard("at 6 pm", "remind me at six")
+    assert words_heard("tomorrow at nine", "call mum tomorrow at 9")
+    assert not words_heard("tomorrow", "at six")
+    assert words_heard("call my mother", "call mum", share=0.5) and not words_heard("call mom", "water plants", 0.5)
