@@ -32,9 +32,18 @@ from pathlib import Path
 
 from app import protocol
 from app.bench.launcher import ServerProcess
+from app.bench.quality_actions import (
+    ACTIONS,
+    ActionAsk,
+    ActionRecord,
+    describe_action,
+    print_actions,
+    summarize_actions,
+)
 from app.bench.quality_score import TurnRecord, describe, print_table, score_in_conversation, score_turn, summarize
 from app.bench.quality_set import CONVERSATIONS, Ask, alone_questions
 from app.clients.core import Connection, open_connection
+from app.voice.runaway import SPOKEN_CHARS_PER_S
 
 TURN_TIMEOUT_S = 180.0
 CANCEL_WAIT_S = 15.0  # for the interrupted turn_done after a cancel (none comes if the reply had ended)
@@ -53,6 +62,7 @@ class Answer:
     interrupted: bool = False
     error: str | None = None
     done: bool = False
+    calls: list[protocol.ToolDone] = field(default_factory=list)
 
 
 class TypedUser:
@@ -71,6 +81,8 @@ class TypedUser:
                 answer.turn_id = item.turn_id
             elif isinstance(item, protocol.AssistantText) and item.turn_id == answer.turn_id:
                 answer.written.append(item.delta)
+            elif isinstance(item, protocol.ToolDone) and item.turn_id == answer.turn_id:
+                answer.calls.append(item)
             elif isinstance(item, protocol.TurnDone) and item.turn_id == answer.turn_id:
                 answer.reply, answer.metrics, answer.done = item.text, item.metrics, True
                 answer.interrupted = item.interrupted
@@ -143,9 +155,14 @@ async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) 
 
 
 async def run(
-    url: str, conversations: tuple[tuple[Ask, ...], ...], seed: int, say: Callable[[str], None] = print
-) -> tuple[list[list[TurnRecord]], list[TurnRecord]]:
-    """Every conversation, then its questions alone (in an order ``seed`` shuffles), on one connection."""
+    url: str,
+    conversations: tuple[tuple[Ask, ...], ...],
+    seed: int,
+    say: Callable[[str], None] = print,
+    actions: tuple[ActionAsk, ...] = ACTIONS,
+) -> tuple[list[list[TurnRecord]], list[TurnRecord], list[ActionRecord]]:
+    """Every conversation, then its questions alone (in an order ``seed`` shuffles), then the requests to act on
+    (``app.bench.quality_actions``), each in a fresh conversation, on one connection."""
     connection = await open_connection(url)
     user = TypedUser(connection)
     try:
@@ -169,9 +186,31 @@ async def run(
             score_turn(record)
             alone.append(record)
             say(describe(record))
+        acts = []
+        for request in actions:
+            await user.reset()
+            answer = await user.ask(request.text)
+            guards = {n: getattr(answer.metrics, n) or 0 for n in protocol.GUARD_FIELDS} if answer.metrics else {}
+            acts.append(ActionRecord(request, answer.reply, answer.calls, guards, answer.error))
+            say(describe_action(acts[-1]))
     finally:
         await connection.close()
-    return talks, alone
+    return talks, alone, acts
+
+
+def speech_seconds(replies: list[str]) -> dict[str, float]:
+    """Seconds of speech per reply, p50 and p90, estimated from its length (``app.voice.runaway.SPOKEN_CHARS_PER_S``:
+    the replies come as text here), and how many would run past 20 s."""
+    seconds = sorted(len(reply) / SPOKEN_CHARS_PER_S for reply in replies)
+    if not seconds:
+        return {}
+    at = lambda q: seconds[min(len(seconds) - 1, int(q * len(seconds)))]  # noqa: E731
+    over = sum(s > 20 for s in seconds)
+    return {
+        "speech_s_per_reply_p50": round(at(0.5), 1),
+        "speech_s_per_reply_p90": round(at(0.9), 1),
+        "replies_over_20_s": over,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the order of the questions asked alone")
     parser.add_argument(
         "--conversations", type=int, default=len(CONVERSATIONS), help="how many of the conversations (a smoke run: 1)"
+    )
+    parser.add_argument(
+        "--actions", action=argparse.BooleanOptionalAction, default=True, help="also the requests to act on"
     )
     parser.add_argument("--out", default="bench-output", help="folder for the server log")
     parser.add_argument("--json", dest="json_path", help="write the summary and every turn here")
@@ -198,12 +240,23 @@ def main(argv: list[str] | None = None) -> int:
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:
         print(f"typing {sum(map(len, chosen))} conversation turns, then their questions alone, to {url} ...")
-        conversations, alone = asyncio.run(run(url, chosen, args.seed, say=lambda line: print(line, flush=True)))
+        actions = ACTIONS if args.actions else ()
+        conversations, alone, acts = asyncio.run(
+            run(url, chosen, args.seed, say=lambda line: print(line, flush=True), actions=actions)
+        )
     finally:
         if server is not None:
             server.stop()
-    summary = summarize(conversations, alone)
+    summary = summarize(conversations, alone) | (summarize_actions(acts) if acts else {})
+    summary |= speech_seconds([r.reply for c in conversations for r in c] + [r.reply for r in alone + acts])
     print_table(summary)
+    if acts:
+        print_actions(summary)
+    if "speech_s_per_reply_p50" in summary:
+        print(
+            f"seconds of speech per reply (from its length): p50 {summary['speech_s_per_reply_p50']}, "
+            f"p90 {summary['speech_s_per_reply_p90']}; over 20 s: {summary['replies_over_20_s']}"
+        )
     if args.json_path:
         report = {
             "summary": summary,
@@ -211,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             "server_args": args.server_arg,
             "conversations": [[record.to_json() for record in records] for records in conversations],
             "alone": [record.to_json() for record in alone],
+            "actions": [record.to_json() for record in acts],
         }
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0

@@ -352,7 +352,8 @@ async def test_a_run_resets_before_each_conversation_and_question_and_sums_the_g
         return connection
 
     monkeypatch.setattr(quality, "open_connection", connect)
-    conversations, alone = await quality.run("ws://test/ws", (talk,), seed=0, say=lambda line: None)
+    conversations, alone, acts = await quality.run("ws://test/ws", (talk,), seed=0, say=lambda line: None, actions=())
+    assert acts == []
     resets = sum(isinstance(message, protocol.Reset) for message in connection.sent)
     assert resets == 1 + 2 and connection.closed  # one conversation, two facts alone
     # replies come as text only, but for the cancelled one: spoken, so that it is cut where it was heard
@@ -367,3 +368,34 @@ async def test_a_run_resets_before_each_conversation_and_question_and_sums_the_g
     summary = summarize(conversations, alone)
     assert summary["guard_loop_in_conversation"] == 1 and summary["guard_loop_alone"] == 1
     assert summary["fact_without_the_conversation"] == 1 and summary["follow_up_without_the_conversation"] == 0
+
+
+def test_an_action_is_right_only_when_its_tool_completed_with_what_was_asked_and_a_decline_claims_nothing():
+    from app.bench.quality_actions import ActionAsk, ActionRecord, summarize_actions
+
+    timer = ActionAsk("Set a timer for 10 minutes.", "set_timer", ("10 minutes",), "tune")
+    lights = ActionAsk("Turn on the kitchen lights.", None)
+
+    def done(name: str, output: str, status: str = "completed") -> protocol.ToolDone:
+        return protocol.ToolDone(turn_id=1, call_id="c", name=name, status=status, output=output)
+
+    set_right = ActionRecord(timer, "Done.", [done("set_timer", '{"set": "a timer for 10 minutes"}')])
+    refused = ActionRecord(timer, "How long?", [done("set_timer", '{"error": "the user did not say how long"}')])
+    made_up = ActionRecord(lights, "I turned on the lights.", [done("set_timer", '{"set": "a timer for 10 minutes"}')])
+    claimed = ActionRecord(lights, "I've turned on the kitchen lights for you.", [])
+    honest = ActionRecord(lights, "Sorry, I cannot control lights.", [done("play_lights", "{}", "failed")])
+    assert set_right.right and not refused.right
+    assert not made_up.right and not claimed.right and claimed.claim_without_action and honest.right
+    summary = summarize_actions([set_right, refused, made_up, claimed, honest])
+    assert summary["actions_right_tune"] == 1 and summary["actions_asked_tune"] == 2
+    assert summary["declined_right_held_out"] == 1 and summary["declines_asked_held_out"] == 3
+    assert summary["claims_without_action_held_out"] == 1
+
+
+def test_the_action_set_has_two_halves_and_each_tool_of_the_default_skills():
+    from app.bench.quality_actions import ACTIONS
+
+    for half in ("tune", "held_out"):
+        mine = [a for a in ACTIONS if a.half == half]
+        assert {a.tool for a in mine} >= {"set_timer", "set_reminder", "get_time", "calculate", "convert_units", None}
+    assert len({a.text for a in ACTIONS}) == len(ACTIONS)
