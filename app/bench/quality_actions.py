@@ -28,7 +28,8 @@ Half = Literal["tune", "held_out"]
 # tools that only read (asking the time acts on nothing)
 READING_TOOLS = frozenset({"get_time", "list_timers", "list_reminders", "calculate", "convert_units"})
 CLAIMS = re.compile(
-    r"\b(i(?:'ve| have)? (?:set|turned|switched|started|booked|ordered|played|called|sent)|"
+    r"\b(i(?:'ve|'ll| have| will)? (?:set|turn(?:ed)?|switch(?:ed)?|start(?:ed)?|book(?:ed)?|order(?:ed)?|play(?:ed)?|"
+    r"called|sent)|"
     r"(?:turned|switched) (?:on|off)|now playing|playing (?:some|your|the)|is (?:now )?(?:on|playing|booked))\b",
     re.IGNORECASE,
 )

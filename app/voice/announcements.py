@@ -1,4 +1,5 @@
-"""Words the assistant says unprompted: a skill's news (a timer rang, a reminder is due).
+"""The server's skills in one conversation (``ConversationSkills``), and the words the assistant says unprompted:
+a skill's news (a timer rang, a reminder is due).
 
 Shown at once (a ``notice`` whose ``code`` is the skill's: the page and ``parley mic`` print it) and spoken as a
 reply of the server's own words as soon as the user is not busy: never over the user's speech or over a reply
@@ -15,6 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from app import protocol
+from app.skills.base import ServerTool, SessionSkills, SkillOwner
 from app.voice.reply import SendJson
 
 log = logging.getLogger(__name__)
@@ -78,3 +80,35 @@ class Announcements:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+class ConversationSkills:
+    """A session's side of the server's skills: their tools for this conversation, that it opened and ended, and
+    their news said in it (``Announcements``)."""
+
+    def __init__(
+        self,
+        skills: SessionSkills | None,
+        conversation_id: str,
+        send_json: SendJson,
+        *,
+        say: Callable[[str], Awaitable[None]],
+        busy: Callable[[], bool],
+        heard: Callable[[], str],
+    ) -> None:
+        """``heard()``: the user's last words (an action's arguments must come from them)."""
+        self._skills = skills
+        self._announcements = Announcements(send_json, say, busy)
+        self._owner = SkillOwner(conversation_id, self._announcements.announce, heard)
+
+    def tools(self) -> tuple[ServerTool, ...]:
+        return self._skills.tools(self._owner) if self._skills is not None else ()
+
+    def opened(self) -> None:
+        if self._skills is not None:
+            self._skills.opened(self._owner)
+
+    async def close(self) -> None:
+        if self._skills is not None:
+            self._skills.close(self._owner)
+        await self._announcements.close()

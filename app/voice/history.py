@@ -193,6 +193,11 @@ class History:
 
         return fit_to_context(messages, count, max(64, min(limits) - reply_tokens))
 
+    def last_user_words(self) -> str:
+        """What the user said last ("" before they said anything)."""
+        said = next((m.get("content") for m in reversed(self.messages) if m.get("role") == "user"), "")
+        return said if isinstance(said, str) else ""
+
     def upcoming_prefix(self, system_prompt: str) -> list[Message]:
         """What the next turn's prompt will start with (to prefill while the user listens)."""
         return self.window(system_prompt, [*self.messages, {"role": "user", "content": ""}])[:-1]

@@ -27,10 +27,10 @@ import numpy as np
 from app import protocol
 from app.audio import ASR_SAMPLE_RATE, StreamResampler, pcm16_to_float
 from app.config import Settings
-from app.skills.base import SessionSkills, SkillOwner
+from app.skills.base import SessionSkills
 from app.stages.base import Message, VoiceStages
 from app.voice import utterance as heard
-from app.voice.announcements import Announcements
+from app.voice.announcements import ConversationSkills
 from app.voice.answering import Answering
 from app.voice.barge_in import BargeIn
 from app.voice.clock import Clock, MonotonicClock, RunBlocking, run_in_thread
@@ -77,10 +77,10 @@ class VoiceSession:
             follow_ups=settings.follow_ups,
         )
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
-        self._skills = skills
-        self._announcements = Announcements(send_json, self._say, lambda: self.busy or self._tracker.in_utterance)
-        self._owner = SkillOwner(self.session_id, self._announcements.announce, self._last_heard)
-        server_tools = load_server_tools(settings.tool_entry_point) + (skills.tools(self._owner) if skills else ())
+        busy = lambda: self.busy or self._tracker.in_utterance  # noqa: E731
+        heard = self._history.last_user_words
+        self._skills = ConversationSkills(skills, self.session_id, send_json, say=self._say, busy=busy, heard=heard)
+        server_tools = load_server_tools(settings.tool_entry_point) + self._skills.tools()
         names = tuple(tool.name for tool in server_tools)
         self._prefs = Preferences(
             settings.system_prompt, models.asr, models.tts, tool_choice=settings.tool_choice, server_tools=names
@@ -132,8 +132,7 @@ class VoiceSession:
     async def start(self) -> None:
         """Tell the client the conversation is ready, and what it takes and gives (sent again at each ``start``); the
         skills may speak here from now on."""
-        if self._skills is not None:
-            self._skills.opened(self._owner)
+        self._skills.opened()
         await self._send_json(
             protocol.Ready(
                 input_sample_rate=self.input_sample_rate,
@@ -312,20 +311,13 @@ class VoiceSession:
             return True
         return self._state.reply is not None and self._state.reply.producing
 
-    def _last_heard(self) -> str:
-        """The user's last words (what a skill's action must come from)."""
-        said = [m.get("content") for m in self._history.messages if m.get("role") == "user"]
-        return said[-1] if said and isinstance(said[-1], str) else ""
-
     async def _say(self, words: str) -> None:
         """An announcement's words, spoken as a turn of the assistant's own."""
         self._answering.say(self._state.next_turn_id(), words)
 
     async def close(self) -> None:
         """The client is gone: stop the reply and free its LLM request and TTS work."""
-        if self._skills is not None:
-            self._skills.close(self._owner)
-        await self._announcements.close()
+        await self._skills.close()
         await self._warmup.close()
         await self._drop_utterance()
         await self._answering.close()
