@@ -276,6 +276,9 @@ class Settings(BaseSettings):
     tool_choice: Literal["auto", "required", "none"] = Field(
         "auto", description="how replies use the server-side tools (a session's config sets its own)"
     )
+    tool_rounds: int = Field(
+        3, ge=1, le=5, description="rounds of calls a reply may make before it must answer " + POLICY_DEFAULT
+    )
     # Skills: the assistant's own abilities, tools for sessions that declare none (README, Skills)
     skills: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["clock", "timers", "reminders", "calculator"],

@@ -58,7 +58,8 @@ POLICIES: dict[str, dict[str, object]] = {
         "follow_ups": "in_full_alone",
     },
     # the default brain: its prompt for speech; the rest as any model (measured: app/bench/results/default_brain.md)
-    "qwen2.5-0.5b": {"system_prompt": SPEECH_PROMPT},
+    # (one round of calls: given a result, the 0.5B called again, three times, instead of answering)
+    "qwen2.5-0.5b": {"system_prompt": SPEECH_PROMPT, "tool_rounds": 1},
 }
 
 

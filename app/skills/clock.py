@@ -48,11 +48,13 @@ class ClockSkill:
 
     def get_time(self) -> dict[str, str]:
         now = self._clock.now()
+        weekday, date = WEEKDAYS[now.weekday()], f"{now.day} {MONTHS[now.month - 1]} {now.year}"
         return {
-            "weekday": WEEKDAYS[now.weekday()],
-            "date": f"{now.day} {MONTHS[now.month - 1]} {now.year}",
+            "weekday": weekday,
+            "date": date,
             "time": f"{now:%H:%M}",
             "timezone": timezone_name(now),
+            "say": f"It is {now:%H:%M} on {weekday}, {date}.",
         }
 
 

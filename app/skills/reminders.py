@@ -218,7 +218,8 @@ class ReminderSkill:
         except StoreFull:
             return {"error": f"there are already {self._max_reminders} reminders; cancel some first"}
         self._loop.wake()
-        return {"set": "a reminder", "text": text, "when": describe_moment(due_at, now)}
+        when = describe_moment(due_at, now)
+        return {"set": "a reminder", "text": text, "when": when, "say": f"I will remind you to {text} {when}."}
 
     def list_reminders(self) -> dict[str, Any]:
         now = self._clock.now()
@@ -226,9 +227,11 @@ class ReminderSkill:
         if not waiting:
             return {"reminders": [], "say": "You have no reminders."}
         listed = [{"text": r.text, "when": describe_moment(r.due_at.astimezone(now.tzinfo), now)} for r in waiting]
-        result: dict[str, Any] = {"reminders": listed[:LISTED]}
+        said = "; ".join(f"to {r['text']} {r['when']}" for r in listed[:LISTED])
+        result: dict[str, Any] = {"reminders": listed[:LISTED], "say": f"You have reminders {said}."}
         if len(listed) > LISTED:
             result["more"] = len(listed) - LISTED
+            result["say"] += f" And {len(listed) - LISTED} more."
         return result
 
     def cancel_reminder(self, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +250,8 @@ class ReminderSkill:
             return {"error": f"the reminder '{chosen.text}' was already said"}
         self._loop.wake()
         now = self._clock.now()
-        return {"cancelled": chosen.text, "was_due": describe_moment(chosen.due_at.astimezone(now.tzinfo), now)}
+        was_due = describe_moment(chosen.due_at.astimezone(now.tzinfo), now)
+        return {"cancelled": chosen.text, "was_due": was_due, "say": f"I cancelled the reminder to {chosen.text}."}
 
     # ------------------------------------------------------------ saying them
     def next_due(self, now: datetime) -> datetime | None:

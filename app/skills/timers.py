@@ -138,6 +138,8 @@ class TimerSkill:
             self._timers[timer.id] = timer
         self._loop.wake()
         result = {"set": f"a timer for {describe_duration(seconds)}", "ends_at": f"{timer.ends_at:%H:%M}"}
+        said = f"Your {label} timer is set" if label else "Timer set"
+        result["say"] = f"{said} for {describe_duration(seconds)}."
         return {**result, "label": label} if label else result
 
     def list_timers(self, owner: SkillOwner) -> dict[str, Any]:
@@ -146,9 +148,9 @@ class TimerSkill:
             timers = sorted(self._owned(owner), key=lambda t: t.ends_at)
         if not timers:
             return {"timers": [], "say": "No timers are running."}
-        return {
-            "timers": [{"timer": t.name, "left": t.remaining(now), "ends_at": f"{t.ends_at:%H:%M}"} for t in timers]
-        }
+        listed = [{"timer": t.name, "left": t.remaining(now), "ends_at": f"{t.ends_at:%H:%M}"} for t in timers]
+        said = "; ".join(f"{t.spoken()}, {t.remaining(now)} left" for t in timers)
+        return {"timers": listed, "say": f"{said[0].upper()}{said[1:]}."}
 
     def cancel_timer(self, owner: SkillOwner, arguments: dict[str, Any]) -> dict[str, Any]:
         """By label (the closest one; "all": every one); with no label, the only timer there is."""
@@ -174,7 +176,8 @@ class TimerSkill:
             for timer in chosen:
                 del self._timers[timer.id]
         self._loop.wake()
-        return {"cancelled": ", ".join(t.spoken() for t in chosen)}
+        cancelled = ", ".join(t.spoken() for t in chosen)
+        return {"cancelled": cancelled, "say": f"I cancelled the {cancelled}."}
 
     # ------------------------------------------------------------ ringing
     def next_due(self, now: datetime | None = None) -> datetime | None:

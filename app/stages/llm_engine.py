@@ -225,7 +225,10 @@ class EngineChatLLM:
         ids = self.engine.apply_chat_template(
             plan.messages, add_generation_prompt=add_generation_prompt, tools=plan.tools
         )
-        return Rendered(ids, plan.grammar, plan.tool_format, plan.skip_special_tokens, plan.lazy_grammar)
+        tool_format = plan.tool_format
+        if tool_format is None and tools.choice == "none" and self._tool_format.json_at_start:
+            tool_format = self._tool_format  # an answer-only round: a call written anyway is read, not spoken
+        return Rendered(ids, plan.grammar, tool_format, plan.skip_special_tokens, plan.lazy_grammar)
 
     def prepare_tools(self) -> None:
         """Build what the first reply with tools would otherwise wait for: the grammar library's view of the

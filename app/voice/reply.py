@@ -41,7 +41,7 @@ from app.voice.playback import ReplyPlayback
 from app.voice.reply_audio import ReplyAudio
 from app.voice.runaway import SpeechBudget
 from app.voice.text import FIRST_PHRASE_MAX_WORDS, speakable
-from app.voice.tools import ToolRunner, calls_message, next_round
+from app.voice.tools import MAX_TOOL_ROUNDS, ToolRunner, calls_message, next_round, spoken_results
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class ReplyTools:
     spec: ToolSpec
     runner: ToolRunner | None = None  # None: earlier calls are in the prompt, no new one can be made
     filler: str = ""
+    rounds: int = MAX_TOOL_ROUNDS  # rounds of calls; the LLM's text after the last one is an answer only
 
 
 class Reply:
@@ -302,13 +303,18 @@ class Reply:
                 calls, stop = await self._write(
                     messages, spec, pieces, said, budget, answer=rounds > 0, alone=alone if rounds == 0 else None
                 )
+                if calls and spec is not None and spec.choice == "none":
+                    log.info("turn %s: %d calls in an answer-only round are not made", self.turn_id, len(calls))
+                    calls = []
                 if not calls or stop or self._tools is None or self._tools.runner is None:
                     break
                 rounds += 1
                 messages = await self._call(messages, calls, pieces, said)
                 if messages is None or spec is None:
                     break  # the calls' results come in a later response
-                spec = next_round(spec, rounds)
+                if await self._say_results(messages[-len(calls) :], pieces, said):
+                    break  # the skills said what they did: no LLM round to write it again
+                spec = next_round(spec, rounds, self._tools.rounds)
                 self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
             if stop:
                 before, answer = said[: self._said_before_answer], said[self._said_before_answer :]
@@ -425,6 +431,19 @@ class Reply:
         if result.messages is None:
             return None
         return [*messages, called, *result.messages]
+
+    async def _say_results(self, results: list[Message], pieces: asyncio.Queue, said: list[str]) -> bool:
+        """Speak the results' own words when every call said what it did (a skill's ``say``: "Timer set for 10
+        minutes."), as the reply's answer; False (nothing done) when any did not (an error, another server's tool)."""
+        words = spoken_results(results)
+        if words is None:
+            return False
+        delta = (" " if self.text_parts and not self.text_parts[-1][-1:].isspace() else "") + words
+        self.text_parts.append(delta)
+        await self.emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
+        said.append(words)
+        pieces.put_nowait(Piece(words, answer=True))
+        return True
 
     def _count_guard(self, guard: Guard) -> None:
         """Which guard cut the reply, as per-turn counts (``TurnMetrics.guard_*``): how often the LLM needed one."""

@@ -234,4 +234,4 @@ class ReplyFactory:
             run_blocking=self._wiring.run_blocking,
             client_results=self._client_results,
         )
-        return ReplyTools(spec, runner, self.settings.tool_filler)
+        return ReplyTools(spec, runner, self.settings.tool_filler, self.settings.tool_rounds)

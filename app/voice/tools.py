@@ -114,14 +114,29 @@ def has_tool_items(messages: Iterable[Message]) -> bool:
     return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
 
 
-def next_round(spec: ToolSpec, rounds_done: int) -> ToolSpec:
+def next_round(spec: ToolSpec, rounds_done: int, max_rounds: int = MAX_TOOL_ROUNDS) -> ToolSpec:
     """After a round of calls the LLM may call again, but not forced (it must be able to answer), nor forever."""
-    if rounds_done >= MAX_TOOL_ROUNDS:
+    if rounds_done >= max_rounds:
         return ToolSpec(spec.tools, "none", spec.parallel)
     return ToolSpec(spec.tools, "auto" if spec.choice != "none" else "none", spec.parallel)
 
 
 # ---------------------------------------------------------------- what the LLM reads back
+def spoken_results(results: list[Message]) -> str | None:
+    """The words the results say of themselves (each one's ``say``, as the skills give it), or None when any result
+    has none or is an error: then the LLM writes the answer from them."""
+    says = []
+    for message in results:
+        try:
+            result = json.loads(message.get("content") or "")
+        except (TypeError, ValueError):
+            return None
+        if not isinstance(result, dict) or "error" in result or not isinstance(result.get("say"), str):
+            return None
+        says.append(result["say"].strip())
+    return " ".join(says) if says and all(says) else None
+
+
 def output_text(output: Any, max_chars: int = protocol.MAX_TOOL_OUTPUT_CHARS) -> str:
     """A tool's result as the LLM reads it: text (JSON for anything else), cut to ``max_chars`` at a word."""
     text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str)

@@ -34,7 +34,8 @@ def test_a_timer_is_set_by_a_call_and_rings_in_its_conversation(tmp_path):
         done = next(e for e in events if e["type"] == "tool_done")
         assert call["runs_on"] == "server" and call["name"] == "set_timer"
         assert done["status"] == "completed" and "1 second" in done["output"]
-        assert events[-1]["text"] == "Your tea timer is set."
+        # the skill said what it did: its words are the answer, with no second LLM round to write them again
+        assert events[-1]["text"] == "Your tea timer is set for 1 second." and len(llm.specs) == 1
         # the timer ends: shown at once, then said as a turn of the assistant's own
         rang, audio = events_until(ws, "turn_done")
         notice = next(e for e in rang if e["type"] == "notice")
@@ -57,6 +58,7 @@ def test_the_clock_answers_with_the_local_date_and_an_operator_can_turn_skills_o
         days.add(f"{datetime.date.today().day} {datetime.date.today():%B}")
         done = next(e for e in events if e["type"] == "tool_done")
         assert done["status"] == "completed" and any(day in done["output"] for day in days)
+        assert events[-1]["text"].startswith("It is ") and any(day in events[-1]["text"] for day in days)
     assert [t["function"]["name"] for t in llm.specs[0].tools] == ["get_time"]
 
 

@@ -21,7 +21,13 @@ def test_get_time_reads_the_injected_clock() -> None:
     owner, _ = conversation("a")
     (get_time,) = ClockSkill(FakeClock()).tools(owner)
     assert get_time.name == "get_time"
-    assert get_time.run({}) == {"weekday": "Sunday", "date": "6 December 2026", "time": "14:22", "timezone": "UTC"}
+    assert get_time.run({}) == {
+        "weekday": "Sunday",
+        "date": "6 December 2026",
+        "time": "14:22",
+        "timezone": "UTC",
+        "say": "It is 14:22 on Sunday, 6 December 2026.",
+    }
 
 
 def test_describe_now_is_one_line_for_a_prompt() -> None:

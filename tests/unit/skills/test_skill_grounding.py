@@ -37,6 +37,7 @@ def test_a_timer_the_user_did_not_ask_for_is_not_set_and_a_made_up_label_is_left
     assert run(skill, asked, "set_timer", {"duration": "ten minutes", "label": "Kitchen lights are on."}) == {
         "set": "a timer for 10 minutes",
         "ends_at": "14:32",
+        "say": "Timer set for 10 minutes.",
     }
     pasta = run(skill, heard_by(owner, "Set a pasta timer for twelve minutes."), "set_timer", {"duration": "12 min"})
     assert pasta["set"] == "a timer for 12 minutes"

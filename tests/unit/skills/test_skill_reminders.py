@@ -28,6 +28,7 @@ def test_set_reminder_says_what_it_understood(path: Path) -> None:
         "set": "a reminder",
         "text": "call mom",
         "when": "tomorrow at 09:00",
+        "say": "I will remind you to call mom tomorrow at 09:00.",
     }
     assert set_reminder({"text": "remind me to buy milk.", "when": "in 10 minutes"})["text"] == "buy milk"
     assert set_reminder({"text": "x", "when": "blorp"}) == {
@@ -51,7 +52,8 @@ def test_a_reminder_survives_a_restart_and_is_said_once(path: Path) -> None:
 
     restarted = ReminderSkill(clock, path)  # a new server over the same file
     listed = tool(restarted, owner, "list_reminders")({})
-    assert listed == {"reminders": [{"text": "take the bread out", "when": "today at 14:42"}]}
+    assert listed["reminders"] == [{"text": "take the bread out", "when": "today at 14:42"}]
+    assert listed["say"] == "You have reminders to take the bread out today at 14:42."
     later, heard = conversation("after-restart")  # the old conversation id never comes back
     restarted.opened(later)
     assert restarted.fire_due(clock.advance(19 * 60)) == 0
@@ -106,8 +108,12 @@ def test_cancel_matches_the_closest_text(path: Path) -> None:
     set_reminder, cancel = tool(skill, owner, "set_reminder"), tool(skill, owner, "cancel_reminder")
     set_reminder({"text": "call the dentist", "when": "tomorrow at 10"})
     set_reminder({"text": "buy milk", "when": "in 1 hour"})
-    assert cancel({"text": "the milk"}) == {"cancelled": "buy milk", "was_due": "today at 15:22"}
-    assert cancel({"text": "call dentist"}) == {"cancelled": "call the dentist", "was_due": "tomorrow at 10:00"}
+    assert cancel({"text": "the milk"}) == {
+        "cancelled": "buy milk",
+        "was_due": "today at 15:22",
+        "say": "I cancelled the reminder to buy milk.",
+    }
+    assert cancel({"text": "call dentist"})["was_due"] == "tomorrow at 10:00"
     assert cancel({"text": "anything"}) == {"error": "there are no reminders"}
     set_reminder({"text": "feed the cat", "when": "in 1 hour"})
     assert cancel({"text": "quantum physics"})["error"] == "no reminder matches 'quantum physics'"

@@ -17,7 +17,12 @@ def test_set_timer_says_what_it_understood() -> None:
     skill = TimerSkill(FakeClock())
     owner, _ = conversation("a")
     result = tool(skill, owner, "set_timer")({"duration": "ten minutes", "label": "pasta"})
-    assert result == {"set": "a timer for 10 minutes", "ends_at": "14:32", "label": "pasta"}
+    assert result == {
+        "set": "a timer for 10 minutes",
+        "ends_at": "14:32",
+        "label": "pasta",
+        "say": "Your pasta timer is set for 10 minutes.",
+    }
     assert tool(skill, owner, "set_timer")({"duration": "an hour and a half"})["set"] == "a timer for 1 hour 30 minutes"
 
 
@@ -54,7 +59,10 @@ def test_cancel_before_the_end_means_no_ring() -> None:
     skill = TimerSkill(clock)
     owner, heard = conversation("a")
     tool(skill, owner, "set_timer")({"duration": "10 minutes", "label": "pasta"})
-    assert tool(skill, owner, "cancel_timer")({}) == {"cancelled": "pasta timer"}  # the only one: no label needed
+    assert tool(skill, owner, "cancel_timer")({}) == {
+        "cancelled": "pasta timer",
+        "say": "I cancelled the pasta timer.",
+    }  # the only one: no label needed
     skill.fire_due(clock.advance(3600))
     assert heard == []
     assert tool(skill, owner, "cancel_timer")({}) == {"error": "no timer is running"}
@@ -67,10 +75,10 @@ def test_cancel_picks_by_label_and_asks_when_unsure() -> None:
         tool(skill, owner, "set_timer")({"duration": "10 minutes", "label": label})
     cancel = tool(skill, owner, "cancel_timer")
     assert cancel({})["error"] == "which timer? say its name"
-    assert cancel({"label": "the egg timer"}) == {"cancelled": "eggs timer"}
-    assert cancel({"label": "Pasta"}) == {"cancelled": "pasta timer"}
+    assert cancel({"label": "the egg timer"})["cancelled"] == "eggs timer"
+    assert cancel({"label": "Pasta"})["cancelled"] == "pasta timer"
     assert cancel({"label": "bread"}) == {"error": "no timer is called 'bread'", "timers": ["laundry"]}
-    assert cancel({"label": "all"}) == {"cancelled": "laundry timer"}
+    assert cancel({"label": "all"}) == {"cancelled": "laundry timer", "say": "I cancelled the laundry timer."}
 
 
 def test_list_shows_the_time_left() -> None:
@@ -85,7 +93,8 @@ def test_list_shows_the_time_left() -> None:
         "timers": [
             {"timer": "5 minutes", "left": "3 minutes 10 seconds", "ends_at": "14:27"},
             {"timer": "pasta", "left": "8 minutes 10 seconds", "ends_at": "14:32"},
-        ]
+        ],
+        "say": "Timer for 5 minutes, 3 minutes 10 seconds left; pasta timer, 8 minutes 10 seconds left.",
     }
     other, _ = conversation("b")
     assert tool(skill, other, "list_timers")({})["timers"] == []  # each conversation sees its own

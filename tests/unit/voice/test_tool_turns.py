@@ -297,3 +297,28 @@ async def test_the_next_prompt_is_warmed_as_the_reply_with_tools_will_render_it(
     await plain.type("Hello.")
     await until(plain, lambda: plain.llm.warmed)
     assert plain.llm.warmed_tools == [None] * len(plain.llm.warmed)
+
+
+async def test_after_its_last_round_a_reply_only_answers_and_a_call_written_anyway_is_not_made():
+    """tool_rounds 1 (the default brain's row): the round after the results is answer-only; the 0.5B model, given a
+    result, called again (three timers for one request), so a call it writes there is dropped, never run."""
+    again = ToolCall("call_2", "get_weather", '{"city": "Rome"}')
+    conv = await tool_session(ToolScriptedLLM([[CALL], [again, "Sunny."]]), tool_rounds=1)
+    await conv.type("What is the weather in Paris?")
+    await until(conv, lambda: conv.of(protocol.CallTool))
+    await conv.session.handle(protocol.ToolResult(call_id="call_1", output='{"celsius": 21}'))
+    await until(conv, lambda: done(conv))
+    assert [c.call_id for c in conv.of(protocol.CallTool)] == ["call_1"]  # the second call was not made
+    assert [spec.choice for spec in conv.llm.specs] == ["auto", "none"] and done(conv)[-1].text == "Sunny."
+
+
+def test_results_that_say_what_they_did_are_the_answer_and_any_other_result_is_the_llm_s_to_answer():
+    from app.voice.tools import result_message, spoken_results
+
+    timer = result_message("c1", json.dumps({"set": "a timer for 10 minutes", "say": "Timer set for 10 minutes."}))
+    clock = result_message("c2", json.dumps({"time": "14:32", "say": "It is 14:32."}))
+    error = result_message("c3", json.dumps({"error": "the user did not say how long", "say": "ignored"}))
+    plain = result_message("c4", json.dumps({"celsius": 21}))
+    assert spoken_results([timer, clock]) == "Timer set for 10 minutes. It is 14:32."
+    assert spoken_results([timer, error]) is None and spoken_results([plain]) is None
+    assert spoken_results([result_message("c5", "not JSON")]) is None
