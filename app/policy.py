@@ -58,8 +58,11 @@ POLICIES: dict[str, dict[str, object]] = {
         "follow_ups": "in_full_alone",
     },
     # the default brain: its prompt for speech; the rest as any model (measured: app/bench/results/default_brain.md)
-    # (one round of calls: given a result, the 0.5B called again, three times, instead of answering)
-    "qwen2.5-0.5b": {"system_prompt": SPEECH_PROMPT, "tool_rounds": 1},
+    # One round of calls: given a result, the 0.5B called again, three times, instead of answering. The conversation
+    # only with words it makes likelier (as SmolLM2's row): with every turn in the prompt, after one request acted
+    # on it confirmed the next ones ("Your kitchen lights are turned on.") without calling a tool; asked alone, a
+    # request is acted on. (app/bench/results/default_brain.md)
+    "qwen2.5-0.5b": {"system_prompt": SPEECH_PROMPT, "tool_rounds": 1, "history_relevance_nats": 0.9},
 }
 
 

@@ -143,6 +143,11 @@ def _text(arguments: dict[str, Any]) -> str:
     if not isinstance(text, str):
         raise SpokenTimeError("the reminder's text must be words")
     text = re.sub(r"^(?:remind me\s+)?(?:to\s+)?", "", " ".join(text.split()), flags=re.IGNORECASE).rstrip(" .")
+    when = arguments.get("when")
+    if isinstance(when, str) and when.strip() and text.lower().endswith(" " + when.strip().lower().rstrip(" .")):
+        text = text[: -len(when.strip().rstrip(" ."))].rstrip(
+            " ,"
+        )  # "call mom tomorrow at nine": the time is said apart
     if len(text) > MAX_TEXT_CHARS:
         raise SpokenTimeError(f"the reminder's text is too long (at most {MAX_TEXT_CHARS} characters)")
     return text
@@ -211,7 +216,10 @@ class ReminderSkill:
             due_at = parse_when(arguments.get("when", ""), now, max_ahead=MAX_AHEAD)
             heard = owner.heard()
             if heard and not (words_heard(text, heard, 0.5) and words_heard(arguments["when"], heard)):
-                return {"error": "the user did not say that: set no reminder, ask them what and when"}
+                return {
+                    "error": "not what the user said",
+                    "say": "Sorry, I did not catch what to remind you of, or when.",
+                }
             self._store.add(text, due_at, owner.conversation_id, now, self._max_reminders)
         except SpokenTimeError as error:
             return {"error": str(error)}

@@ -22,7 +22,14 @@ from typing import Any
 
 from app.skills.base import ServerTool, SkillOwner, WallClock
 from app.skills.clock import DueLoop
-from app.skills.spoken_time import SpokenTimeError, describe_duration, parse_duration, said_durations, words_heard
+from app.skills.spoken_time import (
+    SpokenTimeError,
+    describe_duration,
+    duration_seconds,
+    parse_duration,
+    said_durations,
+    words_heard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +132,10 @@ class TimerSkill:
             return {"error": str(error)}
         heard = owner.heard()
         if heard and seconds not in said_durations(heard):
-            return {"error": "the user did not say how long: set no timer, ask them (or say what you can do)"}
-        if heard and label and not words_heard(label, heard):
-            label = ""  # a label the user did not say ("Kitchen lights are on.", "10 minutes timer") is left out
+            # (said as is: read back by a small model, an instruction to it was heard as one)
+            return {"error": "the user did not say how long", "say": "Sorry, I can't do that."}
+        if (heard and label and not words_heard(label, heard)) or duration_seconds(label) is not None:
+            label = ""  # a label the user did not say ("Kitchen lights are on."), or the duration again, is left out
         now = self._clock.now()
         with self._lock:
             if len(self._owned(owner)) >= self._max_per_conversation:

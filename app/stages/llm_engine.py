@@ -59,6 +59,7 @@ class Rendered:
     tool_format: object | None = None  # the reply is parsed for calls in this format (None: text only)
     skip_special_tokens: bool = True
     lazy_grammar: object | None = None  # tool_choice "auto": free text, or a well-formed call once one opens
+    banned: tuple[int, ...] = ()  # tokens the reply may not write (an answer-only round's JSON openers)
 
 
 @dataclass(frozen=True)
@@ -225,10 +226,14 @@ class EngineChatLLM:
         ids = self.engine.apply_chat_template(
             plan.messages, add_generation_prompt=add_generation_prompt, tools=plan.tools
         )
-        tool_format = plan.tool_format
+        tool_format, banned = plan.tool_format, ()
         if tool_format is None and tools.choice == "none" and self._tool_format.json_at_start:
-            tool_format = self._tool_format  # an answer-only round: a call written anyway is read, not spoken
-        return Rendered(ids, plan.grammar, tool_format, plan.skip_special_tokens, plan.lazy_grammar)
+            # an answer-only round after calls: the 0.5B wrote its answer as JSON ({"response": "I cannot do that"}),
+            # which a voice would read out; no spoken answer opens with "{", and a call written anyway is read
+            from engine.structured_output.grammar import opener_ids
+
+            tool_format, banned = self._tool_format, opener_ids(self.engine.tokenizer)
+        return Rendered(ids, plan.grammar, tool_format, plan.skip_special_tokens, plan.lazy_grammar, banned)
 
     def prepare_tools(self) -> None:
         """Build what the first reply with tools would otherwise wait for: the grammar library's view of the
@@ -286,16 +291,15 @@ class EngineChatLLM:
                 if room <= 0:
                     break
         max_tokens = settings.max_tokens
-        if rendered.grammar is not None or rendered.lazy_grammar is not None:
-            max_tokens = max(
-                max_tokens, FORCED_CALL_MIN_TOKENS
-            )  # (a call's JSON is not spoken: the budget does not bind it)
+        if rendered.grammar is not None or rendered.lazy_grammar is not None:  # (a call's JSON is not spoken)
+            max_tokens = max(max_tokens, FORCED_CALL_MIN_TOKENS)
         return SamplingParams(
             max_tokens=max_tokens,
             **settings.sampling(),
             dry_context=context[::-1],
             grammar=rendered.grammar,
             lazy_grammar=rendered.lazy_grammar,
+            logit_bias=dict.fromkeys(rendered.banned, -100.0),
             skip_special_tokens=rendered.skip_special_tokens,
             **(window.params() if window is not None else {}),
         )

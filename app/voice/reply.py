@@ -143,6 +143,7 @@ class Reply:
         self.finished = False  # produced to the end (not cancelled, not failed)
         self.text_parts: list[str] = []
         self.tool_messages: list[Message] = []  # each round of calls and its results, for the history
+        self.answered_by_tools = False  # the answer is the calls' own words (``_say_results``)
         self.spoken_before_answer = ""  # the pieces said before the answer (by the rounds of calls), joined
         self.speech_end = 0.0  # wall time the user's speech ended (start of voice-to-voice)
         self.commit = 0.0  # wall time the turn was committed (0 while speculative)
@@ -443,6 +444,7 @@ class Reply:
         await self.emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
         said.append(words)
         pieces.put_nowait(Piece(words, answer=True))
+        self.answered_by_tools = True
         return True
 
     def _count_guard(self, guard: Guard) -> None:

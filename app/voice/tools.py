@@ -123,15 +123,15 @@ def next_round(spec: ToolSpec, rounds_done: int, max_rounds: int = MAX_TOOL_ROUN
 
 # ---------------------------------------------------------------- what the LLM reads back
 def spoken_results(results: list[Message]) -> str | None:
-    """The words the results say of themselves (each one's ``say``, as the skills give it), or None when any result
-    has none or is an error: then the LLM writes the answer from them."""
+    """The words the results say of themselves (each one's ``say``, as the skills give it: a refusal may say why),
+    or None when any result has none: then the LLM writes the answer from them."""
     says = []
     for message in results:
         try:
             result = json.loads(message.get("content") or "")
         except (TypeError, ValueError):
             return None
-        if not isinstance(result, dict) or "error" in result or not isinstance(result.get("say"), str):
+        if not isinstance(result, dict) or not isinstance(result.get("say"), str):
             return None
         says.append(result["say"].strip())
     return " ".join(says) if says and all(says) else None

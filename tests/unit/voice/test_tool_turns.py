@@ -317,8 +317,10 @@ def test_results_that_say_what_they_did_are_the_answer_and_any_other_result_is_t
 
     timer = result_message("c1", json.dumps({"set": "a timer for 10 minutes", "say": "Timer set for 10 minutes."}))
     clock = result_message("c2", json.dumps({"time": "14:32", "say": "It is 14:32."}))
-    error = result_message("c3", json.dumps({"error": "the user did not say how long", "say": "ignored"}))
+    error = result_message("c3", json.dumps({"error": "the user did not say how long"}))
+    refused = result_message("c6", json.dumps({"error": "not asked", "say": "Sorry, I can't do that."}))
     plain = result_message("c4", json.dumps({"celsius": 21}))
     assert spoken_results([timer, clock]) == "Timer set for 10 minutes. It is 14:32."
     assert spoken_results([timer, error]) is None and spoken_results([plain]) is None
+    assert spoken_results([refused]) == "Sorry, I can't do that."  # a refusal that says why is said as is
     assert spoken_results([result_message("c5", "not JSON")]) is None
