@@ -28,6 +28,13 @@ class ServerTool:
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
+def unasked(why: str) -> dict[str, Any]:
+    """A call's result when the user's words do not ask for it (``SkillOwner.heard``): the reply is then written
+    without tools, as if the call had not been made (``app.voice.tools.unasked_round``). A 0.5B model called
+    get_time for "My name is Maya." and calculate("3 times 1000") for "How many pounds is 3 kilograms?"."""
+    return {"error": f"not asked: {why}", "unasked": True}
+
+
 class WallClock(Protocol):
     """Local wall time, injected (tests pass a fake): timers and reminders compare against it."""
 

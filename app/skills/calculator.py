@@ -20,7 +20,7 @@ from typing import Any
 import pint
 from text_to_num import alpha2digit
 
-from app.skills.base import ServerTool, SkillOwner
+from app.skills.base import ServerTool, SkillOwner, unasked
 
 MAX_EXPRESSION_CHARS = 200
 MAX_UNIT_CHARS = 60
@@ -275,16 +275,37 @@ def convert_units(quantity: Any, to: Any) -> dict[str, Any]:
     }
 
 
+def _numbers(text: str) -> set[float]:
+    found = re.findall(
+        r"\d+(?:\.\d+)?", alpha2digit(" ".join(text.lower().split()), "en", threshold=0).replace(",", "")
+    )
+    return {float(n) for n in found}
+
+
+def numbers_heard(argument: str, heard: str) -> bool:
+    """Every number of ``argument`` is one the user said (or it as a percentage: "15%" for 0.15), and there is one:
+    arithmetic the user did not ask for is not done ("3 times 1000" for "How many pounds is 3 kilograms?")."""
+    said = _numbers(heard)
+    wanted = _numbers(argument)
+    return bool(wanted) and all(n in said or round(n * 100, 6) in said for n in wanted)
+
+
 class CalculatorSkill:
     """``calculate`` and ``convert_units``: the same for every conversation."""
 
     name = "calculator"
 
     def tools(self, owner: SkillOwner) -> tuple[ServerTool, ...]:
+        def grounded(text: Any, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+            heard = owner.heard()
+            if heard and isinstance(text, str) and not numbers_heard(text, heard):
+                return unasked("the numbers are not the user's")
+            return run()
+
         return (
             ServerTool(
                 "calculate",
-                lambda arguments: calculate(arguments.get("expression")),
+                lambda arguments: grounded(arguments.get("expression"), lambda: calculate(arguments.get("expression"))),
                 "Do arithmetic, e.g. '15% of 80', '(3+4)*2', 'sqrt(2)', '12 times 4'.",
                 {
                     "type": "object",
@@ -294,7 +315,9 @@ class CalculatorSkill:
             ),
             ServerTool(
                 "convert_units",
-                lambda arguments: convert_units(arguments.get("quantity"), arguments.get("to")),
+                lambda arguments: grounded(
+                    arguments.get("quantity"), lambda: convert_units(arguments.get("quantity"), arguments.get("to"))
+                ),
                 "Convert a quantity to another unit, e.g. '5 miles' to 'km'.",
                 {
                     "type": "object",

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Callable
 from datetime import datetime
 
-from app.skills.base import ServerTool, SkillOwner, WallClock
+from app.skills.base import ServerTool, SkillOwner, WallClock, unasked
 from app.skills.spoken_time import MONTHS, WEEKDAYS
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,13 @@ class ClockSkill:
         self._clock = clock
 
     def tools(self, owner: SkillOwner) -> tuple[ServerTool, ...]:
-        return (ServerTool("get_time", lambda arguments: self.get_time(), "Get the current local date and time."),)
+        def get_time(arguments: dict) -> dict:
+            heard = owner.heard()
+            if heard and not asks_about_time_en(heard):
+                return unasked("the user did not ask about the date or the time")
+            return self.get_time()
+
+        return (ServerTool("get_time", get_time, "Get the current local date and time."),)
 
     def close(self, owner: SkillOwner) -> None:
         """Nothing is kept per conversation."""
@@ -56,6 +63,22 @@ class ClockSkill:
             "timezone": timezone_name(now),
             "say": f"It is {now:%H:%M} on {weekday}, {date}.",
         }
+
+
+# English words a question about the date or the time holds: a word list, so English only and named so; words that
+# are not English (no common English word among them) are never refused by it.
+_TIME_WORDS_EN = re.compile(
+    r"\b(time|times|date|day|days|today|tonight|tomorrow|yesterday|clock|o'clock|hour|hours|minute|week|weekday|"
+    r"month|year|morning|evening|afternoon|now|late|early|when)\b",
+    re.IGNORECASE,
+)
+
+
+def asks_about_time_en(words: str) -> bool:
+    """Whether English words ask about the date or the time (any words not in English: yes, unchecked)."""
+    if not re.search(r"\b(the|is|it|what|a|my|you|i)\b", words, re.IGNORECASE):
+        return True  # not English (or too short to tell): not checked
+    return _TIME_WORDS_EN.search(words) is not None
 
 
 class DueLoop:

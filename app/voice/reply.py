@@ -41,7 +41,7 @@ from app.voice.playback import ReplyPlayback
 from app.voice.reply_audio import ReplyAudio
 from app.voice.runaway import SpeechBudget
 from app.voice.text import FIRST_PHRASE_MAX_WORDS, speakable
-from app.voice.tools import MAX_TOOL_ROUNDS, ToolRunner, calls_message, next_round, spoken_results
+from app.voice.tools import MAX_TOOL_ROUNDS, ToolRunner, calls_message, next_round, spoken_results, unasked_round
 
 log = logging.getLogger(__name__)
 
@@ -310,9 +310,15 @@ class Reply:
                 if not calls or stop or self._tools is None or self._tools.runner is None:
                     break
                 rounds += 1
+                asked = messages
                 messages = await self._call(messages, calls, pieces, said)
                 if messages is None or spec is None:
                     break  # the calls' results come in a later response
+                if unasked_round(messages[-len(calls) :]):
+                    del self.tool_messages[-1 - len(calls) :]  # not made, as far as the history goes
+                    messages, spec = asked, None  # written again, without tools
+                    self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
+                    continue
                 if await self._say_results(messages[-len(calls) :], pieces, said):
                     break  # the skills said what they did: no LLM round to write it again
                 spec = next_round(spec, rounds, self._tools.rounds)

@@ -137,6 +137,19 @@ def spoken_results(results: list[Message]) -> str | None:
     return " ".join(says) if says and all(says) else None
 
 
+def unasked_round(results: list[Message]) -> bool:
+    """Every result says its call was not asked for (``app.skills.base.unasked``): the model reached for a tool on
+    words that wanted none, and the reply is written again without tools."""
+    for message in results:
+        try:
+            result = json.loads(message.get("content") or "")
+        except (TypeError, ValueError):
+            return False
+        if not isinstance(result, dict) or result.get("unasked") is not True:
+            return False
+    return bool(results)
+
+
 def output_text(output: Any, max_chars: int = protocol.MAX_TOOL_OUTPUT_CHARS) -> str:
     """A tool's result as the LLM reads it: text (JSON for anything else), cut to ``max_chars`` at a word."""
     text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str)
@@ -253,8 +266,10 @@ class ToolRunner:
         if self._tools.client_tool(call.name):
             return "completed", output_text(await self._pending.open(call.id))
         tool = self._tools.server_tool(call.name)
-        if tool is None:  # a model that made a tool up: it reads that it cannot do that, and says so
-            return "failed", failure(f"there is no tool named {call.name!r}: tell the user you cannot do that")
+        if tool is None:  # a model that made a tool up: the user hears it cannot do that (said as is: the 0.5B model
+            # read an instruction to it out, or wrote its own JSON answer)
+            why = f"there is no tool named {call.name!r}"
+            return "failed", json.dumps({"error": why, "say": "Sorry, I can't do that."})
         try:
             arguments = json.loads(call.arguments or "{}")
             if inspect.iscoroutinefunction(tool.run):

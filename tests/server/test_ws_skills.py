@@ -71,5 +71,26 @@ def test_no_skills_means_no_tools_and_a_call_to_an_unknown_tool_fails_at_once(tm
         ws.send_text(json.dumps({"type": "text", "text": "Play some music."}))
         events, _ = events_until(ws, "turn_done")
         done = next(e for e in events if e["type"] == "tool_done")
-        assert done["status"] == "failed" and "no tool" in done["output"]
-        assert events[-1]["text"] == "I cannot play music."
+        assert done["status"] == "failed" and "no tool named 'play_music'" in done["output"]
+        assert events[-1]["text"] == "Sorry, I can't do that." and len(llm.specs) == 1  # said as is: no LLM round
+
+
+def test_a_call_the_user_did_not_ask_for_is_taken_back_and_the_reply_written_without_tools(tmp_path):
+    """The 0.5B default brain called get_time for "My name is Maya.": the clock refuses a call the words do not ask
+    for, the round is taken back (not in the history), and the reply is written again with no tools."""
+    ask = ToolCall("call_1", "get_time", "{}")
+    llm = ToolScriptedLLM([[ask]], pieces=["Nice to meet you, Maya."])
+    with (
+        TestClient(app_with(llm, data_dir=str(tmp_path)), base_url="http://127.0.0.1:8000") as client,
+        client.websocket_connect(URL) as ws,
+    ):
+        assert json.loads(ws.receive_text())["type"] == "ready"
+        ws.send_text(json.dumps({"type": "text", "text": "My name is Maya."}))
+        events, _ = events_until(ws, "turn_done")
+        done = next(e for e in events if e["type"] == "tool_done")
+        assert "not asked" in done["output"] and events[-1]["text"] == "Nice to meet you, Maya."
+        assert len(llm.specs) == 1 and llm.calls[-1][-1] == {"role": "user", "content": "My name is Maya."}
+        ws.send_text(json.dumps({"type": "text", "text": "What time is it?"}))
+        events_until(ws, "turn_done")
+    history = llm.calls[-1]
+    assert not any(m.get("tool_calls") or m["role"] == "tool" for m in history)  # the call taken back left no trace

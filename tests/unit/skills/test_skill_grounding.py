@@ -65,3 +65,27 @@ def test_words_heard_reads_numbers_as_digits_and_lets_small_words_go():
     assert words_heard("tomorrow at nine", "call mum tomorrow at 9")
     assert not words_heard("tomorrow", "at six")
     assert words_heard("call my mother", "call mum", share=0.5) and not words_heard("call mom", "water plants", 0.5)
+
+
+def test_arithmetic_and_the_clock_are_done_only_when_the_words_ask_for_them():
+    from app.skills.calculator import CalculatorSkill, numbers_heard
+    from app.skills.clock import ClockSkill, asks_about_time_en
+
+    assert numbers_heard("15% of 80", "What is 15 percent of 80?") and numbers_heard("0.15 * 80", "15 percent of 80")
+    assert numbers_heard("12 * 7", "What is twelve times seven?")
+    assert not numbers_heard("3 * 1000", "How many pounds is 3 kilograms?") and not numbers_heard("x", "1 and 2")
+    owner, _ = conversation("a")
+    pounds = run(
+        CalculatorSkill(), heard_by(owner, "How many pounds is 3 kilograms?"), "calculate", {"expression": "3*1000"}
+    )
+    assert pounds["unasked"] is True and "result" not in pounds
+    assert (
+        run(CalculatorSkill(), heard_by(owner, "What is 12 times 7?"), "calculate", {"expression": "12*7"})["result"]
+        == 84
+    )
+    assert asks_about_time_en("What time is it?") and asks_about_time_en("What's the date today?")
+    assert not asks_about_time_en("My name is Maya.") and not asks_about_time_en("I work as a nurse.")
+    assert asks_about_time_en("Quelle heure est-il ?")  # not English: not refused by an English word list
+    clock = ClockSkill(FakeClock())
+    assert run(clock, heard_by(owner, "My name is Maya."), "get_time", {})["unasked"] is True
+    assert run(clock, heard_by(owner, "What time is it?"), "get_time", {})["time"] == "14:22"
