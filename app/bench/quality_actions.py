@@ -79,8 +79,12 @@ class ActionRecord:
 
     @property
     def acted(self) -> list[protocol.ToolDone]:
-        """The calls that completed and changed something (not only read)."""
-        return [c for c in self.calls if c.status == "completed" and c.name not in READING_TOOLS]
+        """The calls that completed and changed something (not only read; a call its skill refused changed nothing)."""
+        return [
+            c
+            for c in self.calls
+            if c.status == "completed" and c.name not in READING_TOOLS and '"error"' not in c.output
+        ]
 
     @property
     def right(self) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 
 from app.skills.base import ServerTool, SkillOwner, WallClock
 from app.skills.clock import DueLoop
-from app.skills.spoken_time import SpokenTimeError, describe_moment, parse_when, words_heard
+from app.skills.spoken_time import SpokenTimeError, as_digits, describe_moment, parse_when, words_heard
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,14 @@ def _text(arguments: dict[str, Any]) -> str:
         raise SpokenTimeError("the reminder's text must be words")
     text = re.sub(r"^(?:remind me\s+)?(?:to\s+)?", "", " ".join(text.split()), flags=re.IGNORECASE).rstrip(" .")
     when = arguments.get("when")
-    if isinstance(when, str) and when.strip() and text.lower().endswith(" " + when.strip().lower().rstrip(" .")):
-        text = text[: -len(when.strip().rstrip(" ."))].rstrip(
-            " ,"
-        )  # "call mom tomorrow at nine": the time is said apart
+    if isinstance(when, str):  # "call mom tomorrow at nine" with "tomorrow at nine": the time is said apart
+        said_when = {*as_digits(when).split(), "at", "on", "in", "by"}
+        words = text.split()
+        while len(words) > 1 and as_digits(words[-1]).strip(" .,") in said_when:
+            words.pop()
+        text = " ".join(words)
+    if text[:1].isupper() and text[1:2].islower() and not text.startswith("I "):
+        text = text[0].lower() + text[1:]  # said after "remind you to"
     if len(text) > MAX_TEXT_CHARS:
         raise SpokenTimeError(f"the reminder's text is too long (at most {MAX_TEXT_CHARS} characters)")
     return text

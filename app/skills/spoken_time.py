@@ -72,6 +72,11 @@ def _digits(text: str) -> str:
     return alpha2digit(text, "en", threshold=0) if text else text
 
 
+def as_digits(text: str) -> str:
+    """``text`` lower case, with its number words as digits ("Nine" -> "9")."""
+    return _digits(text)
+
+
 def _checked(text: object, what: str) -> str:
     if not isinstance(text, str) or not text.strip():
         raise SpokenTimeError(f"I need the {what} in words, like 'ten minutes'")
