@@ -38,6 +38,15 @@ def spoken_date(day: date) -> str:
     return f"{day:%A}, {day.day} {day:%B %Y}"
 
 
+def dated(system_prompt: str, day: date) -> str:
+    """``system_prompt`` with ``day`` where it says ``{date}`` (and as it is without the placeholder)."""
+    return (
+        system_prompt.replace(DATE_PLACEHOLDER, spoken_date(day))
+        if DATE_PLACEHOLDER in system_prompt
+        else system_prompt
+    )
+
+
 # Each row names settings (``app.config.Settings``, by their own names) and the value the row gives them; a setting
 # a row leaves out keeps its default there, and one the user sets wins over the row.
 POLICIES: dict[str, dict[str, object]] = {

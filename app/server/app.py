@@ -40,6 +40,7 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
             app.state.models = await asyncio.to_thread(load_models, settings, lambda line: print(line, flush=True))
         for line in await skills.start():
             print(line, flush=True)
+        await skills.warm_first_prompt(app.state.models.llm, settings)
         for warning in app.state.access.startup_warnings():
             print(f"WARNING: {warning}", flush=True)
         admission.size_cap()  # the models now hold their memory: what is left is the sessions'

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from app import protocol
 from app.config import Settings
-from app.policy import DATE_PLACEHOLDER, spoken_date
+from app.policy import dated
 from app.skills.base import ServerTool
 from app.stages.base import GenerationSettings, Message, ToolSpec, TurnEndVerdict, VoiceStages, scheduling_of
 from app.voice.context import Fitted
@@ -118,10 +118,7 @@ class ReplyFactory:
     def system_prompt(self) -> str:
         """The session's system prompt, with today's date where it says ``{date}`` (``app.policy``): the date, not the
         time, so the prompt the prefix cache holds changes once a day, not once a minute (the time is a tool's)."""
-        prompt = self._prefs.current.system_prompt
-        if DATE_PLACEHOLDER not in prompt:
-            return prompt
-        return prompt.replace(DATE_PLACEHOLDER, spoken_date(self._today()))
+        return dated(self._prefs.current.system_prompt, self._today())
 
     def alone_prompt(self, user_text: str, related: list[Message]) -> list[Message] | None:
         """``user_text`` without the conversation (but what the system prompt recalls of it), for the reply to be

@@ -131,8 +131,11 @@ class VoiceSession:
 
     async def start(self) -> None:
         """Tell the client the conversation is ready, and what it takes and gives (sent again at each ``start``); the
-        skills may speak here from now on."""
+        skills may speak here from now on; the first prompt (the system prompt and the tools, ~900 tokens for the
+        default brain: 6 s of the first turn when cold) is prefilled while the user has not spoken yet."""
         self._skills.opened()
+        if not self.history:
+            self._warmup.next_prompt()
         await self._send_json(
             protocol.Ready(
                 input_sample_rate=self.input_sample_rate,

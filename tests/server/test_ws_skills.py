@@ -42,6 +42,10 @@ def test_a_timer_is_set_by_a_call_and_rings_in_its_conversation(tmp_path):
         assert notice["code"] == "timer" and "tea" in notice["message"]
         assert rang[-1]["text"] == notice["message"] and audio > 0
     assert llm.specs and {t["function"]["name"] for t in llm.specs[0].tools} >= {"set_timer", "get_time", "calculate"}
+    # the prompt every conversation starts with was prefilled at start-up, with the tools its replies declare, and
+    # again as the conversation opened (cheap when cached: it evicts nothing new)
+    assert llm.warmed[0] == llm.warmed[1] == [{"role": "system", "content": Settings().system_prompt}]
+    assert llm.warmed_tools[0] == llm.warmed_tools[1] == llm.specs[0]
 
 
 def test_the_clock_answers_with_the_local_date_and_an_operator_can_turn_skills_off(tmp_path):
