@@ -91,10 +91,23 @@ def http_app() -> MCPServer:
 
     @server.tool(description="Sleep a while, then answer")
     async def sleep(seconds: float) -> str:
-        await asyncio.sleep(seconds)
+        SLEEPING.now += 1
+        SLEEPING.most = max(SLEEPING.most, SLEEPING.now)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            SLEEPING.now -= 1
         return "slept"
 
     return server
+
+
+class SLEEPING:
+    """How many ``sleep`` calls the test server runs at once, and the most it ran (calls side by side show as 2,
+    on a machine of any speed)."""
+
+    now = 0
+    most = 0
 
 
 class HttpMcpServer:
@@ -275,7 +288,7 @@ async def test_an_http_server_answers_with_its_bearer_token_and_a_slow_call_time
         started = time.monotonic()
         with pytest.raises(McpToolError, match=r"the web server gave no answer within 0.5 s"):
             await by_name(hub)["sleep"].run({"seconds": 5})
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 4.5  # before the call could have ended
 
         barged_in = asyncio.create_task(by_name(hub)["sleep"].run({"seconds": 5}))
         await asyncio.sleep(0.1)
@@ -283,9 +296,9 @@ async def test_an_http_server_answers_with_its_bearer_token_and_a_slow_call_time
         with pytest.raises(asyncio.CancelledError):
             await barged_in
 
-        started = time.monotonic()
-        both = await asyncio.gather(*(by_name(hub)["sleep"].run({"seconds": 0.45}) for _ in range(2)))
-        assert both == ["slept", "slept"] and time.monotonic() - started < 0.85  # side by side, not one after the other
+        SLEEPING.most = 0
+        both = await asyncio.gather(*(by_name(hub)["sleep"].run({"seconds": 0.3}) for _ in range(2)))
+        assert both == ["slept", "slept"] and SLEEPING.most == 2  # side by side, not one after the other
         assert await by_name(hub)["echo"].run({"text": "still there"}) == "echo: still there"
         refused = by_name(hub)["echo"].run({"text": 42})  # wrong arguments: the server's error, for the LLM
         assert "text" in str(await refused)

@@ -122,8 +122,8 @@ async def test_the_due_loop_rings_a_timer_on_a_real_event_loop(tmp_path: Path) -
         clock.offset = timedelta(seconds=0.95)
         started = time.perf_counter()
         await asyncio.to_thread(timers.set_timer, owner, {"duration": "10 minutes", "label": "bread"})
-        await asyncio.wait_for(rang.wait(), timeout=1)
-        assert time.perf_counter() - started < 0.5
+        await asyncio.wait_for(rang.wait(), timeout=10)
+        assert time.perf_counter() - started < 5  # at its deadline, not at the 10-minute one (any machine, any load)
         assert heard == [("timer", "Your tea timer is done.")]
     finally:
         await skills.stop()
