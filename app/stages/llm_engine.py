@@ -10,7 +10,8 @@ Every feature of a ``ReplyRequest`` composes in one engine request (two, when th
   words' end, the words' mean log-probability in each prompt. The two prompts start together and the one not
   chosen is aborted at its first token (its KV blocks freed before the next step).
 
-Where prompts are read (the end-of-turn token, the words' span) is the template's business: ``PromptMarks``.
+How a prompt is rendered (with tools: the API's plan) is ``app.stages.llm_prompt``; where prompts are read (the
+end-of-turn token, the words' span) is the template's business: ``PromptMarks``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from app.stages.base import Message, ReplyFeature, ReplyRequest, StandAlone, ToolCall, ToolSpec
+from app.stages.llm_prompt import PromptRenderer, Rendered
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -48,18 +50,6 @@ def _is_json(text: str) -> bool:
     except json.JSONDecodeError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """A prompt as the engine takes it, and how its reply is decoded and read (``EngineChatLLM.render``)."""
-
-    ids: list[int]
-    grammar: str | None = None  # a forced call's grammar
-    tool_format: object | None = None  # the reply is parsed for calls in this format (None: text only)
-    skip_special_tokens: bool = True
-    lazy_grammar: object | None = None  # tool_choice "auto": free text, or a well-formed call once one opens
-    banned: tuple[int, ...] = ()  # tokens the reply may not write (an answer-only round's JSON openers)
 
 
 @dataclass(frozen=True)
@@ -202,6 +192,12 @@ class EngineChatLLM:
         self.engine = AsyncLLMEngine(config)
         self.description = self.engine.engine.describe()  # the kernels in use, for the start-up line
         self.context_tokens: int | None = self.engine.engine.max_model_len
+        self.prompts = PromptRenderer(self.engine)
+        self.render, self.tool_plan, self.prepare_tools = (
+            self.prompts.render,
+            self.prompts.tool_plan,
+            self.prompts.prepare_tools,
+        )
         self.marks = PromptMarks(self.engine, self.render)
         self._engine_ids: dict[str, str] = {}  # a reply's request id -> the engine's (the chosen of two prompts)
         # an earlier reply's token ids, for DRY: each is read again at every later turn (kept for its first
@@ -213,58 +209,6 @@ class EngineChatLLM:
 
     def count_tokens(self, messages: list[Message]) -> int:
         return len(self.engine.apply_chat_template(messages))
-
-    # ------------------------------------------------------------------ the prompt
-    def render(
-        self, messages: list[Message], tools: ToolSpec | None, *, add_generation_prompt: bool = True
-    ) -> Rendered:
-        """``messages`` as the engine's API renders them with ``tools`` (the template's tools or a system note,
-        earlier calls in the model's format); ValueError for a conversation or tools the API would refuse."""
-        if tools is None:
-            return Rendered(self.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
-        plan = self.tool_plan(messages, tools)
-        ids = self.engine.apply_chat_template(
-            plan.messages, add_generation_prompt=add_generation_prompt, tools=plan.tools
-        )
-        tool_format, banned = plan.tool_format, ()
-        if tool_format is None and tools.choice == "none" and self._tool_format.json_at_start:
-            # an answer-only round after calls: the 0.5B wrote its answer as JSON ({"response": "I cannot do that"}),
-            # which a voice would read out; no spoken answer opens with "{", and a call written anyway is read
-            from engine.structured_output.grammar import opener_ids
-
-            tool_format, banned = self._tool_format, opener_ids(self.engine.tokenizer)
-        return Rendered(ids, plan.grammar, tool_format, plan.skip_special_tokens, plan.lazy_grammar, banned)
-
-    def prepare_tools(self) -> None:
-        """Build what the first reply with tools would otherwise wait for: the grammar library's view of the
-        vocabulary and the tokens that open a bare call (a second or two for a 152k-token vocabulary)."""
-        from engine.structured_output.grammar import opener_ids
-
-        core = self.engine.engine
-        core.grammars.tokenizer()
-        opener_ids(core.tokenizer)
-
-    def tool_plan(self, messages: list[Message], tools: ToolSpec):
-        """What a request with ``tools`` needs (``engine.openai_api.tool_plan.ChatPlan``)."""
-        from pydantic import ValidationError
-
-        from engine.openai_api.protocol import ChatCompletionRequest, validation_error
-        from engine.openai_api.tool_plan import plan_chat
-
-        body = {"messages": messages, "tools": list(tools.tools) or None, "parallel_tool_calls": tools.parallel}
-        if tools.tools:
-            body["tool_choice"] = tools.choice
-        try:
-            request = ChatCompletionRequest.model_validate(body, context={"vocab_size": len(self.engine.tokenizer)})
-        except ValidationError as e:
-            raise ValueError(validation_error(e)[0]) from None
-        return plan_chat(request, self._tool_format, self.engine.tokenizer)
-
-    @functools.cached_property
-    def _tool_format(self):
-        from engine.structured_output.formats import detect_format
-
-        return detect_format(self.engine.tokenizer)
 
     def _params(self, request: ReplyRequest, rendered: Rendered, window: Window | None):
         """The request's sampling: its settings, DRY reading ``earlier_replies`` too (``dry_context``), a forced

@@ -122,7 +122,7 @@ class Answering:
         """The reply was produced to its end: the history keeps its calls and its answer; where the answer is the
         calls' own words (a skill said what it did), the answer alone, as any reply: shown a call, its result and
         their words, the 0.5B default brain made no more calls and said those words again to the next requests."""
-        for message in () if reply.answered_by_tools else reply.tool_messages:
+        for message in () if reply.written.answered_by_tools else reply.tool_messages:
             self._history.remember(message)
         if reply.answer_text:
             self._history.remember({"role": "assistant", "content": reply.answer_text})

@@ -39,6 +39,7 @@ from app.voice.clock import Clock, RunBlocking
 from app.voice.pieces import Guard, Piece, PieceCutter
 from app.voice.playback import ReplyPlayback
 from app.voice.reply_audio import ReplyAudio
+from app.voice.reply_text import ReplyText
 from app.voice.runaway import SpeechBudget
 from app.voice.text import FIRST_PHRASE_MAX_WORDS, speakable
 from app.voice.tools import MAX_TOOL_ROUNDS, ToolRunner, calls_message, next_round, spoken_results, unasked_round
@@ -141,10 +142,7 @@ class Reply:
         self.metrics = protocol.TurnMetrics()
         self.released = False
         self.finished = False  # produced to the end (not cancelled, not failed)
-        self.text_parts: list[str] = []
-        self.tool_messages: list[Message] = []  # each round of calls and its results, for the history
-        self.answered_by_tools = False  # the answer is the calls' own words (``_say_results``)
-        self.spoken_before_answer = ""  # the pieces said before the answer (by the rounds of calls), joined
+        self.written = ReplyText()
         self.speech_end = 0.0  # wall time the user's speech ended (start of voice-to-voice)
         self.commit = 0.0  # wall time the turn was committed (0 while speculative)
         self._wiring = wiring
@@ -155,8 +153,6 @@ class Reply:
         self.speaks = self.options.speak
         self._held: list[protocol.ServerMessage | bytes] = []
         self._released = asyncio.Event()
-        self._answer_from = 0  # text_parts from here on are the answer (written after the last round of calls)
-        self._said_before_answer = 0
         self._task: asyncio.Task | None = None
         self._produce_started = 0.0
         self._produced_at: float | None = None
@@ -170,12 +166,16 @@ class Reply:
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts).strip()
+        return self.written.text
 
     @property
     def answer_text(self) -> str:
         """The text written after the last round of calls (all of it in a reply without calls)."""
-        return "".join(self.text_parts[self._answer_from :]).strip()
+        return self.written.answer
+
+    @property
+    def tool_messages(self) -> list[Message]:
+        return self.written.tool_messages
 
     @property
     def producing(self) -> bool:
@@ -193,10 +193,7 @@ class Reply:
 
     def heard_answer(self, heard: str) -> str:
         """Of what the user ``heard``, the answer's words: what was said before the calls is kept with them."""
-        if not self.tool_messages:
-            return heard
-        before = self.spoken_before_answer
-        return heard[len(before) :].strip() if heard.startswith(before) else ""
+        return self.written.heard_answer(heard)
 
     def start(
         self,
@@ -315,7 +312,7 @@ class Reply:
                 if messages is None or spec is None:
                     break  # the calls' results come in a later response
                 if unasked_round(messages[-len(calls) :]):
-                    del self.tool_messages[-1 - len(calls) :]  # not made, as far as the history goes
+                    self.written.take_back(1 + len(calls))  # not made, as far as the history goes
                     messages, spec = asked, None  # written again, without tools
                     self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
                     continue
@@ -324,9 +321,7 @@ class Reply:
                 spec = next_round(spec, rounds, self._tools.rounds)
                 self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
             if stop:
-                before, answer = said[: self._said_before_answer], said[self._said_before_answer :]
-                self.text_parts = [" ".join(before) + (" " if before else ""), " ".join(answer)]
-                self._answer_from = 1  # what is spoken (the page and the history get it)
+                self.written.keep_said(said)
                 self._count_guard(stop)
             pieces.put_nowait(None)
             await speaker
@@ -388,7 +383,7 @@ class Reply:
             stream = _said(options.script)
         else:
             stream = open_reply(self._llm, self._request(messages, spec, alone))
-        round_start = len(self.text_parts)
+        round_start = len(self.written.parts)
         calls: list[ToolCall] = []
         try:
             async for event in stream:
@@ -397,10 +392,8 @@ class Reply:
                 if isinstance(event, ToolCall):
                     calls.append(event)
                     continue
-                delta = event
-                if len(self.text_parts) == round_start and self.text_parts and not self.text_parts[-1][-1:].isspace():
-                    delta = " " + delta.lstrip()  # the answer after what was said before the calls
-                self.text_parts.append(delta)
+                delta = self.written.joined(event, round_start)
+                self.written.parts.append(delta)
                 await self.emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
                 self._queue(cutter, cutter.push(delta), pieces, answer)
                 if cutter.stopped:
@@ -425,16 +418,14 @@ class Reply:
         assert self._tools is not None and self._tools.runner is not None
         runner = self._tools.runner
         await self._released.wait()  # a held-back reply runs no tool: the turn may not be this one
-        round_text = "".join(self.text_parts[self._answer_from :]).strip()
+        round_text = self.written.calls_made(said)
         called = calls_message(round_text, calls)
-        self._answer_from, self._said_before_answer = len(self.text_parts), len(said)
-        self.spoken_before_answer = " ".join(said)
         self.metrics.tool_calls = (self.metrics.tool_calls or 0) + len(calls)
         if self._tools.filler and runner.waits_for(calls) and not speakable(round_text):
             pieces.put_nowait(Piece(self._tools.filler, filler=True))
         result = await runner.run(self.turn_id, calls, self.emit)
         self.metrics.tool_ms = (self.metrics.tool_ms or 0.0) + result.tool_s * 1000
-        self.tool_messages += [called, *(result.messages or ())]
+        self.written.tool_messages += [called, *(result.messages or ())]
         if result.messages is None:
             return None
         return [*messages, called, *result.messages]
@@ -445,12 +436,12 @@ class Reply:
         words = spoken_results(results)
         if words is None:
             return False
-        delta = (" " if self.text_parts and not self.text_parts[-1][-1:].isspace() else "") + words
-        self.text_parts.append(delta)
+        delta = self.written.joined(words, len(self.written.parts))
+        self.written.parts.append(delta)
         await self.emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
         said.append(words)
         pieces.put_nowait(Piece(words, answer=True))
-        self.answered_by_tools = True
+        self.written.answered_by_tools = True
         return True
 
     def _count_guard(self, guard: Guard) -> None:
