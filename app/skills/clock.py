@@ -76,7 +76,7 @@ _TIME_WORDS_EN = re.compile(
 
 def asks_about_time_en(words: str) -> bool:
     """Whether English words ask about the date or the time (any words not in English: yes, unchecked)."""
-    if not re.search(r"\b(the|is|it|what|a|my|you|i)\b", words, re.IGNORECASE):
+    if not re.search(r"\b(the|is|it|what|a|an|my|me|you|i|to|of|about|and|for|tell|please|can|do)\b", words, re.I):
         return True  # not English (or too short to tell): not checked
     return _TIME_WORDS_EN.search(words) is not None
 

@@ -85,6 +85,7 @@ def test_arithmetic_and_the_clock_are_done_only_when_the_words_ask_for_them():
     )
     assert asks_about_time_en("What time is it?") and asks_about_time_en("What's the date today?")
     assert not asks_about_time_en("My name is Maya.") and not asks_about_time_en("I work as a nurse.")
+    assert not asks_about_time_en("Tell me something interesting about whales.")
     assert asks_about_time_en("Quelle heure est-il ?")  # not English: not refused by an English word list
     clock = ClockSkill(FakeClock())
     assert run(clock, heard_by(owner, "My name is Maya."), "get_time", {})["unasked"] is True
