@@ -196,7 +196,9 @@ class TurnEndVerdict:
 @dataclass(frozen=True)
 class StandAlone:
     """The user's words without the conversation (``ReplyRequest.alone``): a small model answers a question that
-    stands alone better without earlier exchanges, and a follow-up only with them (``app.policy``)."""
+    stands alone better without earlier exchanges, and a follow-up only with them (``app.policy``). Chosen where
+    the conversation makes the words less likely than ``min_gain_nats`` (-inf: never for that), or where, with
+    tools, the words alone make a call and with the conversation do not."""
 
     messages: list[Message]
     min_gain_nats: float

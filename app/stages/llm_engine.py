@@ -44,6 +44,12 @@ def _ends_a_sentence(token_text: str) -> bool:
     return bool(stripped) and all(char in SENTENCE_ENDS for char in stripped)
 
 
+def acts(prompt: Rendered, first) -> bool:
+    """The reply's first token opens a call (its prompt has tools whose calls a model writes bare)."""
+    lazy = prompt.lazy_grammar
+    return lazy is not None and bool(first.token_ids_delta) and first.token_ids_delta[0] in lazy.openers
+
+
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
@@ -323,6 +329,8 @@ class EngineChatLLM:
                         if verdict is not None:
                             verdict.set(self.marks.verdict(firsts[0], windows[0], position))
                         chosen = 0 if alone is None else self._choose(firsts, windows, spans, alone)
+                        if alone is not None and chosen == 0 and acts(prompts[1], firsts[1]):
+                            chosen = 0 if acts(prompts[0], firsts[0]) else 1  # a request acts where it stands alone
                         if len(prompts) > 1:
                             self.engine.abort(ids[1 - chosen])  # frees its KV blocks before the next step
                             self._engine_ids[request.request_id] = ids[chosen]

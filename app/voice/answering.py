@@ -70,6 +70,7 @@ class Answering:
             speech_end=speech_end,
             commit=commit,
             alone=weighing.alone,
+            alone_acts_only=weighing.acts_only,
             weighed=weighing.gain,
             **figures,
         )
@@ -95,15 +96,16 @@ class Answering:
         speech_end: float,
         commit: float,
         alone: list[Message] | None = None,
+        alone_acts_only: bool = False,
         weighed: float | None = None,
         **figures,
     ) -> None:
-        """Start the reply the user hears (``text``: what it answers, "" for the history's last results; ``alone``
-        and ``weighed``: how the reply weighs the conversation, ``ReplyFactory.weigh``)."""
+        """Start the reply the user hears (``text``: what it answers, "" for the history's last results; ``alone``,
+        ``alone_acts_only`` and ``weighed``: how the reply weighs the conversation, ``ReplyFactory.weigh``)."""
         reply = self._replies.new(turn_id, text)
         reply.timed(speech_end=speech_end, commit=commit, **figures)
         self._state.reply = reply
-        reply.start(messages, released=True, alone=alone, weighed=weighed)
+        reply.start(messages, released=True, alone=alone, alone_acts_only=alone_acts_only, weighed=weighed)
 
     def say(self, turn_id: int, words: str) -> None:
         """Words of the server's own (an announcement), spoken as a reply; the history keeps them as said."""

@@ -148,6 +148,7 @@ class Reply:
         self._wiring = wiring
         self._scheduling = scheduling_of(self._llm)  # None: the LLM is not on our cores, nothing to pause or yield
         self._turn_end: TurnEndVerdict | None = None  # the end-of-turn verdict this reply reads (``start``)
+        self._alone_acts_only = False
         self._clock, self._run = wiring.clock, wiring.run_blocking
         self._tools = tools
         self.speaks = self.options.speak
@@ -201,6 +202,7 @@ class Reply:
         *,
         released: bool,
         alone: list[Message] | None = None,
+        alone_acts_only: bool = False,
         turn_end: TurnEndVerdict | None = None,
         weighed: float | None = None,
     ) -> None:
@@ -208,8 +210,9 @@ class Reply:
         when the LLM finds the words stand alone (``history_relevance_nats``; the first round);
         ``turn_end``: the end-of-turn verdict this (speculative) reply reads from its prefill, taken for it
         (``ReplyFactory.take_turn_end``); it is set with the first token, or to None if the reply never gets there;
-        ``weighed``: the gain on which ``messages`` were chosen before the reply (``ReplyFactory.weigh``), reported."""
-        self._turn_end = turn_end
+        ``weighed``: the gain on which ``messages`` were chosen before the reply (``ReplyFactory.weigh``), reported;
+        ``alone_acts_only``: ``alone`` is chosen only where, alone, the words make a call (their gain is not asked)."""
+        self._turn_end, self._alone_acts_only = turn_end, alone_acts_only
         if weighed is not None:
             self.metrics.history_weighed_early = True
             self._on_weighed(weighed)
@@ -347,7 +350,9 @@ class Reply:
         the end-of-turn verdict this reply took; the backend carries out what it can (``open_reply``)."""
         first = not self.tool_messages  # (the first round: no calls made yet)
         weighed = None
-        if alone is not None and self.options.min_gain_nats:
+        if alone is not None and self._alone_acts_only:
+            weighed = StandAlone(alone, float("-inf"))  # chosen only where, alone, the words make a call
+        elif alone is not None and self.options.min_gain_nats:
             weighed = StandAlone(alone, self.options.min_gain_nats, self._on_weighed)
         return ReplyRequest(
             messages,

@@ -40,6 +40,7 @@ class Weighing:
     messages: list[Message]
     alone: list[Message] | None = None
     gain: float | None = None
+    acts_only: bool = False  # ``alone`` goes with the reply only to be chosen where, alone, the words make a call
 
 
 def weigh_heard(
@@ -152,7 +153,13 @@ class ReplyFactory:
         settings = self.settings
         threshold, margin = settings.history_relevance_nats, settings.history_relevance_margin_nats
         both = not spoken or settings.history_relevance_spoken == "both"
-        return weigh_heard(related, alone, heard_gain, threshold=threshold, margin=margin, undecided_both=both)
+        weighing = weigh_heard(related, alone, heard_gain, threshold=threshold, margin=margin, undecided_both=both)
+        if alone is not None and weighing.alone is None and weighing.messages is related and self.tool_spec():
+            # a request acts where it stands alone: once one reply in the history was not a call, the 0.5B default
+            # brain shaped every later request like it ("Sure, here's a timer: 1. Open the timer app"); asked
+            # alone, it made the call (app/bench/results/default_brain.md)
+            return Weighing(related, alone, weighing.gain, acts_only=True)
+        return weighing
 
     def take_turn_end(self, verdict: TurnEndVerdict | None, messages: list[Message]) -> TurnEndVerdict | None:
         """``verdict`` taken, for the reply to ``messages`` to read from its prefill, where that reply can: an LLM on

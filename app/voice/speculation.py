@@ -50,7 +50,14 @@ class Speculation:
         heard_gain = self._heard.heard_gain(tail.text, fitted.messages)
         weighing = self._replies.weigh(fitted.messages, alone, heard_gain, spoken=True)
         turn_end = self._replies.take_turn_end(tail.verdict, weighing.messages)
-        reply.start(weighing.messages, released=False, alone=weighing.alone, turn_end=turn_end, weighed=weighing.gain)
+        reply.start(
+            weighing.messages,
+            released=False,
+            alone=weighing.alone,
+            alone_acts_only=weighing.acts_only,
+            turn_end=turn_end,
+            weighed=weighing.gain,
+        )
 
     async def cancel(self) -> None:
         reply, self._reply = self._reply, None

@@ -24,7 +24,14 @@ class HeldReply(StandInReply):
         self.speech_end = speech_end
 
     def start(
-        self, messages: list[dict], *, released: bool, alone: list[dict] | None = None, turn_end=None, weighed=None
+        self,
+        messages: list[dict],
+        *,
+        released: bool,
+        alone: list[dict] | None = None,
+        alone_acts_only=False,
+        turn_end=None,
+        weighed=None,
     ) -> None:
         self.log.append("start (released)" if released else "start (held)")
         self.messages, self.alone, self.turn_end, self.weighed = messages, alone, turn_end, weighed

@@ -324,3 +324,32 @@ def test_results_that_say_what_they_did_are_the_answer_and_any_other_result_is_t
     assert spoken_results([timer, error]) is None and spoken_results([plain]) is None
     assert spoken_results([refused]) == "Sorry, I can't do that."  # a refusal that says why is said as is
     assert spoken_results([result_message("c5", "not JSON")]) is None
+
+
+async def test_with_tools_a_reply_kept_on_the_conversation_still_carries_the_words_alone_to_act_on():
+    """The 0.5B default brain shaped every request like an earlier reply once one reply in the history was not a
+    call; asked alone, it made the call. So where the words heard chose the conversation, a reply with tools still
+    carries the words alone, to be chosen only where alone they make a call (``acts_only``)."""
+    conv = await tool_session(history_relevance_nats=1.0)
+    related = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Set a timer."}]
+    alone = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Set a timer."}]
+    weighing = conv.session._replies.weigh(related, alone, heard_gain=5.0, spoken=True)
+    assert weighing.messages is related and weighing.alone is alone and weighing.acts_only
+    chosen_alone = conv.session._replies.weigh(related, alone, heard_gain=-5.0, spoken=True)
+    assert chosen_alone.messages is alone and not chosen_alone.acts_only
+    plain = Conversation(llm=weather_llm(), history_relevance_nats=1.0)  # no tools: nothing to act on
+    assert not plain.session._replies.weigh(related, alone, heard_gain=5.0, spoken=True).acts_only
+
+
+def test_the_engine_answers_alone_where_alone_the_words_open_a_call_and_with_the_conversation_they_do_not():
+    from types import SimpleNamespace
+
+    from app.stages.llm_engine import acts
+    from app.stages.llm_prompt import Rendered
+    from engine.structured_output.grammar import LazyGrammar
+
+    with_tools = Rendered([1, 2], lazy_grammar=LazyGrammar("g", openers=(5, 6)))
+    assert acts(with_tools, SimpleNamespace(token_ids_delta=[5]))
+    assert not acts(with_tools, SimpleNamespace(token_ids_delta=[7]))
+    assert not acts(Rendered([1, 2]), SimpleNamespace(token_ids_delta=[5]))  # no tools, no call
+    assert not acts(with_tools, SimpleNamespace(token_ids_delta=[]))
