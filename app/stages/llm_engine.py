@@ -291,7 +291,8 @@ class EngineChatLLM:
             verdict.set(None)
             verdict, position = None, None
         spans = None
-        if alone is not None:
+        weighs = alone is not None and alone.min_gain_nats > float("-inf")  # (-inf: alone only where it acts)
+        if weighs:
             spans = (
                 self.marks.words_span(request.messages, request.tools),
                 self.marks.words_span(alone.messages, request.tools),
@@ -299,11 +300,11 @@ class EngineChatLLM:
             if None in spans:
                 if alone.on_weighed is not None:
                     alone.on_weighed(None)
-                alone, spans = None, None
+                alone, spans, weighs = None, None, False
         windows = [self.marks.window(spans[0] if spans else None, position)]
         prompts = [rendered]
-        if alone is not None:
-            windows.append(self.marks.window(spans[1], None))
+        if alone is not None:  # (the words are scored, one row of logits a token, only where they are weighed)
+            windows.append(self.marks.window(spans[1] if spans else None, None))
             prompts.append(self.render(alone.messages, request.tools))
         ids = [request.request_id, f"{request.request_id}-alone"][: len(prompts)]
         requests = [
@@ -328,7 +329,7 @@ class EngineChatLLM:
                         firsts = [outs[0] for outs in early]
                         if verdict is not None:
                             verdict.set(self.marks.verdict(firsts[0], windows[0], position))
-                        chosen = 0 if alone is None else self._choose(firsts, windows, spans, alone)
+                        chosen = self._choose(firsts, windows, spans, alone) if weighs else 0
                         if alone is not None and chosen == 0 and acts(prompts[1], firsts[1]):
                             chosen = 0 if acts(prompts[0], firsts[0]) else 1  # a request acts where it stands alone
                         if len(prompts) > 1:
