@@ -124,11 +124,11 @@ class Answering:
         """The reply was produced to its end: the history keeps its calls and its answer; where the answer is the
         calls' own words (a skill said what it did), the answer alone, as any reply: shown a call, its result and
         their words, the 0.5B default brain made no more calls and said those words again to the next requests."""
-        for message in () if reply.written.answered_by_tools else reply.tool_messages:
+        for message in () if reply.written.answered_by_tools else reply.written.tool_messages:
             self._history.remember(message)
-        if reply.answer_text:
-            self._history.remember({"role": "assistant", "content": reply.answer_text})
-        if reply.text or reply.tool_messages:
+        if reply.written.answer:
+            self._history.remember({"role": "assistant", "content": reply.written.answer})
+        if reply.text or reply.written.tool_messages:
             self._warmup.next_prompt()
 
     async def interrupt(self, *, barge_in: bool = True) -> None:
@@ -140,11 +140,11 @@ class Answering:
         await reply.cancel()  # (the calls it waits for are cancelled: the client is told)
         heard_text = reply.heard_text(self._clock.now())
         if not recorded:
-            for message in reply.tool_messages:  # calls made and answered stay made
+            for message in reply.written.tool_messages:  # calls made and answered stay made
                 self._history.remember(message)
         self._history.keep_only_heard(
-            reply.heard_answer(heard_text),
-            reply_was_recorded=recorded and bool(reply.answer_text),
+            reply.written.heard_answer(heard_text),
+            reply_was_recorded=recorded and bool(reply.written.answer),
             withdrawn_if_unheard=self._withdraw_unheard and not barge_in,
         )
         self._warmup.next_prompt()

@@ -170,15 +170,6 @@ class Reply:
         return self.written.text
 
     @property
-    def answer_text(self) -> str:
-        """The text written after the last round of calls (all of it in a reply without calls)."""
-        return self.written.answer
-
-    @property
-    def tool_messages(self) -> list[Message]:
-        return self.written.tool_messages
-
-    @property
     def producing(self) -> bool:
         return self._task is not None and not self._task.done()
 
@@ -191,10 +182,6 @@ class Reply:
         if not self.speaks:
             return self.text if self.released else ""
         return self.playback.heard_text(now)
-
-    def heard_answer(self, heard: str) -> str:
-        """Of what the user ``heard``, the answer's words: what was said before the calls is kept with them."""
-        return self.written.heard_answer(heard)
 
     def start(
         self,
@@ -325,7 +312,7 @@ class Reply:
                 self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
             if stop:
                 self.written.keep_said(said)
-                self._count_guard(stop)
+                count_guard(self.metrics, stop)
             pieces.put_nowait(None)
             await speaker
             self._produced_at = self._clock.now()
@@ -348,7 +335,7 @@ class Reply:
     def _request(self, messages: list[Message], spec: ToolSpec | None, alone: list[Message] | None) -> ReplyRequest:
         """One round's LLM request: the first round also weighs ``alone`` (where the policy weighs the words) and reads
         the end-of-turn verdict this reply took; the backend carries out what it can (``open_reply``)."""
-        first = not self.tool_messages  # (the first round: no calls made yet)
+        first = not self.written.tool_messages  # (the first round: no calls made yet)
         weighed = None
         if alone is not None and self._alone_acts_only:
             weighed = StandAlone(alone, float("-inf"))  # chosen only where, alone, the words make a call
@@ -449,15 +436,16 @@ class Reply:
         self.written.answered_by_tools = True
         return True
 
-    def _count_guard(self, guard: Guard) -> None:
-        """Which guard cut the reply, as per-turn counts (``TurnMetrics.guard_*``): how often the LLM needed one."""
-        field = f"guard_{guard}"
-        setattr(self.metrics, field, (getattr(self.metrics, field) or 0) + 1)
-
     def runs_dry_at(self, now: float) -> float:
         """When the listener runs out of audio: what was sent has played, and what is held back after it."""
         held_s = sum(len(item) // 2 for item in self._held if isinstance(item, bytes)) / self._tts.sample_rate
         return self.playback.runs_dry_at(now) + held_s
+
+
+def count_guard(metrics: protocol.TurnMetrics, guard: Guard) -> None:
+    """Which guard cut the reply, as per-turn counts (``TurnMetrics.guard_*``): how often the LLM needed one."""
+    field = f"guard_{guard}"
+    setattr(metrics, field, (getattr(metrics, field) or 0) + 1)
 
 
 async def cancel_task(task: asyncio.Task) -> None:
