@@ -42,6 +42,12 @@ class StreamResampler:
             return samples
         return self._stream.resample_chunk(samples.astype(np.float32, copy=False))
 
+    def flush(self) -> np.ndarray:
+        """The stream has ended: the samples the filter still holds (its delay's worth)."""
+        if self._stream is None:
+            return np.zeros(0, np.float32)
+        return self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
+
 
 def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     """Read a PCM16 WAV as mono float32 (channels averaged) and its sample rate."""

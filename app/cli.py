@@ -110,6 +110,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.quality import main as bench_quality
 
         return bench_quality(args.rest)
+    if args.what == "wyoming":
+        from app.bench.wyoming import main as bench_wyoming
+
+        return bench_wyoming(args.rest)
     from app.bench.voice import main as bench_voice
 
     return bench_voice(args.rest)
@@ -140,8 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("rest", nargs=argparse.REMAINDER)
     engine.set_defaults(func=_engine)
 
-    bench = commands.add_parser("bench", help="benchmarks: `parley bench engine|voice|load|quality|turn-end --help`")
-    bench.add_argument("what", choices=["engine", "voice", "load", "quality", "turn-end"])
+    bench = commands.add_parser(
+        "bench", help="benchmarks: `parley bench engine|voice|load|quality|turn-end|wyoming --help`"
+    )
+    bench.add_argument("what", choices=["engine", "voice", "load", "quality", "turn-end", "wyoming"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 

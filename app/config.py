@@ -309,6 +309,10 @@ class Settings(BaseSettings):
     )
     ssl_certfile: str | None = Field(None, description="TLS certificate (PEM): serve https/wss")
     ssl_keyfile: str | None = Field(None, description="TLS private key (PEM)")
+    wyoming_port: int | None = Field(
+        None, ge=0, le=65535, description="also serve the Wyoming protocol (Home Assistant) on this TCP port (0: any)"
+    )
+    wyoming_host: str = Field("127.0.0.1", description="where the Wyoming door listens (it has no API key: see README)")
 
     # Limits
     max_sessions: int | None = Field(

@@ -121,6 +121,12 @@ class AccessPolicy:
                 f"listening on {self.settings.host} without an api_key: anyone who can reach this port can use "
                 "the assistant (set PARLEY_API_KEY, or bind 127.0.0.1 and use an SSH tunnel)"
             )
+        wyoming = self.settings.wyoming_host
+        if self.settings.wyoming_port is not None and not is_loopback(wyoming):
+            warnings.append(
+                f"the Wyoming door listens on {wyoming}: the protocol has no authentication, so anyone who can reach "
+                "that port can use the assistant (keep it on a trusted network, or bind 127.0.0.1)"
+            )
         return warnings
 
 

@@ -1,5 +1,6 @@
 """The HTTP front: the web page at ``/``, ``/healthz``, ``/metrics``; voice sessions at ``/ws`` (``ws.py``)
-and, in the OpenAI Realtime API, at ``/v1/realtime`` (the ``realtime`` package)."""
+and, in the OpenAI Realtime API, at ``/v1/realtime`` (the ``realtime`` package); with ``wyoming_port``, the
+Wyoming protocol on its own TCP port (the ``wyoming`` package)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from app.server.metrics import VoiceMetrics
 from app.server.realtime import serve_realtime
 from app.server.skills import ServerSkills
 from app.server.ws import serve_voice
+from app.server.wyoming import WyomingDoor
 from app.stages.registry import Models, load_models
 from app.voice.tools import load_server_tools
 
@@ -44,6 +46,8 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
         for warning in app.state.access.startup_warnings():
             print(f"WARNING: {warning}", flush=True)
         admission.size_cap()  # the models now hold their memory: what is left is the sessions'
+        if wyoming is not None:
+            print(await wyoming.start(), flush=True)
         # What is loaded by now (models, libraries) lives as long as the server: a full garbage
         # collection that walks it all stalls the event loop for hundreds of ms, so it is left out.
         gc.collect()
@@ -54,6 +58,8 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
         print(f"parley ready on {scheme}://{settings.host}:{settings.port}", flush=True)
         yield
         gc.unfreeze()
+        if wyoming is not None:
+            await wyoming.stop()
         for session in list(app.state.sessions):
             await session.close()
         await skills.stop()
@@ -67,6 +73,7 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
     app.state.metrics = VoiceMetrics(admission)
     skills = ServerSkills(settings)  # a bad skills or mcp_servers setting fails here, before any model loads
     app.state.skills = skills.skills
+    app.state.wyoming = wyoming = WyomingDoor(app.state, settings) if settings.wyoming_port is not None else None
     app.add_middleware(HostGuard, policy=access)
 
     @app.middleware("http")

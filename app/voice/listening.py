@@ -55,6 +55,16 @@ class TextTurnEnd:
         return await scheduling.end_of_turn_probability(conversation, said["content"])
 
 
+def vad_config(settings: Settings) -> VadConfig:
+    """The VAD as the settings tune it: speech starts after ``min_speech_ms``, pauses after ``pause_ms`` of quiet."""
+    return VadConfig(
+        threshold=settings.vad_threshold,
+        neg_threshold=max(0.05, settings.vad_threshold - 0.15),
+        min_speech_ms=settings.min_speech_ms,
+        min_silence_ms=settings.pause_ms,
+    )
+
+
 def endpointer(settings: Settings) -> Endpointer:
     """The endpoint's rule as the settings tune it."""
     return Endpointer(
@@ -79,14 +89,7 @@ def listen(
 ) -> UtteranceTracker:
     """A tracker of the user's utterances as ``settings`` tune it; ``language``: the one to transcribe in, now;
     ``prompt``: the reply's messages for some words (the LLM's end-of-turn signal is asked with them)."""
-    vad = models.vad_stream(
-        VadConfig(
-            threshold=settings.vad_threshold,
-            neg_threshold=max(0.05, settings.vad_threshold - 0.15),
-            min_speech_ms=settings.min_speech_ms,
-            min_silence_ms=settings.pause_ms,
-        )
-    )
+    vad = models.vad_stream(vad_config(settings))
     return UtteranceTracker(
         vad,
         models.asr,
