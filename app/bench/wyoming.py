@@ -19,6 +19,9 @@ and measures them with wyoming-bench's own measurement functions (``measure_stt_
   ``--snr-db`` under it, seeded), written as 16 kHz mono 16-bit WAV + .txt pairs (wyoming-bench's corpus
   layout). Reported: the time from the first event sent to the final transcript, in streaming the time to
   the first transcript-chunk too, and the WER pooled over all samples (wyoming-bench's normalization).
+* STT ``paced``: the same corpus sent at the pace it was spoken (wyoming-bench's sender, a chunk delay of one
+  chunk's length), as Home Assistant streams a microphone, in the non-streaming flow; reported: the time
+  from ``audio-stop`` sent to the transcript, what a user of the voice assistant waits.
 * TTS: wyoming-bench's DEFAULT_TEXTS (1 to 4 sentences), each with a fresh random nonce appended so no
   server can answer from a cache. Reported: the time to the first audio chunk and to the end of the audio.
 
@@ -57,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +73,7 @@ from app.bench.voice import COMMANDS, QUESTIONS
 from engine.metrics import percentile
 
 MODES = ("non_streaming", "streaming")  # wyoming_bench.const.MODE_NON_STREAMING, MODE_STREAMING
+PACED = "paced"  # STT only: the audio sent at the pace it was spoken, as Home Assistant streams a microphone
 RATES = (0.9, 1.0, 1.15)  # Piper length scales, cycled over the corpus
 TEXTS = (*COMMANDS, *QUESTIONS)
 LOUD = 0.01  # a sample this loud is speech when measuring the speech level (as app.bench.voice does)
@@ -345,6 +349,40 @@ async def _stt_once(server: Server, mode: str, sample: Any, timeout_s: float) ->
     )  # fmt: skip
 
 
+async def _stt_paced_once(server: Server, sample: Any, timeout_s: float) -> Record:
+    """The non-streaming flow with the audio sent at its own pace (wyoming-bench's sender with a chunk delay of
+    one chunk's duration); ``total_ms`` is from ``audio-stop`` sent to the transcript: what a user waits."""
+    from wyoming.asr import Transcribe, Transcript
+    from wyoming.client import AsyncTcpClient
+    from wyoming_bench.stt import client as stt_client  # (its sender and reader, as measure_stt_once uses them)
+    from wyoming_bench.stt.reporting import SttMeasurement
+
+    m = SttMeasurement(f"127.0.0.1:{server.port}", PACED, sample.sample_id, reference=sample.reference)
+    m.audio_duration_s = sample.duration_s
+    client = AsyncTcpClient("127.0.0.1", server.port, connect_timeout=timeout_s, read_timeout=timeout_s)
+    sent = None
+    try:
+        await client.connect()
+        m.t_sent = time.perf_counter()
+        await client.write_event(Transcribe().event())
+        delay = CHUNK_SAMPLES / sample.rate
+        await stt_client._send_audio(client, sample, CHUNK_SAMPLES, delay, TRAILING_SILENCE_S)
+        sent = time.perf_counter()
+        await stt_client._read_transcript(client, m, Transcript)
+        m.ok = m.t_end is not None
+        if m.ok:
+            stt_client._fill_accuracy(m)
+    except Exception as error:  # noqa: BLE001 - a failed measurement, reported as such
+        m.error = f"{type(error).__name__}: {error}"
+    finally:
+        with contextlib.suppress(Exception):
+            await client.disconnect()
+    record = stt_record(m, server.label, 0)
+    record.first_ms = None
+    record.total_ms = (m.t_end - sent) * 1000 if m.ok and sent is not None else None
+    return record
+
+
 async def _tts_once(server: Server, mode: str, text: str, timeout_s: float) -> Any:
     from wyoming_bench.tts.client import measure_once
 
@@ -356,6 +394,8 @@ def _modes_for(servers: list[Server], service: str, modes: Sequence[str]) -> dic
     """The servers measured in each mode: all in non-streaming, those not saying they cannot in streaming."""
     chosen = {}
     for mode in modes:
+        if mode == PACED and service != "stt":
+            continue
         able = [s for s in servers if mode != "streaming" or advertises_streaming(s, service) is not False]
         for server in servers:
             if server not in able:
@@ -378,6 +418,8 @@ async def measure(
 
     async def once(server: Server, mode: str, item: Any, round_no: int) -> Record:
         await asyncio.sleep(plan.pause_s)
+        if mode == PACED:
+            return replace(await _stt_paced_once(server, item, plan.timeout_s), round=round_no)
         if service == "stt":
             return stt_record(await _stt_once(server, mode, item, plan.timeout_s), server.label, round_no)
         return tts_record(await _tts_once(server, mode, item, plan.timeout_s), server.label, round_no, item)
@@ -452,6 +494,7 @@ def summarize(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
 
 WHAT = {
     "stt": ("to the final transcript", "to the first transcript-chunk"),
+    "stt paced": ("from the audio's end (audio-stop sent) to the transcript", "-"),
     "tts": ("to the end of the audio", "to the first audio chunk"),
 }
 
@@ -462,7 +505,7 @@ def _cell(value: float | None, width: int = 8) -> str:
 
 def table(key: str, entry: dict[str, Any]) -> list[str]:
     service = key.split()[0]
-    total_what, first_what = WHAT[service]
+    total_what, first_what = WHAT.get(key, WHAT[service])
     header = f"  {'server':<24}{'ok':>4}{'fail':>5} | {'total ms: mean':>15}{'p50':>8}{'p95':>8}"
     header += f" | {'first ms: mean':>15}{'p50':>8}{'p95':>8}" + (f" | {'WER':>6}" if service == "stt" else "")
     lines = [f"[{key}]  total: {total_what}; first: {first_what}", header]
@@ -494,7 +537,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds over the samples (default 3)")
     parser.add_argument("--snr-db", type=float, default=20.0, help="white noise this many dB under the speech")
     parser.add_argument("--seed", type=int, default=0, help="the noise's seed")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=[*MODES, PACED],
+        default=[*MODES, PACED],
+        help="paced (STT only): the audio at its spoken pace, timed from its end (default: all three)",
+    )
     parser.add_argument("--only", choices=["stt", "tts", "both"], default="both")
     parser.add_argument("--keep-corpus", metavar="DIR", help="write the corpus here and keep it")
     parser.add_argument("--out", default="wyoming_bench.json", help="the JSON of every measurement")
