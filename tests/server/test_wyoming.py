@@ -382,3 +382,67 @@ def test_connections_take_session_slots_and_a_full_server_says_so():
         door.wait_until_no_sessions()
     assert (refused.type, refused.data["code"]) == ("error", "overloaded")
     assert closed is None and sessions == 1
+
+
+def test_a_flooding_client_is_closed_and_the_others_are_served_meanwhile():
+    async def script(connect):
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+        writer.write(b'{"type": "noise"}\n' * 5000)  # skipped events, sent far faster than any client needs
+        await writer.drain()
+        started = time.monotonic()
+        async with connect() as other:
+            await other.write_event(Describe().event())
+            assert (await other.read_event()).type == "info"
+        answered_s = time.monotonic() - started
+        line = await asyncio.wait_for(reader.readline(), 30)
+        header = json.loads(line)
+        data = json.loads(await reader.readexactly(header["data_length"]))
+        writer.close()
+        return answered_s, header["type"], data["code"]
+
+    with Door() as door:
+        answered_s, kind, code = door.talk(script)
+        door.wait_until_no_sessions()
+        metrics = door.client.get("/metrics").text
+    assert answered_s < 5.0
+    assert (kind, code) == ("error", "flooding")
+    assert 'parley_evictions_total{reason="flooding"} 1.0' in metrics
+
+
+def test_a_client_that_stops_reading_is_closed_and_its_slot_freed():
+    async def script(connect):
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+        long_text = "word " * 1999  # ~500 s of audio (16 MB), never read
+        writer.write(json.dumps({"type": "synthesize", "data": {"text": long_text}}).encode() + b"\n")
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        assert len(door.app.state.sessions) == 1
+        deadline = time.monotonic() + 15
+        while door.app.state.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        writer.close()
+
+    with Door(send_timeout_s=1.0) as door:
+        door.talk(script)
+        door.wait_until_no_sessions()
+        assert 'parley_evictions_total{reason="not_reading"} 1.0' in door.client.get("/metrics").text
+
+
+def test_two_conversations_at_once_keep_apart():
+    async def sentence(connect, text, conversation_id):
+        async with connect() as client:
+            await client.write_event(Transcript(text=text, context={"conversation_id": conversation_id}).event())
+            return await events_until(client, "handled-stop")
+
+    async def conversation(connect, name):
+        await sentence(connect, f"My name is {name}.", name)
+        await sentence(connect, "What is my name?", name)
+
+    async def script(connect):
+        await asyncio.gather(conversation(connect, "Ada"), conversation(connect, "Grace"))
+
+    with Door() as door:
+        door.talk(script)
+        asked = [[m["content"] for m in call if m["role"] == "user"] for call in door.llm.calls]
+    seconds = [users for users in asked if users[-1] == "What is my name?"]
+    assert sorted(users[:-1] for users in seconds) == [["My name is Ada."], ["My name is Grace."]]

@@ -5,7 +5,7 @@ while it is open (``state.sessions``: the cap, ``/healthz``, ``/metrics``, the s
 refused with an ``error`` event (code ``overloaded``) when the server is full, closed after
 ``idle_timeout_s`` without an event (unless a request is being answered), closed when a send waits
 past ``send_timeout_s`` (a peer that stopped reading), and read at most ``EVENTS_PER_S`` events a
-second (a flood waits in TCP buffers). A bad event (``WireError``: malformed, oversized, out of order)
+second (a flood waits in TCP buffers; a peer that keeps over half that pace is closed). A bad event (``WireError``: malformed, oversized, out of order)
 is answered with an ``error`` event and the connection closes; unknown event types are skipped, as
 the protocol asks of servers.
 """
@@ -27,6 +27,7 @@ from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart
 
 from app.config import Settings
+from app.server.connection import CLIENT_FRAMES_BURST, CLIENT_FRAMES_PER_S, FLOOD_CLOSE_S
 from app.server.limits import TokenBucket
 from app.server.wyoming.conversations import Conversations
 from app.server.wyoming.describe import PROGRAM, describe
@@ -38,8 +39,10 @@ from app.voice.listening import vad_config
 
 log = logging.getLogger(__name__)
 
-EVENTS_PER_S = 400.0  # streamed audio comes in ~30 chunks a second; a few more events around it
-EVENTS_BURST = 400.0
+# The pace of ``app.server.connection``: streamed audio comes in 10-60 chunks a second, a recording sent at
+# once in a few hundred; past the burst reading waits, and a peer that keeps over half the pace for about
+# FLOOD_CLOSE_S is closed (its backlog would otherwise hold its slot long after it left).
+EVENTS_PER_S, EVENTS_BURST = CLIENT_FRAMES_PER_S, CLIENT_FRAMES_BURST
 CLOSE_WAIT_S = 2.0
 
 
@@ -111,6 +114,8 @@ class WyomingConnection:
     async def _read_loop(self) -> None:
         idle_s = self._settings.idle_timeout_s
         pace = TokenBucket(EVENTS_PER_S, EVENTS_BURST, self._clock)
+        half = EVENTS_PER_S / 2
+        flood = TokenBucket(half, EVENTS_BURST + FLOOD_CLOSE_S * half, self._clock)
         while True:
             try:
                 async with asyncio.timeout(idle_s):
@@ -140,6 +145,10 @@ class WyomingConnection:
                 return
             finally:
                 self._working = False
+            if not flood.admit(1.0):
+                await self.send(WireError("flooding", f"over {half:g} events a second").event())
+                self.close_soon(1008, f"over {half:g} events a second", "flooding")
+                return
             wait_s = pace.take(1.0)
             if wait_s:
                 await asyncio.sleep(wait_s)
