@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import math
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
@@ -48,6 +49,19 @@ def acts(prompt: Rendered, first) -> bool:
     """The reply's first token opens a call (its prompt has tools whose calls a model writes bare)."""
     lazy = prompt.lazy_grammar
     return lazy is not None and bool(first.token_ids_delta) and first.token_ids_delta[0] in lazy.openers
+
+
+_CALL_NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
+
+
+def called_name(outputs: list) -> str | None:
+    """The name a call written so far gives (its closing quote written), or None."""
+    match = _CALL_NAME.search("".join(output.text_delta for output in outputs))
+    return match.group(1) if match else None
+
+
+def declared_names(tools: ToolSpec | None) -> set[str]:
+    return {tool.get("function", {}).get("name") for tool in tools.tools} if tools is not None else set()
 
 
 def _is_json(text: str) -> bool:
@@ -311,8 +325,9 @@ class EngineChatLLM:
             (prompt.ids, self._params(request, prompt, window), engine_id)
             for prompt, window, engine_id in zip(prompts, windows, ids, strict=True)
         ]
-        early: list[list] = [[] for _ in prompts]  # each request's outputs until all have their first
+        early: list[list] = [[] for _ in prompts]  # each request's outputs until the one to follow is chosen
         chosen: int | None = None
+        naming = False  # the words alone open a call and the conversation does not: which one waits for its name
         try:
             async with contextlib.aclosing(self.engine.generate_many(requests)) as outputs:
                 async for index, output in outputs:
@@ -326,12 +341,22 @@ class EngineChatLLM:
                             log.warning("scoring the words alone failed (%s); the conversation is kept", output.error)
                         if not all(early):
                             continue
-                        firsts = [outs[0] for outs in early]
-                        if verdict is not None:
-                            verdict.set(self.marks.verdict(firsts[0], windows[0], position))
-                        chosen = self._choose(firsts, windows, spans, alone) if weighs else 0
-                        if alone is not None and chosen == 0 and acts(prompts[1], firsts[1]):
-                            chosen = 0 if acts(prompts[0], firsts[0]) else 1  # a request acts where it stands alone
+                        if not naming:
+                            firsts = [outs[0] for outs in early]
+                            if verdict is not None:
+                                verdict.set(self.marks.verdict(firsts[0], windows[0], position))
+                            chosen = self._choose(firsts, windows, spans, alone) if weighs else 0
+                            # a request acts where it stands alone: once its call's name is written, if it is a tool
+                            # ("What is my sister's name?" alone calls a made-up tool: the conversation answers it;
+                            # app/bench/results/default_brain.md, 6)
+                            if alone is not None and chosen == 0 and acts(prompts[1], firsts[1]):
+                                naming = not acts(prompts[0], firsts[0])
+                                chosen = None if naming else 0
+                        if naming:
+                            name = called_name(early[1])
+                            if name is None and not any(out.finished for outs in early for out in outs):
+                                continue
+                            chosen = 1 if name in declared_names(request.tools) else 0
                         if len(prompts) > 1:
                             self.engine.abort(ids[1 - chosen])  # frees its KV blocks before the next step
                             self._engine_ids[request.request_id] = ids[chosen]
