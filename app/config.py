@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -21,11 +21,8 @@ from app.policy import FollowUps, HistoryReplies, policy_for
 POLICY_DEFAULT = "(the conversation policy's row may set another default: llm_policy)"
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PARLEY_", extra="forbid")
-
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+class _Models(BaseModel):
+    """The models, their devices and how the LLM decodes (the policy's fields): a part of ``Settings``."""
 
     # ASR
     asr_model: str = Field(
@@ -168,6 +165,10 @@ class Settings(BaseSettings):
         description='a Piper voice per language, JSON: {"de": "/voices/de_DE-thorsten-medium.onnx"}',
     )
 
+
+class _TurnTaking(BaseModel):
+    """The VAD, the endpoint, the reply's pace and Whisper's window: a part of ``Settings`` (README, Settings)."""
+
     # VAD / turn-taking
     vad_threshold: float = Field(0.5, gt=0.0, lt=1.0)
     endpoint_silence_ms: int = Field(400, ge=100, le=3000, description="silence that ends a finished sentence")
@@ -257,6 +258,12 @@ class Settings(BaseSettings):
         "sessions all three slow everyone)",
     )
     asr_window_s: float = Field(6.0, ge=1.0, le=30.0, description="Whisper window; 30 = standard, slower")
+    min_speech_ms: int = Field(96, ge=0)
+    max_utterance_s: float = Field(30.0, gt=0)
+
+
+class _ToolsAndSkills(BaseModel):
+    """Function calling and the assistant's own abilities: a part of ``Settings``."""
 
     # Tools (function calling: README, Tools)
     tool_timeout_s: float = Field(
@@ -292,8 +299,14 @@ class Settings(BaseSettings):
         max_length=20000,
         description="Model Context Protocol servers whose tools the LLM may call: a JSON list (README, Skills)",
     )
-    min_speech_ms: int = Field(96, ge=0)
-    max_utterance_s: float = Field(30.0, gt=0)
+
+
+class _Serving(BaseModel):
+    """Where the server listens, who may talk to it, and how much: a part of ``Settings``."""
+
+    # Where it listens
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
 
     # Access (see README "Safe on a LAN")
     allowed_origins: Annotated[list[str], NoDecode] = Field(
@@ -340,6 +353,12 @@ class Settings(BaseSettings):
     memory_red_line: float = Field(
         0.9, gt=0, le=1, description="refuse new sessions when this share of memory (or GPU memory) is in use"
     )
+
+
+class Settings(_Serving, _ToolsAndSkills, _TurnTaking, _Models, BaseSettings):
+    """Every setting, in four groups (its bases, listed last to first: the order ``parley config`` shows them)."""
+
+    model_config = SettingsConfigDict(env_prefix="PARLEY_", extra="forbid")
 
     @field_validator("allowed_origins", "allowed_hosts", "skills", mode="before")
     @classmethod
