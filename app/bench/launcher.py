@@ -61,13 +61,7 @@ class ServerProcess:
         raise RuntimeError(f"server not ready in {timeout_s} s:\n{log_path.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self._log.close()
 
     def __enter__(self) -> ServerProcess:
@@ -75,3 +69,14 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """Ask a child server to stop (SIGTERM), and kill it if it has not within 20 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

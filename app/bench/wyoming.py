@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from app.audio import ASR_SAMPLE_RATE, write_wav
-from app.bench.launcher import ROOT, free_port
+from app.bench.launcher import ROOT, free_port, stop_process
 from app.bench.samples import synthesize_speech, trim_to_speech
 from app.bench.voice import COMMANDS, QUESTIONS
 from engine.metrics import percentile
@@ -163,13 +163,8 @@ class Server:
         )
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -34,7 +34,7 @@ from app import protocol
 from app.config import Settings
 from app.server.access import CLOSE_POLICY
 from app.server.admission import Refusal
-from app.server.limits import Every, TokenBucket
+from app.server.limits import Every, ReadPace, TokenBucket
 from app.stages.registry import set_open_sessions
 from app.voice.session import VoiceSession
 
@@ -240,9 +240,7 @@ class Connection:
         until it stops.
         """
         idle_s = self.settings.idle_timeout_s
-        pace = TokenBucket(CLIENT_FRAMES_PER_S, CLIENT_FRAMES_BURST, self._clock)
-        half = CLIENT_FRAMES_PER_S / 2
-        flood = TokenBucket(half, CLIENT_FRAMES_BURST + FLOOD_CLOSE_S * half, self._clock)
+        pace = ReadPace(CLIENT_FRAMES_PER_S, CLIENT_FRAMES_BURST, FLOOD_CLOSE_S, self._clock)
         while True:
             try:
                 async with asyncio.timeout(idle_s):
@@ -258,9 +256,9 @@ class Connection:
                 await on_bytes(message["bytes"])
             elif message.get("text") is not None:
                 await on_text(message["text"])
-            if not flood.admit(1.0):
+            wait_s = pace.took()
+            if wait_s is None:
                 self.state.metrics.evictions.labels(reason="flooding").inc()
-                return CLOSE_POLICY, f"over {half:g} frames a second"
-            wait_s = pace.take(1.0)
+                return CLOSE_POLICY, f"over {pace.flood_rate:g} frames a second"
             if wait_s:
                 await asyncio.sleep(wait_s)

@@ -43,6 +43,25 @@ class TokenBucket:
         return max(0.0, -self._tokens / self.rate)
 
 
+class ReadPace:
+    """How fast a connection's frames (or events) are read: at most ``rate`` a second past a burst of ``burst``
+    (beyond that reading waits, so a flood waits in TCP buffers instead of spending the event loop), and a peer
+    that keeps over half that pace for about ``flood_close_s`` is flooding on purpose (``took`` says so)."""
+
+    def __init__(
+        self, rate: float, burst: float, flood_close_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.flood_rate = rate / 2
+        self._pace = TokenBucket(rate, burst, clock)
+        self._flood = TokenBucket(self.flood_rate, burst + flood_close_s * self.flood_rate, clock)
+
+    def took(self) -> float | None:
+        """One frame was read: the seconds to wait before the next (0: none), or None: the peer is flooding."""
+        if not self._flood.admit(1.0):
+            return None
+        return self._pace.take(1.0)
+
+
 class Every:
     """True at most once per ``interval_s`` (so a flood of bad input gets one error a second, not one per frame)."""
 

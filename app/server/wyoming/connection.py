@@ -28,7 +28,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart
 
 from app.config import Settings
 from app.server.connection import CLIENT_FRAMES_BURST, CLIENT_FRAMES_PER_S, FLOOD_CLOSE_S
-from app.server.limits import TokenBucket
+from app.server.limits import ReadPace
 from app.server.wyoming.conversations import Conversations
 from app.server.wyoming.describe import PROGRAM, describe
 from app.server.wyoming.dictation import Dictation, language_code
@@ -113,9 +113,7 @@ class WyomingConnection:
 
     async def _read_loop(self) -> None:
         idle_s = self._settings.idle_timeout_s
-        pace = TokenBucket(EVENTS_PER_S, EVENTS_BURST, self._clock)
-        half = EVENTS_PER_S / 2
-        flood = TokenBucket(half, EVENTS_BURST + FLOOD_CLOSE_S * half, self._clock)
+        pace = ReadPace(EVENTS_PER_S, EVENTS_BURST, FLOOD_CLOSE_S, self._clock)
         while True:
             try:
                 async with asyncio.timeout(idle_s):
@@ -145,11 +143,12 @@ class WyomingConnection:
                 return
             finally:
                 self._working = False
-            if not flood.admit(1.0):
-                await self.send(WireError("flooding", f"over {half:g} events a second").event())
-                self.close_soon(1008, f"over {half:g} events a second", "flooding")
+            wait_s = pace.took()
+            if wait_s is None:
+                why = f"over {pace.flood_rate:g} events a second"
+                await self.send(WireError("flooding", why).event())
+                self.close_soon(1008, why, "flooding")
                 return
-            wait_s = pace.take(1.0)
             if wait_s:
                 await asyncio.sleep(wait_s)
 
@@ -271,7 +270,7 @@ class WyomingConnection:
             streamed=streamed,
             first_clause_chars=self._settings.first_clause_chars,
             first_piece_words=self._settings.first_piece_words,
-            solo=lambda: bool(getattr(self._state.models, "solo", False)),
+            solo=lambda: self._state.models.solo,
         )
 
 

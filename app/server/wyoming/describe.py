@@ -31,22 +31,26 @@ def model_name(setting: str, bundled: str) -> str:
     return bundled if setting.startswith("bundled") else Path(setting).name or setting
 
 
+def program(description: str) -> dict:
+    """What each of Parley's three programs says of itself."""
+    return {"name": PROGRAM, "description": description, "attribution": PARLEY, "installed": True, "version": VERSION}
+
+
+def artifact(name: str, description: str, attribution: Attribution = PARLEY) -> dict:
+    """A model or a voice a program has (installed: nothing is downloaded)."""
+    return {"name": name, "description": description, "attribution": attribution, "installed": True, "version": None}
+
+
 def describe(models: VoiceStages, settings: Settings) -> Info:
     asr_languages = [language for language in models.asr.languages if language] or ["en"]
     bundled_asr = "whisper-base" if settings.asr_model == "bundled-multilingual" else "whisper-tiny.en"
     asr = AsrProgram(
-        name=PROGRAM,
-        description="Parley: streaming Whisper transcription",
-        attribution=PARLEY,
-        installed=True,
-        version=VERSION,
+        **program("Parley: streaming Whisper transcription"),
         models=[
             AsrModel(
-                name=model_name(settings.asr_model, bundled_asr),
-                description=f"Whisper ({settings.asr_compute_type})",
-                attribution=WHISPER,
-                installed=True,
-                version=None,
+                **artifact(
+                    model_name(settings.asr_model, bundled_asr), f"Whisper ({settings.asr_compute_type})", WHISPER
+                ),
                 languages=asr_languages,
             )
         ],
@@ -54,38 +58,24 @@ def describe(models: VoiceStages, settings: Settings) -> Info:
     )
     voices = [
         TtsVoice(
-            name=voice,
-            description=f"Piper voice {voice}",
-            attribution=PIPER,
-            installed=True,
-            version=None,
+            **artifact(voice, f"Piper voice {voice}", PIPER),
             languages=[code for code in asr_languages if models.tts.voice_for(code) == voice]
             or ([asr_languages[0]] if index == 0 else []),
         )
         for index, voice in enumerate(models.tts.voices)
     ]
     tts = TtsProgram(
-        name=PROGRAM,
-        description="Parley: streaming Piper speech",
-        attribution=PARLEY,
-        installed=True,
-        version=VERSION,
+        **program("Parley: streaming Piper speech"),
         voices=voices,
         supports_synthesize_streaming=True,
     )
     handle = HandleProgram(
-        name=PROGRAM,
-        description="Parley: the assistant's conversation (its LLM, memory, skills and tools)",
-        attribution=PARLEY,
-        installed=True,
-        version=VERSION,
+        **program("Parley: the assistant's conversation (its LLM, memory, skills and tools)"),
         models=[
             HandleModel(
-                name=model_name(chosen_model(settings.llm_model), "SmolLM2-135M-Instruct"),
-                description="the conversation's LLM",
-                attribution=PARLEY,
-                installed=True,
-                version=None,
+                **artifact(
+                    model_name(chosen_model(settings.llm_model), "SmolLM2-135M-Instruct"), "the conversation's LLM"
+                ),
                 languages=asr_languages,
             )
         ],
