@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import wave
 from pathlib import Path
@@ -102,6 +103,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         patch, empty_cache = _model_guard
         patch.undo()
         shutil.rmtree(empty_cache, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _apps_in_the_test_process_keep_the_heap_unfrozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An app started in this process would collect and freeze the whole suite's heap (~0.1 s each, hundreds
+    of starts). The freeze is for a server's own process: the `parley serve` subprocesses still do it."""
+    server_app = sys.modules.get("app.server.app")
+    if server_app is not None:
+        monkeypatch.setattr(server_app, "freeze_startup_heap", lambda: None)
 
 
 @pytest.fixture(scope="session")

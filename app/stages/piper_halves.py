@@ -14,6 +14,10 @@ voice without them runs whole (``split_piper`` returns None).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -72,10 +76,88 @@ class PiperHalves:
         return audio[offset : offset + (end - start) * self.hop]
 
 
-def split_piper(model: str | Path, threads: int | list[int], hop: int = 256) -> list[PiperHalves] | None:
+# Bump when the cut's output changes: every cached cut is then made again.
+CUT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """A voice's graph cut before its decoder: the two halves (serialized, or their cached files) and the
+    tensors that cross the cut."""
+
+    front: bytes | Path
+    decoder: bytes | Path
+    latent: str
+    conditioning: list[str]
+
+
+def split_piper(
+    model: str | Path, threads: int | list[int], hop: int = 256, *, cache: Path | None = None
+) -> list[PiperHalves] | None:
     """``model`` cut before its decoder, as sessions on each of ``threads`` (one pair per count); ``hop``: its
     audio samples per latent frame (the voice config's ``hop_length``). None when the graph has no decoder scope
-    to cut at."""
+    to cut at.
+
+    The cut is kept in ``cache`` (``PARLEY_CACHE_DIR`` or ``~/.cache/parley``, under ``piper-halves``): making it
+    loads the ``onnx`` package and walks the graph, ~3.5 s of a server's start on 2 cores; reading it back, the
+    two halves' files, is what the sessions load anyway.
+    """
+    cut = _cached_cut(Path(model), cache)
+    if cut is None:
+        return None
+    counts = [threads] if isinstance(threads, int) else threads
+    return [
+        PiperHalves(cpu_session(cut.front, count), cpu_session(cut.decoder, count), cut.latent, cut.conditioning, hop)
+        for count in counts
+    ]
+
+
+def _cached_cut(model: Path, cache: Path | None) -> _Cut | None:
+    """The cut from the cache when an earlier start made it for this very file (path, size, mtime), else made now
+    and written there (each half under a temporary name and renamed, the description last: a crash or a start
+    beside this one never leaves a half-written cut that reads as whole). A cache that cannot be written is only
+    a slower next start."""
+    if cache is None:
+        from engine.weights import cache_dir
+
+        cache = cache_dir()
+    stat = model.resolve().stat()
+    key = hashlib.sha256(f"{CUT_VERSION}|{model.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    folder = cache / "piper-halves" / f"{model.stem}-{key[:16]}"
+    described = folder / "cut.json"
+    if described.is_file():
+        found = json.loads(described.read_text(encoding="utf-8"))
+        if not found["cut"]:
+            return None
+        return _Cut(folder / "front.onnx", folder / "decoder.onnx", found["latent"], found["conditioning"])
+    cut = _cut(model)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if cut is not None:
+            _write_atomically(folder / "front.onnx", cut.front)
+            _write_atomically(folder / "decoder.onnx", cut.decoder)
+        description = (
+            {"cut": False} if cut is None else {"cut": True, "latent": cut.latent, "conditioning": cut.conditioning}
+        )
+        _write_atomically(described, json.dumps(description).encode())
+    except OSError:
+        pass
+    return cut
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _cut(model: Path) -> _Cut | None:
+    """Cut the graph: the front half runs the model's own inputs to every tensor the decoder reads."""
     import onnx
     from onnx.utils import Extractor
 
@@ -101,16 +183,9 @@ def split_piper(model: str | Path, threads: int | list[int], hop: int = 256) -> 
     if latent not in cut or made_by.get(audio) not in after or reads_inputs:
         return None  # not the graph this cut is for
     extractor = Extractor(graph_model)
-    front = extractor.extract_model(model_inputs, cut).SerializeToString()
-    decoder = extractor.extract_model(cut, [audio]).SerializeToString()
-    counts = [threads] if isinstance(threads, int) else threads
-    return [
-        PiperHalves(
-            cpu_session(front, count),
-            cpu_session(decoder, count),
-            latent,
-            [name for name in cut if name != latent],
-            hop,
-        )
-        for count in counts
-    ]
+    return _Cut(
+        extractor.extract_model(model_inputs, cut).SerializeToString(),
+        extractor.extract_model(cut, [audio]).SerializeToString(),
+        latent,
+        [name for name in cut if name != latent],
+    )

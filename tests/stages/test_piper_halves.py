@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 
@@ -105,4 +106,45 @@ def test_a_graph_without_a_decoder_scope_is_not_cut(tmp_path):
     )
     path = tmp_path / "plain.onnx"
     onnx.save(helper.make_model(graph), str(path))
-    assert split_piper(path, 1) is None
+    assert split_piper(path, 1, cache=tmp_path / "cache") is None
+    assert split_piper(path, 1, cache=tmp_path / "cache") is None  # (read back from the cache)
+
+
+def tiny_voice(path, decoder_op: str) -> None:
+    """A graph shaped as Piper's exports are: a front (``/enc/``) to a latent, and a decoder scope (``/dec/``)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["input"], ["latent"], name="/enc/Relu"),
+            helper.make_node(decoder_op, ["latent"], ["output"], name=f"/dec/{decoder_op}"),
+        ],
+        "voice",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 4])],
+        value_info=[helper.make_tensor_value_info("latent", TensorProto.FLOAT, [1, 4])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_the_cut_is_kept_and_read_back_only_for_the_same_file(tmp_path, monkeypatch):
+    """A start after the first reads the two halves from the cache (the cut loads ``onnx`` and walks the graph);
+    a voice file replaced at the same path is cut again. (Sessions on the halves: the model tests above.)"""
+    from app.stages import piper_halves
+
+    voice, cache = tmp_path / "voice.onnx", tmp_path / "cache"
+    tiny_voice(voice, "Neg")
+    first = piper_halves._cached_cut(voice, cache)
+    assert isinstance(first.front, bytes) and (first.latent, first.conditioning) == ("latent", [])
+    with monkeypatch.context() as patch:
+        patch.setattr(piper_halves, "_cut", lambda model: pytest.fail("cut again although cached"))
+        again = piper_halves._cached_cut(voice, cache)
+    assert (again.front.read_bytes(), again.decoder.read_bytes()) == (first.front, first.decoder)
+    assert (again.latent, again.conditioning) == (first.latent, first.conditioning)
+    tiny_voice(voice, "Exp")  # another voice at the same path
+    os.utime(voice, ns=(voice.stat().st_mtime_ns + 10**9,) * 2)
+    replaced = piper_halves._cached_cut(voice, cache)
+    assert isinstance(replaced.decoder, bytes) and replaced.decoder != first.decoder
+    assert b"Exp" in replaced.decoder and b"Neg" in first.decoder
+    assert not [path.name for path in cache.rglob("*") if path.name.startswith(("front.onnx.", "decoder.onnx."))]

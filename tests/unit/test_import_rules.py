@@ -23,6 +23,7 @@ no cycles         no two modules import each other, however indirectly, lazy imp
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -88,6 +89,7 @@ def imports(importer: str, source: str, known: Iterable[str], is_package: bool =
     return found
 
 
+@functools.cache  # the files do not change during a run; three tests read the graph
 def project_imports() -> dict[str, list[Import]]:
     found = modules()
     return {name: imports(name, path.read_text(), found, path.name == "__init__.py") for name, path in found.items()}
