@@ -1,5 +1,5 @@
 """Our own decoder forward for every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3,
-Granite, OLMo 2), and the weight loading.
+Granite, OLMo 2).
 
 Why not transformers' model: its per-op Python overhead dominates decode on a small CPU
 model, and it knows nothing of a paged KV cache. Here a step is one flat batch of tokens
@@ -10,14 +10,12 @@ over the blocks (``engine/layers/attention.py``). What differs between families 
 scales, activation, sliding or NoPE layers) is a ``Family`` description (``engine/families.py``)
 that the one forward follows.
 
-The builder chooses every linear as it loads the weights: quantized when the engine asks
-for it (``engine/quant.py``), bf16 pre-packed for oneDNN where that applies, else dense.
+The weights are read and every linear's kind chosen as they load (quantized, packed or dense) in
+``engine/model_weights.py``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.families import ACTIVATIONS, SUPPORTED_ARCHITECTURES, Family, LayerPlan, describe, text_config
-from engine.layers.attention import (
-    AttentionMetadata,
-    AttentionSpec,
-    attention,
-    fused_decode_attention,
-    write_kv,
-)
+from engine.families import ACTIVATIONS, SUPPORTED_ARCHITECTURES, Family, describe, text_config
+from engine.layers.attention import AttentionMetadata, attention, fused_decode_attention, write_kv
 from engine.layers.linear import (
     DenseLinear,
     Linear,
@@ -41,13 +33,11 @@ from engine.layers.linear import (
     onednn_packing_available,
     tensor_nbytes,
 )
-from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, build_rope
+from engine.model_weights import DecoderLayer, build_weights, load_state_dict
 from engine.quant import QuantMethod, quant_summary
 
-log = logging.getLogger(__name__)
-
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaModel", "ModelArgs"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderLayer", "LlamaModel", "ModelArgs"]
 
 
 @dataclass
@@ -90,34 +80,6 @@ class ModelArgs:
         )
 
 
-@dataclass
-class DecoderLayer:
-    """One transformer block's weights (fused QKV, fused gate/up) and what its family does around them.
-
-    A norm is None where the family has none there (OLMo 2 has no pre-norms, Llama no post-norms).
-    """
-
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
-    attn_norm: RMSNorm | None
-    attn_out_norm: RMSNorm | None
-    mlp_norm: RMSNorm | None
-    mlp_out_norm: RMSNorm | None
-    q_norm: RMSNorm | None
-    k_norm: RMSNorm | None
-    plan: LayerPlan  # sliding or not, which RoPE table (or none)
-    spec: AttentionSpec
-
-    def norms(self) -> list[RMSNorm]:
-        return [
-            n
-            for n in (self.attn_norm, self.attn_out_norm, self.mlp_norm, self.mlp_out_norm, self.q_norm, self.k_norm)
-            if n is not None
-        ]
-
-
 class LlamaModel:
     """Weights plus a forward over packed tokens; holds no per-request state.
 
@@ -149,8 +111,7 @@ class LlamaModel:
         self.family: Family = family.windowed_up_to(self.max_len)
         self.quant = quant
         self.quant_info: dict | None = None  # what quantization did (method, kernel, bytes), when quantized
-        self.num_packed_linears = 0
-        self._pack = pack_linears and onednn_packing_available(dtype, self.device)
+        pack = pack_linears and onednn_packing_available(dtype, self.device)
         # the fused CPU kernels (engine/fused.py), set by use_fused_kernels() for 16-bit CPU models
         self.fused = None
         text = text_config(self.config)
@@ -160,89 +121,26 @@ class LlamaModel:
         # Gemma's scale is a tensor in the model's dtype (sqrt(3072) is 55.5 in bf16)
         self.embed_scale = float(torch.tensor(scale).to(dtype)) if self.family.embed_scale_rounded else scale
         self._activation = ACTIVATIONS[self.family.activation]
-        self._build(_load_state_dict(path))
-
-    def _build(self, sd: dict[str, torch.Tensor]) -> None:
-        a = self.args
-        f = self.family
-        quant = self.quant
-        float_linear_bytes = 0
-        prefix = _text_prefix(sd)
-
-        def take(name: str) -> torch.Tensor:
-            return sd.pop(name).to(device=self.device, dtype=self.dtype).contiguous()
-
-        def maybe(name: str) -> torch.Tensor | None:
-            return take(name) if name in sd else None
-
-        def linear(base: str, names: tuple[str, ...]) -> Linear:
-            """One linear over the rows of ``base.<name>`` for each name (q/k/v or gate/up fused)."""
-            nonlocal float_linear_bytes
-            weight = torch.cat([take(f"{base}.{n}.weight") for n in names]).contiguous()
-            biases = [maybe(f"{base}.{n}.bias") for n in names]
-            if any(b is not None for b in biases) and not all(b is not None for b in biases):
-                raise ValueError(f"{base}: some of {', '.join(names)} have a bias and some not")
-            bias = torch.cat(biases).contiguous() if biases[0] is not None else None
-            float_linear_bytes += tensor_nbytes(weight, bias)
-            if quant is not None:
-                return quant.linear(weight, bias, self.dtype)
-            return self._dense(weight, bias)
-
-        def norm(name: str | None) -> RMSNorm | None:
-            if name is None:
-                return None
-            return RMSNorm(take(name), a.rms_norm_eps, self.dtype, offset=f.norm_offset, upcast=f.norm_upcast)
-
-        embed = take(prefix + "embed_tokens.weight")
-        lm_head = next((sd.pop(n) for n in _LM_HEAD_NAMES if n in sd), None)
-        tied = a.tie_word_embeddings or lm_head is None
-        if not tied:
-            lm_head = lm_head.to(device=self.device, dtype=self.dtype).contiguous()
-        if quant is not None and quant.quantize_vocab:
-            # int8 rows only: no 16-bit copy of the vocabulary matrix remains
-            emb = quant.vocab(embed, self.dtype)
-            self.embed = self.lm_head = None
-            self.embed_lookup: Callable[[torch.Tensor], torch.Tensor] = emb.lookup
-            self.lm_head_linear: Linear = emb if tied else quant.vocab(lm_head, self.dtype)
-        else:
-            self.embed = embed
-            self.lm_head = embed if tied else lm_head
-            self.embed_lookup = self._dense_lookup
-            # a packed copy where packing applies (the plain tensor stays for the tied embedding lookup)
-            self.lm_head_linear = self._dense(self.lm_head)
-        del embed, lm_head
-        self.norm = norm(prefix + "norm.weight")
-        self.layers: list[DecoderLayer] = []
-        for i, plan in enumerate(f.layers):
-            p = f"{prefix}layers.{i}."
-            self.layers.append(
-                DecoderLayer(
-                    qkv=linear(p + "self_attn", f.qkv_names),
-                    o=linear(p + "self_attn", ("o_proj",)),
-                    gate_up=linear(p + "mlp", f.gate_up_names),
-                    down=linear(p + "mlp", ("down_proj",)),
-                    attn_norm=norm(f.attn_norm and p + f.attn_norm + ".weight"),
-                    attn_out_norm=norm(f.attn_out_norm and p + f.attn_out_norm + ".weight"),
-                    mlp_norm=norm(f.mlp_norm and p + f.mlp_norm + ".weight"),
-                    mlp_out_norm=norm(f.mlp_out_norm and p + f.mlp_out_norm + ".weight"),
-                    q_norm=norm(f.qk_norm and p + "self_attn.q_norm.weight"),
-                    k_norm=norm(f.qk_norm and p + "self_attn.k_norm.weight"),
-                    plan=plan,
-                    spec=AttentionSpec(f.attn_scale, f.attn_softcap),
-                )
-            )
-        if sd:
-            log.debug("unused weights: %s", sorted(sd)[:10])
+        w = build_weights(
+            load_state_dict(path),
+            self.family,
+            dtype,
+            self.device,
+            rms_norm_eps=args.rms_norm_eps,
+            tie_word_embeddings=args.tie_word_embeddings,
+            quant=quant,
+            pack=pack,
+        )
+        self.embed, self.lm_head, self.norm, self.layers = w.embed, w.lm_head, w.norm, w.layers
+        self.embed_lookup: Callable[[torch.Tensor], torch.Tensor] = (
+            self._dense_lookup if w.vocab is None else w.vocab.lookup
+        )
+        self.lm_head_linear: Linear = w.lm_head_linear
+        self.num_packed_linears = w.num_packed_linears
         if quant is not None:
             self.quant_info = quant_summary(
-                quant, float_linear_bytes, self.linear_weight_bytes(), self.weight_bytes(), self.dtype
+                quant, w.float_linear_bytes, self.linear_weight_bytes(), self.weight_bytes(), self.dtype
             )
-
-    def _dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        if self._pack:
-            self.num_packed_linears += 1
-            return PackedLinear(weight, bias)
-        return DenseLinear(weight, bias)
 
     @property
     def linear_kernel(self) -> str:
@@ -434,40 +332,3 @@ class LlamaModel:
             delta = layer.down(fk.silu_mul(layer.gate_up(x).contiguous()))
         idx = meta.sample_indices
         return fk.add_rms_norm(h.index_select(0, idx), delta.index_select(0, idx), self.norm.weight, eps)[1]
-
-
-# where the language model's weights live: a causal LM's, or a multimodal checkpoint's text part (new and old layouts)
-_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
-_LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
-
-
-def _text_prefix(sd: dict[str, torch.Tensor]) -> str:
-    for prefix in _TEXT_PREFIXES:
-        if prefix + "embed_tokens.weight" in sd:
-            return prefix
-    raise ValueError(f"no token embedding under {', '.join(p + 'embed_tokens.weight' for p in _TEXT_PREFIXES)}")
-
-
-def _is_text_weight(name: str) -> bool:
-    """A weight of the language model (a multimodal checkpoint's vision tower is never read)."""
-    return name in _LM_HEAD_NAMES or any(
-        name.startswith(p + n) for p in _TEXT_PREFIXES for n in ("embed_tokens.", "layers.", "norm.")
-    )
-
-
-def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The language model's tensors of a (possibly sharded) safetensors checkpoint."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {path}")
-    sd: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            sd.update({key: f.get_tensor(key) for key in f.keys() if _is_text_weight(key)})  # noqa: SIM118
-    return sd

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import engine.llm_engine as llm_engine_mod
+import engine.step_outputs as step_outputs_mod
 from engine.async_engine import AsyncLLMEngine
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import SamplingParams
@@ -46,26 +46,26 @@ def assert_clean(eng) -> None:
 
 
 def test_sampler_failure_fails_only_that_request(eng, prompts, hf_reference, monkeypatch):
-    real = llm_engine_mod.sample
+    real = step_outputs_mod.sample
 
     def flaky(logits, rows):
         if any(r is eng._states["bad"].row for r in rows if "bad" in eng._states):
             raise RuntimeError("sampler exploded")
         return real(logits, rows)
 
-    monkeypatch.setattr(llm_engine_mod, "sample", flaky)
+    monkeypatch.setattr(step_outputs_mod, "sample", flaky)
     outs = run(eng, {"a": prompts[0], "bad": prompts[1], "b": prompts[2]})
     assert outs["bad"][-1].finish_reason == "error" and "sampler exploded" in outs["bad"][-1].error
     assert outs["bad"][-1].error_type == "internal"
     assert tokens(outs["a"]) == hf_reference(prompts[0], 8)
     assert tokens(outs["b"]) == hf_reference(prompts[2], 8)
     assert_clean(eng)
-    monkeypatch.setattr(llm_engine_mod, "sample", real)
+    monkeypatch.setattr(step_outputs_mod, "sample", real)
     assert tokens(run(eng, {"later": prompts[3]})["later"]) == hf_reference(prompts[3], 8)
 
 
 def test_out_of_vocabulary_token_fails_only_that_request(eng, prompts, hf_reference, monkeypatch):
-    real = llm_engine_mod.sample
+    real = step_outputs_mod.sample
 
     def bad_token(logits, rows):
         toks, errs = real(logits, rows)
@@ -74,7 +74,7 @@ def test_out_of_vocabulary_token_fails_only_that_request(eng, prompts, hf_refere
             for t, r in zip(toks, rows, strict=True)
         ], errs
 
-    monkeypatch.setattr(llm_engine_mod, "sample", bad_token)
+    monkeypatch.setattr(step_outputs_mod, "sample", bad_token)
     outs = run(eng, {"a": prompts[0], "bad": prompts[1]})
     assert outs["bad"][-1].finish_reason == "error" and "outside the vocabulary" in outs["bad"][-1].error
     assert tokens(outs["a"]) == hf_reference(prompts[0], 8)

@@ -224,9 +224,9 @@ def test_token_ids_outside_the_vocabulary_are_refused(engine, prompts):
 
 
 def test_dry_sequence_breakers_are_the_tokens_holding_them(engine, tokenizer):
-    breakers = engine._dry_breakers(("\n", ":"))
+    breakers = engine.state_builder.dry_breakers(("\n", ":"))
     for text in ("\n", "\n\n", ":", " :"):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1 and ids[0] in breakers, text
     assert not {tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in ("hello", " the", ",")} & breakers
-    assert engine._dry_breakers(("\n", ":")) is breakers  # decoded once per set
+    assert engine.state_builder.dry_breakers(("\n", ":")) is breakers  # decoded once per set

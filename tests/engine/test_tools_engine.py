@@ -14,7 +14,7 @@ import pytest
 from api_harness import serve_app
 from tool_models import EOS, family_model_dir
 
-import engine.llm_engine as llm_engine_mod
+import engine.step_outputs as step_outputs_mod
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -98,7 +98,7 @@ def family(request, fp32_model, tmp_path_factory):
     config = EngineConfig(model=str(path), dtype="float32", device="cpu", num_blocks=64, max_num_seqs=4)
     script = Script()
     patch = pytest.MonkeyPatch()
-    patch.setattr(llm_engine_mod, "sample", script.sample(llm_engine_mod.sample))
+    patch.setattr(step_outputs_mod, "sample", script.sample(step_outputs_mod.sample))
     engine = AsyncLLMEngine(engine=LLMEngine(config, model=fp32_model))
     try:
         with (

@@ -10,7 +10,7 @@ import torch
 from tool_models import EOS, family_tokenizer, schema_errors
 
 import engine.sampling as sampling_mod
-from engine.llm_engine import LLMEngine
+from engine.request_state import lazy_trigger
 from engine.sampling import SamplerRow, SamplingParams, make_generator, sample
 from engine.structured_output.formats import HERMES, LLAMA3, MISTRAL, PLAIN_JSON
 from engine.structured_output.grammar import (
@@ -115,11 +115,11 @@ def test_a_lazy_grammar_keeps_text_free_and_a_bare_call_well_formed(tokenizers):
 def test_the_engine_starts_a_lazy_grammar_only_at_its_trigger():
     lazy = LazyGrammar("unused", triggers=(7,), openers=(3,))
     row = SamplerRow(SamplingParams(lazy_grammar=lazy), output_token_ids=[])
-    assert LLMEngine._lazy_trigger(row, 3) and LLMEngine._lazy_trigger(row, 7)
-    assert not LLMEngine._lazy_trigger(row, 5)
+    assert lazy_trigger(row, 3) and lazy_trigger(row, 7)
+    assert not lazy_trigger(row, 5)
     later = SamplerRow(SamplingParams(lazy_grammar=lazy), output_token_ids=[5])
-    assert LLMEngine._lazy_trigger(later, 7) and not LLMEngine._lazy_trigger(later, 3)  # "{" opens only a reply
-    assert not LLMEngine._lazy_trigger(SamplerRow(SamplingParams(), output_token_ids=[]), 3)
+    assert lazy_trigger(later, 7) and not lazy_trigger(later, 3)  # "{" opens only a reply
+    assert not lazy_trigger(SamplerRow(SamplingParams(), output_token_ids=[]), 3)
 
 
 def test_the_mask_constrains_only_its_own_rows(tokenizer):

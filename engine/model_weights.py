@@ -1,0 +1,205 @@
+"""A checkpoint read into the layers ``engine.model.LlamaModel`` runs: the weight loading and the choice of
+each linear's kind.
+
+Why apart from the forward: loading knows the checkpoint (sharded safetensors, a multimodal checkpoint's
+text part, a tied or separate lm_head, the family's weight names) and chooses every linear as it loads:
+quantized when the engine asks for it (``engine/quant.py``), bf16 pre-packed for oneDNN where that
+applies, else dense. The forward needs none of that, only the built ``DecoderLayer`` s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.families import Family, LayerPlan
+from engine.layers.attention import AttentionSpec
+from engine.layers.linear import DenseLinear, Linear, PackedLinear, tensor_nbytes
+from engine.layers.norm import RMSNorm
+from engine.quant import Int8Embedding, QuantMethod
+
+log = logging.getLogger(__name__)
+
+# where the language model's weights live: a causal LM's, or a multimodal checkpoint's text part (new and old layouts)
+_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+_LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+@dataclass
+class DecoderLayer:
+    """One transformer block's weights (fused QKV, fused gate/up) and what its family does around them.
+
+    A norm is None where the family has none there (OLMo 2 has no pre-norms, Llama no post-norms).
+    """
+
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    attn_norm: RMSNorm | None
+    attn_out_norm: RMSNorm | None
+    mlp_norm: RMSNorm | None
+    mlp_out_norm: RMSNorm | None
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    plan: LayerPlan  # sliding or not, which RoPE table (or none)
+    spec: AttentionSpec
+
+    def norms(self) -> list[RMSNorm]:
+        return [
+            n
+            for n in (self.attn_norm, self.attn_out_norm, self.mlp_norm, self.mlp_out_norm, self.q_norm, self.k_norm)
+            if n is not None
+        ]
+
+
+@dataclass
+class ModelWeights:
+    """What ``build_weights`` made of a checkpoint."""
+
+    embed: torch.Tensor | None  # None when the vocabulary is quantized (``vocab``)
+    lm_head: torch.Tensor | None  # the embedding itself when tied
+    vocab: Int8Embedding | None  # the quantized embedding (int8 rows: its ``lookup`` embeds), or None
+    lm_head_linear: Linear
+    norm: RMSNorm
+    layers: list[DecoderLayer]
+    float_linear_bytes: int  # the layer linears' bytes before quantization
+    num_packed_linears: int
+
+
+def build_weights(
+    sd: dict[str, torch.Tensor],
+    family: Family,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    rms_norm_eps: float,
+    tie_word_embeddings: bool,
+    quant: QuantMethod | None,
+    pack: bool,
+) -> ModelWeights:
+    """The model's weights from the language model's tensors ``sd`` (emptied as they are taken, so a
+    16-bit tensor is freed once its quantized or packed linear is built).
+
+    ``quant``: the layer linears (and, when it says so, the embedding / lm_head) quantized; ``pack``:
+    the 16-bit dense linears pre-packed for oneDNN.
+    """
+    f = family
+    float_linear_bytes = 0
+    num_packed = 0
+    prefix = _text_prefix(sd)
+
+    def take(name: str) -> torch.Tensor:
+        return sd.pop(name).to(device=device, dtype=dtype).contiguous()
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return take(name) if name in sd else None
+
+    def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        nonlocal num_packed
+        if pack:
+            num_packed += 1
+            return PackedLinear(weight, bias)
+        return DenseLinear(weight, bias)
+
+    def linear(base: str, names: tuple[str, ...]) -> Linear:
+        """One linear over the rows of ``base.<name>`` for each name (q/k/v or gate/up fused)."""
+        nonlocal float_linear_bytes
+        weight = torch.cat([take(f"{base}.{n}.weight") for n in names]).contiguous()
+        biases = [maybe(f"{base}.{n}.bias") for n in names]
+        if any(b is not None for b in biases) and not all(b is not None for b in biases):
+            raise ValueError(f"{base}: some of {', '.join(names)} have a bias and some not")
+        bias = torch.cat(biases).contiguous() if biases[0] is not None else None
+        float_linear_bytes += tensor_nbytes(weight, bias)
+        if quant is not None:
+            return quant.linear(weight, bias, dtype)
+        return dense(weight, bias)
+
+    def norm(name: str | None) -> RMSNorm | None:
+        if name is None:
+            return None
+        return RMSNorm(take(name), rms_norm_eps, dtype, offset=f.norm_offset, upcast=f.norm_upcast)
+
+    embed = take(prefix + "embed_tokens.weight")
+    lm_head = next((sd.pop(n) for n in _LM_HEAD_NAMES if n in sd), None)
+    tied = tie_word_embeddings or lm_head is None
+    if not tied:
+        lm_head = lm_head.to(device=device, dtype=dtype).contiguous()
+    if quant is not None and quant.quantize_vocab:
+        # int8 rows only: no 16-bit copy of the vocabulary matrix remains
+        vocab = quant.vocab(embed, dtype)
+        lm_head_linear = vocab if tied else quant.vocab(lm_head, dtype)
+        embed = lm_head = None
+    else:
+        vocab = None
+        lm_head = embed if tied else lm_head
+        # a packed copy where packing applies (the plain tensor stays for the tied embedding lookup)
+        lm_head_linear = dense(lm_head)
+    final_norm = norm(prefix + "norm.weight")
+    layers: list[DecoderLayer] = []
+    for i, plan in enumerate(f.layers):
+        p = f"{prefix}layers.{i}."
+        layers.append(
+            DecoderLayer(
+                qkv=linear(p + "self_attn", f.qkv_names),
+                o=linear(p + "self_attn", ("o_proj",)),
+                gate_up=linear(p + "mlp", f.gate_up_names),
+                down=linear(p + "mlp", ("down_proj",)),
+                attn_norm=norm(f.attn_norm and p + f.attn_norm + ".weight"),
+                attn_out_norm=norm(f.attn_out_norm and p + f.attn_out_norm + ".weight"),
+                mlp_norm=norm(f.mlp_norm and p + f.mlp_norm + ".weight"),
+                mlp_out_norm=norm(f.mlp_out_norm and p + f.mlp_out_norm + ".weight"),
+                q_norm=norm(f.qk_norm and p + "self_attn.q_norm.weight"),
+                k_norm=norm(f.qk_norm and p + "self_attn.k_norm.weight"),
+                plan=plan,
+                spec=AttentionSpec(f.attn_scale, f.attn_softcap),
+            )
+        )
+    if sd:
+        log.debug("unused weights: %s", sorted(sd)[:10])
+    return ModelWeights(
+        embed=embed,
+        lm_head=lm_head,
+        vocab=vocab,
+        lm_head_linear=lm_head_linear,
+        norm=final_norm,
+        layers=layers,
+        float_linear_bytes=float_linear_bytes,
+        num_packed_linears=num_packed,
+    )
+
+
+def _text_prefix(sd: dict[str, torch.Tensor]) -> str:
+    for prefix in _TEXT_PREFIXES:
+        if prefix + "embed_tokens.weight" in sd:
+            return prefix
+    raise ValueError(f"no token embedding under {', '.join(p + 'embed_tokens.weight' for p in _TEXT_PREFIXES)}")
+
+
+def _is_text_weight(name: str) -> bool:
+    """A weight of the language model (a multimodal checkpoint's vision tower is never read)."""
+    return name in _LM_HEAD_NAMES or any(
+        name.startswith(p + n) for p in _TEXT_PREFIXES for n in ("embed_tokens.", "layers.", "norm.")
+    )
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The language model's tensors of a (possibly sharded) safetensors checkpoint."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            sd.update({key: f.get_tensor(key) for key in f.keys() if _is_text_weight(key)})  # noqa: SIM118
+    return sd
