@@ -11,9 +11,15 @@ vocabularies. Every client event is validated by the ``openai`` package's own mo
   adapter.py    ``RealtimeAdapter``: one connection, composed of its state, inbound and outbound
   state.py      the connection's state (``RealtimeState``): configuration, items, open response,
                 speech held back, input clock and manual buffer, event ids
-  inbound.py    client events -> typed session calls, state changes, acknowledgements (``Inbound``)
+  inbound.py    client events -> typed session calls, state changes, acknowledgements (``Inbound``):
+                routing, session.update, response.create / cancel
+  context.py    what the inbound handlers share: state, outbound, the session (``InboundContext``)
+  input_audio.py  input_audio_buffer append / commit / clear, manual transcription (``InputAudioBuffer``)
+  items.py      conversation.item create / truncate / delete / retrieve (``ConversationItems``)
   configure.py  what session.update and response.create ask for, checked (pure functions)
-  outbound.py   the session's events and reply audio -> Realtime server events; all sending (``Outbound``)
+  outbound.py   the session's events and reply audio -> Realtime server events; the user's speech (``Outbound``)
+  responses.py  a reply as a Realtime response: created, deltas, function calls, done (``ResponseEvents``)
+  sender.py     all sending: event ids, the error shape (``EventSender``)
   schema.py     client events: parsed (``protocol.load_json``) and validated (``openai.types.realtime``)
   core.py       what all share: bounds, errors, ids, payload shapes
 

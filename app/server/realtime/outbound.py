@@ -2,7 +2,10 @@
 
 ``on_parley`` / ``on_parley_audio`` are the session's ``send_json`` / ``send_bytes``: Parley's
 ``protocol.ServerMessage`` values and its reply audio become Realtime events in the GA order.
-``emit`` / ``error`` are also how the inbound half answers the client's own events.
+``emit`` / ``error`` are also how the inbound half answers the client's own events. The user's
+speech (speech_started held back while a reply is audible, the transcript, the committed item) is
+told here; the responses are written by ``responses`` (``ResponseEvents``), and every event is sent
+by ``sender``.
 
 A reply's calls of the client's functions (``tool_call`` events) become function_call items of
 its response, after its message item (the words said before the calls) is done:
@@ -14,32 +17,14 @@ server's own tools stay inside the reply.
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
-import numpy as np
-import soxr
-
 from app import protocol
-from app.audio import float_to_pcm16, pcm16_to_float
-from app.server.realtime.core import REALTIME_SAMPLE_RATE, RealtimeError, SendEvent, message_item, new_id, zero_usage
+from app.server.realtime.core import RealtimeError, SendEvent, message_item, new_id
+from app.server.realtime.responses import ResponseEvents
+from app.server.realtime.sender import EventSender
 from app.server.realtime.state import Item, RealtimeState, Response, ResponseParams, Speech
 from app.voice.session import VoiceSession
-
-INCLUDE_TURN_METRICS = "parley.turn_metrics"
-
-
-def function_call_item(item_id: str, call: protocol.CallTool, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "object": "realtime.item",
-        "type": "function_call",
-        "status": status,
-        "call_id": call.call_id,
-        "name": call.name,
-        "arguments": arguments,
-    }
-
 
 INCLUDE_NOTICES = "parley.notice"
 
@@ -53,33 +38,40 @@ class Outbound:
     def __init__(self, state: RealtimeState, send: SendEvent) -> None:
         self.state = state
         self.session: VoiceSession | None = None
-        self._send = send
+        self.sender = EventSender(state, send)
+        self.responses = ResponseEvents(state, self.sender)
 
     # ------------------------------------------------------------------ sending
     async def emit(self, event: dict[str, Any]) -> None:
-        await self._send({"event_id": self.state.next_event_id(), **event})
+        await self.sender.emit(event)
 
     async def error(self, error: RealtimeError) -> None:
-        await self.emit(
-            {
-                "type": "error",
-                "error": {
-                    "type": error.kind,
-                    "code": error.code,
-                    "message": error.message,
-                    "param": error.param,
-                    "event_id": self.state.client_event_id,
-                },
-            }
-        )
+        await self.sender.error(error)
 
     async def start(self) -> None:
         await self.emit({"type": "session.created", "session": self.state.session_json()})
+
+    # ------------------------------------------------------------------ the responses (also driven by the inbound half)
+    async def open_response(self, turn_id: int, params: ResponseParams) -> None:
+        """``response.created`` for Parley's turn ``turn_id``; the response is the open one until it finishes."""
+        await self.responses.open(turn_id, params)
+
+    async def fail_response(self, params: ResponseParams, error: dict[str, Any]) -> None:
+        """A ``response.create`` Parley has no turn to answer: created, then done as ``failed`` at once."""
+        await self.responses.fail(params, error)
+
+    async def finish(self, response: Response, status: str, text: str, error: dict | None = None) -> None:
+        """Close the response: its content part, item and the response itself, in the Realtime order."""
+        await self.responses.finish(response, status, text, error)
 
     # ------------------------------------------------------------------ the session's events
     async def on_parley(self, message: protocol.ServerMessage) -> None:
         async with self.state.lock:
             await self._translate(message)
+
+    async def on_parley_audio(self, data: bytes) -> None:
+        async with self.state.lock:
+            await self.responses.audio(data)
 
     async def _translate(self, message: protocol.ServerMessage) -> None:
         match message:
@@ -96,15 +88,15 @@ class Outbound:
             case protocol.Transcript():
                 await self._on_final(message)
             case protocol.AssistantText():
-                await self._on_assistant_text(message)
+                await self.responses.assistant_text(message)
             case protocol.AudioStart():
                 await self._on_audio_start(message)
             case protocol.Interrupt():
                 await self._on_interrupt(message)
             case protocol.TurnDone():
-                await self._on_turn_done(message)
+                await self.responses.turn_done(message)
             case protocol.CallTool():
-                self._on_tool_call(message)
+                self.responses.tool_call(message)
             case protocol.ToolDone():
                 return  # a server tool's result stays inside the reply; the client's results are its own
             case protocol.TurnContinued():
@@ -210,113 +202,11 @@ class Outbound:
         await self.open_response(message.turn_id, ResponseParams())  # Parley answers every spoken turn
 
     # ------------------------------------------------------------------ the reply
-    def _response(self, turn_id: int, params: ResponseParams) -> Response:
-        config = self.state.config
-        return Response(new_id("resp"), turn_id, params.modality or config.modality, params.metadata, config.voice)
-
-    async def open_response(self, turn_id: int, params: ResponseParams) -> None:
-        """``response.created`` for Parley's turn ``turn_id``; the response is the open one until it finishes."""
-        response = self.state.response = self._response(turn_id, params)
-        await self.emit({"type": "response.created", "response": response.payload("in_progress")})
-
-    async def fail_response(self, params: ResponseParams, error: dict[str, Any]) -> None:
-        """A ``response.create`` Parley has no turn to answer: created, then done as ``failed`` at once."""
-        response = self._response(-1, params)
-        await self.emit({"type": "response.created", "response": response.payload("in_progress")})
-        await self.finish(response, "failed", "", error)
-
-    async def _open_output(self, response: Response) -> None:
-        """The assistant item and its content part, opened on the reply's first text or audio."""
-        if response.item_id is not None:
-            return
-        response.item_id = new_id("item")
-        item = message_item(response.item_id, "assistant", [], "in_progress")
-        self.state.remember(Item(item, "assistant", turn_id=response.turn_id))
-        previous = self.state.follow(response.item_id)
-        where = {"response_id": response.id, "output_index": 0}
-        await self.emit({"type": "response.output_item.added", **where, "item": item})
-        await self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
-        await self.emit(
-            {
-                "type": "response.content_part.added",
-                **where,
-                "item_id": response.item_id,
-                "content_index": 0,
-                "part": response.part(""),
-            }
-        )
-
-    async def _on_assistant_text(self, message: protocol.AssistantText) -> None:
-        response = self.state.current(message.turn_id)
-        if response is None:
-            return
-        await self._open_output(response)
-        response.text_parts.append(message.delta)
-        kind = "response.output_text.delta" if response.modality == "text" else "response.output_audio_transcript.delta"
-        await self.emit({"type": kind, **response.where(), "delta": message.delta})
-
     async def _on_audio_start(self, message: protocol.AudioStart) -> None:
-        response = self.state.current(message.turn_id)
-        if response is None:
-            return
-        if message.sample_rate != REALTIME_SAMPLE_RATE:
-            response.resampler = soxr.ResampleStream(message.sample_rate, REALTIME_SAMPLE_RATE, 1, dtype="float32")
-        if response.modality == "text" and self.session is not None:
+        response = self.responses.audio_start(message)
+        if response is not None and response.modality == "text" and self.session is not None:
             # no audio is played: tell the session so, or it would count the reply as playing (barge-in, idle)
             await self.session.handle(protocol.Playback(turn_id=message.turn_id, played_ms=1e9))
-
-    async def on_parley_audio(self, data: bytes) -> None:
-        async with self.state.lock:
-            response = self.state.response
-            if response is None or response.modality == "text" or not data:
-                return
-            await self._open_output(response)
-            samples = pcm16_to_float(data)
-            if response.resampler is not None:
-                samples = response.resampler.resample_chunk(samples)
-            await self._audio_delta(response, samples)
-
-    async def _audio_delta(self, response: Response, samples: np.ndarray) -> None:
-        if not len(samples):
-            return
-        pcm = float_to_pcm16(samples)
-        response.audio_bytes += len(pcm)
-        item = self.state.items.get(response.item_id or "")
-        if item is not None:
-            item.audio_ms = response.audio_bytes / 2 / REALTIME_SAMPLE_RATE * 1000
-        await self.emit(
-            {"type": "response.output_audio.delta", **response.where(), "delta": base64.b64encode(pcm).decode()}
-        )
-
-    def _on_tool_call(self, message: protocol.CallTool) -> None:
-        response = self.state.current(message.turn_id)
-        if response is not None and message.runs_on == "client":
-            response.calls.append(message)  # sent as a function_call item once the message item is done
-
-    async def _function_call(self, response: Response, call: protocol.CallTool, index: int) -> dict[str, Any]:
-        """One function_call output item of ``response``, announced and done at once (its arguments are whole)."""
-        item_id = new_id("item")
-        opened = function_call_item(item_id, call, "", "in_progress")
-        self.state.remember(Item(opened, "assistant", turn_id=response.turn_id))
-        previous = self.state.follow(item_id)
-        where = {"response_id": response.id, "output_index": index}
-        await self.emit({"type": "response.output_item.added", **where, "item": opened})
-        await self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": opened})
-        arguments = {**where, "item_id": item_id, "call_id": call.call_id}
-        await self.emit({"type": "response.function_call_arguments.delta", **arguments, "delta": call.arguments})
-        await self.emit(
-            {
-                "type": "response.function_call_arguments.done",
-                **arguments,
-                "name": call.name,
-                "arguments": call.arguments,
-            }
-        )
-        done = function_call_item(item_id, call, call.arguments, "completed")
-        self.state.items[item_id].payload = done
-        await self.emit({"type": "response.output_item.done", **where, "item": done})
-        await self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": done})
-        return done
 
     async def _on_interrupt(self, message: protocol.Interrupt) -> None:
         speech = self.state.speech
@@ -326,66 +216,11 @@ class Outbound:
         if response is not None and response.cancel_reason is None:
             response.cancel_reason = "turn_detected"
 
-    async def _on_turn_done(self, message: protocol.TurnDone) -> None:
-        response = self.state.current(message.turn_id)
-        ids: dict[str, Any] = {}
-        if response is not None:
-            ids = {"response_id": response.id, "item_id": response.item_id}
-            status = "cancelled" if message.interrupted else "completed"
-            await self.finish(response, status, message.text)
-        if INCLUDE_TURN_METRICS in self.state.config.include:
-            await self.emit(
-                {
-                    "type": "parley.turn_metrics",
-                    "turn_id": message.turn_id,
-                    **ids,
-                    "interrupted": message.interrupted,
-                    "metrics": message.metrics.model_dump(exclude_none=True),
-                }
-            )
-
-    async def finish(self, response: Response, status: str, text: str, error: dict | None = None) -> None:
-        """Close the response: its content part, item and the response itself, in the Realtime order."""
-        if self.state.response is response:
-            self.state.response = None
-        output = []
-        if response.item_id is not None:
-            where = response.where()
-            if response.modality == "text":
-                await self.emit({"type": "response.output_text.done", **where, "text": text})
-            else:
-                if status == "completed" and response.resampler is not None:
-                    tail = response.resampler.resample_chunk(np.zeros(0, np.float32), last=True)
-                    await self._audio_delta(response, tail)
-                await self.emit({"type": "response.output_audio.done", **where})
-                await self.emit({"type": "response.output_audio_transcript.done", **where, "transcript": text})
-            await self.emit({"type": "response.content_part.done", **where, "part": response.part(text)})
-            content = response.content(text)
-            item = message_item(
-                response.item_id, "assistant", content, "completed" if status == "completed" else "incomplete"
-            )
-            stored = self.state.items.get(response.item_id)
-            if stored is not None:
-                stored.payload, stored.text = item, text
-            await self.emit(
-                {"type": "response.output_item.done", "response_id": response.id, "output_index": 0, "item": item}
-            )
-            await self.emit({"type": "conversation.item.done", "item": item})
-            output = [item]
-        for call in response.calls:
-            output.append(await self._function_call(response, call, len(output)))
-        details = None
-        if status == "cancelled":
-            details = {"type": "cancelled", "reason": response.cancel_reason or "turn_detected"}
-        elif status == "failed":
-            details = {"type": "failed", "error": error}
-        await self.emit({"type": "response.done", "response": response.payload(status, output, details, zero_usage())})
-
     async def _on_parley_error(self, message: protocol.Error) -> None:
         response = self.state.response
         if message.code == "turn_failed" and response is not None:
             error = {"type": "server_error", "code": message.code, "message": message.message}
-            await self.finish(response, "failed", "".join(response.text_parts).strip(), error)
+            await self.responses.finish(response, "failed", "".join(response.text_parts).strip(), error)
             return
         kind = "server_error" if message.code in ("internal", "overloaded", "turn_failed") else "invalid_request_error"
         await self.error(RealtimeError(message.code, message.message, kind=kind))
