@@ -16,7 +16,7 @@ from app.config import Settings
 from app.stages.base import ChatLLM, Message, TurnDetector, VadConfig, VoiceStages, scheduling_of
 from app.voice.clock import Clock, RunBlocking
 from app.voice.turns import Endpointer
-from app.voice.utterance import Emit, TrackerOptions, UtteranceTracker
+from app.voice.utterance import Emit, TrackerModels, TrackerOptions, UtteranceTracker
 
 
 @dataclass(frozen=True)
@@ -90,15 +90,18 @@ def listen(
     """A tracker of the user's utterances as ``settings`` tune it; ``language``: the one to transcribe in, now;
     ``prompt``: the reply's messages for some words (the LLM's end-of-turn signal is asked with them)."""
     vad = models.vad_stream(vad_config(settings))
-    return UtteranceTracker(
+    heard_with = TrackerModels(
         vad,
         models.asr,
+        turn_detector=None if models.turn is None else BesideTheLLM(models.turn, models.llm),
+        text_turn_end=TextTurnEnd(models.llm, prompt) if prompt is not None and settings.turn_text_signal else None,
+    )
+    return UtteranceTracker(
+        heard_with,
         emit,
         next_turn_id=next_turn_id,
         clock=clock,
         run_blocking=run_blocking,
-        turn_detector=None if models.turn is None else BesideTheLLM(models.turn, models.llm),
-        text_turn_end=TextTurnEnd(models.llm, prompt) if prompt is not None and settings.turn_text_signal else None,
         language=language,
         early_tail=lambda: models.solo,  # several sessions share Whisper: no transcriptions wasted on gaps
         options=TrackerOptions(

@@ -10,7 +10,8 @@ aborts the request and frees its KV cache.
 With tools (``app.voice.tools``) a reply is written in rounds: the LLM's text is spoken as it
 comes, its calls are run (never while the reply is held back: the turn may not be this one),
 and their results go back to the LLM, which writes the answer, spoken in the same reply. A
-filler phrase may fill the wait; it is spoken only, never part of the reply's text.
+filler phrase may fill the wait; it is spoken only, never part of the reply's text. What a
+round of calls does to the reply is ``app.voice.tool_rounds``.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from app.voice.playback import ReplyPlayback
 from app.voice.reply_audio import ReplyAudio
 from app.voice.reply_text import ReplyText
 from app.voice.runaway import SpeechBudget
-from app.voice.text import FIRST_PHRASE_MAX_WORDS, speakable
-from app.voice.tools import MAX_TOOL_ROUNDS, ToolRunner, calls_message, next_round, spoken_results, unasked_round
+from app.voice.text import FIRST_PHRASE_MAX_WORDS
+from app.voice.tool_rounds import ReplyTools, ToolRounds
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +111,6 @@ class ReplyWiring:
     clock: Clock
     run_blocking: RunBlocking
     listener: ReplyListener
-
-
-@dataclass(frozen=True)
-class ReplyTools:
-    """What a reply may call (``spec``), who runs the calls (``runner``), and what fills the wait (``filler``)."""
-
-    spec: ToolSpec
-    runner: ToolRunner | None = None  # None: earlier calls are in the prompt, no new one can be made
-    filler: str = ""
-    rounds: int = MAX_TOOL_ROUNDS  # rounds of calls; the LLM's text after the last one is an answer only
 
 
 class Reply:
@@ -208,6 +199,10 @@ class Reply:
             self._released.set()
         self._task = asyncio.create_task(self._produce(messages, alone), name=f"turn-{self.turn_id}")
 
+    async def wait_released(self) -> None:
+        """Until the reply may send (at once where it is not held back)."""
+        await self._released.wait()
+
     def hold(self) -> None:
         """Send nothing more for now (the user may be going on with their turn); ``release`` resumes."""
         self.released = False
@@ -284,32 +279,19 @@ class Reply:
         self._produce_started = self._clock.now()
         said: list[str] = []
         budget = SpeechBudget(self.options.speech_budget_s)
-        spec = self._tools.spec if self._tools is not None else None
-        rounds = 0
+        rounds = ToolRounds(self, self._tools, pieces, said)
         try:
             while True:
+                first = rounds.made == 0  # (only the first round weighs the words alone)
                 calls, stop = await self._write(
-                    messages, spec, pieces, said, budget, answer=rounds > 0, alone=alone if rounds == 0 else None
+                    messages, rounds.spec, pieces, said, budget, answer=not first, alone=alone if first else None
                 )
-                if calls and spec is not None and spec.choice == "none":
-                    log.info("turn %s: %d calls in an answer-only round are not made", self.turn_id, len(calls))
-                    calls = []
-                if not calls or stop or self._tools is None or self._tools.runner is None:
+                calls = rounds.to_make(calls)
+                if not calls or stop or not rounds.can_call:
                     break
-                rounds += 1
-                asked = messages
-                messages = await self._call(messages, calls, pieces, said)
-                if messages is None or spec is None:
-                    break  # the calls' results come in a later response
-                if unasked_round(messages[-len(calls) :]):
-                    self.written.take_back(1 + len(calls))  # not made, as far as the history goes
-                    messages, spec = asked, None  # written again, without tools
-                    self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
-                    continue
-                if await self._say_results(messages[-len(calls) :], pieces, said):
-                    break  # the skills said what they did: no LLM round to write it again
-                spec = next_round(spec, rounds, self._tools.rounds)
-                self.request_id = f"{self.request_id.split('~')[0]}~{rounds}"
+                messages = await rounds.make(messages, calls)
+                if messages is None:
+                    break
             if stop:
                 self.written.keep_said(said)
                 count_guard(self.metrics, stop)
@@ -317,10 +299,8 @@ class Reply:
             await speaker
             self._produced_at = self._clock.now()
             self.finished = True
-            if self.released:
-                self._wiring.listener.reply_complete(
-                    self
-                )  # recorded before the client hears it is done (and may answer its calls)
+            if self.released:  # recorded before the client hears it is done (and may answer its calls)
+                self._wiring.listener.reply_complete(self)
             await self.emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
         except asyncio.CancelledError:
             raise
@@ -384,9 +364,7 @@ class Reply:
                 if isinstance(event, ToolCall):
                     calls.append(event)
                     continue
-                delta = self.written.joined(event, round_start)
-                self.written.parts.append(delta)
-                await self.emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
+                delta = await self.write(event, round_start)
                 self._queue(cutter, cutter.push(delta), pieces, answer)
                 if cutter.stopped:
                     log.info("turn %s: the reply ends here (guard: %s)", self.turn_id, cutter.stop)
@@ -403,38 +381,13 @@ class Reply:
         for piece in cut:
             pieces.put_nowait(Piece(piece, answer=answer))
 
-    async def _call(
-        self, messages: list[Message], calls: list[ToolCall], pieces: asyncio.Queue, said: list[str]
-    ) -> list[Message] | None:
-        """Run a round's calls; the conversation to write the answer from, or None when the reply ends at them."""
-        assert self._tools is not None and self._tools.runner is not None
-        runner = self._tools.runner
-        await self._released.wait()  # a held-back reply runs no tool: the turn may not be this one
-        round_text = self.written.calls_made(said)
-        called = calls_message(round_text, calls)
-        self.metrics.tool_calls = (self.metrics.tool_calls or 0) + len(calls)
-        if self._tools.filler and runner.waits_for(calls) and not speakable(round_text):
-            pieces.put_nowait(Piece(self._tools.filler, filler=True))
-        result = await runner.run(self.turn_id, calls, self.emit)
-        self.metrics.tool_ms = (self.metrics.tool_ms or 0.0) + result.tool_s * 1000
-        self.written.tool_messages += [called, *(result.messages or ())]
-        if result.messages is None:
-            return None
-        return [*messages, called, *result.messages]
-
-    async def _say_results(self, results: list[Message], pieces: asyncio.Queue, said: list[str]) -> bool:
-        """Speak the results' own words when every call said what it did (a skill's ``say``: "Timer set for 10
-        minutes."), as the reply's answer; False (nothing done) when any did not (an error, another server's tool)."""
-        words = spoken_results(results)
-        if words is None:
-            return False
-        delta = self.written.joined(words, len(self.written.parts))
+    async def write(self, text: str, round_start: int) -> str:
+        """``text`` written: kept with the reply's and sent to the client; returned as kept (a round's first words
+        spaced from what was said before its calls, ``ReplyText.joined``)."""
+        delta = self.written.joined(text, round_start)
         self.written.parts.append(delta)
         await self.emit(protocol.AssistantText(turn_id=self.turn_id, delta=delta))
-        said.append(words)
-        pieces.put_nowait(Piece(words, answer=True))
-        self.written.answered_by_tools = True
-        return True
+        return delta
 
     def runs_dry_at(self, now: float) -> float:
         """When the listener runs out of audio: what was sent has played, and what is held back after it."""

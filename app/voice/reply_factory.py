@@ -12,7 +12,7 @@ import datetime
 import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app import protocol
 from app.config import Settings
@@ -23,8 +23,9 @@ from app.voice.context import Fitted
 from app.voice.history import History
 from app.voice.language import reply_in
 from app.voice.prefs import Preferences
-from app.voice.reply import Reply, ReplyOptions, ReplyTools, ReplyWiring
+from app.voice.reply import Reply, ReplyOptions, ReplyWiring
 from app.voice.runaway import speech_budget_s
+from app.voice.tool_rounds import ReplyTools
 from app.voice.tools import ClientResults, PendingCalls, SessionTools, ToolRunner
 from app.voice.turn_state import TurnState
 from app.voice.warmup import WarmPrefix
@@ -61,6 +62,18 @@ def weigh_heard(
     return Weighing(alone if heard_gain < threshold else related, gain=heard_gain)
 
 
+@dataclass(frozen=True)
+class ToolSetup:
+    """How a session's replies come by their tools, fixed at its start: ``server_tools``, the operator's and the
+    skills' (which a session that declares none may call); ``pending_calls``: where the client's tool results are
+    awaited; ``client_results``: whether a reply waits for them ("wait") or ends at its calls ("next_response": the
+    Realtime API's way). Together because the factory only hands them on, to each reply's ``ToolRunner``."""
+
+    server_tools: tuple[ServerTool, ...] = ()
+    pending_calls: PendingCalls = field(default_factory=PendingCalls)
+    client_results: ClientResults = "wait"
+
+
 class ReplyFactory:
     def __init__(
         self,
@@ -71,23 +84,20 @@ class ReplyFactory:
         wiring: ReplyWiring,
         *,
         session_id: str,
-        pending_calls: PendingCalls | None = None,
-        client_results: ClientResults = "wait",
-        server_tools: tuple[ServerTool, ...] = (),
+        tools: ToolSetup | None = None,
         today: Callable[[], datetime.date] = datetime.date.today,
     ) -> None:
         """``state``: the session's settings and the turn's language, read at each reply (a live ``tune`` applies to
-        the next); ``wiring``: what each reply is wired to; ``pending_calls``: where the client's tool results are
-        awaited; ``client_results``: whether a reply waits for them ("wait") or ends at its calls
-        ("next_response": the Realtime API's way); ``server_tools``: the operator's and the skills' tools, which a
-        session that declares none may call.
+        the next); ``wiring``: what each reply is wired to; ``tools``: how they come by their tools (None: no server
+        tools, and a reply waits for the client's results).
         """
         self._models, self._state, self._history, self._prefs = models, state, history, prefs
         self._wiring, self._session_id = wiring, session_id
-        self._today, self._server_tools = today, server_tools
+        tools = tools or ToolSetup()
+        self._today, self._server_tools = today, tools.server_tools
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
-        self._pending_calls = pending_calls or PendingCalls()
-        self._client_results: ClientResults = client_results
+        self._pending_calls = tools.pending_calls
+        self._client_results: ClientResults = tools.client_results
 
     @property
     def settings(self) -> Settings:

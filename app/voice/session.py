@@ -39,7 +39,7 @@ from app.voice.history import History
 from app.voice.listening import listen
 from app.voice.prefs import Preferences, SessionPrefs
 from app.voice.reply import Reply, ReplyWiring, SendBytes, SendJson
-from app.voice.reply_factory import ReplyFactory
+from app.voice.reply_factory import ReplyFactory, ToolSetup
 from app.voice.speculation import Speculation
 from app.voice.tools import ClientResults, PendingCalls, load_server_tools
 from app.voice.turn_state import TurnState
@@ -87,16 +87,9 @@ class VoiceSession:
         )
         self._pending_calls = PendingCalls()
         wiring = ReplyWiring(models, send_json, send_bytes, self._clock, self._run, listener=self)
+        tools = ToolSetup(server_tools, self._pending_calls, client_tool_results)
         self._replies = ReplyFactory(
-            models,
-            self._state,
-            self._history,
-            self._prefs,
-            wiring,
-            session_id=self.session_id,
-            pending_calls=self._pending_calls,
-            client_results=client_tool_results,
-            server_tools=server_tools,
+            models, self._state, self._history, self._prefs, wiring, session_id=self.session_id, tools=tools
         )
         self._configure_input(protocol.INPUT_SAMPLE_RATE)
         self._warmup = PrefixWarmup(self._replies, self._llm_needed)

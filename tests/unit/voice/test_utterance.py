@@ -77,15 +77,14 @@ class Ear:
         self.speech_end = 0.0
         turn_ids = iter(range(1, 1000))
         self.vad = VadStream(vad_model or EnergyVadModel(), VadConfig(min_silence_ms=PAUSE_MS))
+        self.turn_model = ScriptedTurnModel(0.9)
         self.tracker = heard.UtteranceTracker(
-            self.vad,
-            self.asr,
+            heard.TrackerModels(self.vad, self.asr, turn_detector=self.turn_model),
             self._emit,
             next_turn_id=lambda: next(turn_ids),
             clock=self.clock,
             run_blocking=self.run,
             options=heard.TrackerOptions(tail_start_ms=tail_start_ms, partial_interval_ms=60_000),  # no partials
-            turn_detector=ScriptedTurnModel(0.9),
         )
 
     async def _emit(self, event) -> None:
@@ -143,7 +142,7 @@ async def test_the_turn_model_waits_for_the_pause_and_hears_its_quiet():
     assert ear.of(heard.Paused) and ear.run.asked == 2
     ear.run.open.set()
     await ear.feed(0.1, 0.0)
-    [heard_s] = ear.tracker._turn_detector.heard_seconds
+    [heard_s] = ear.turn_model.heard_seconds
     assert heard_s >= 1.0 + 0.3 + PAUSE_MS / 1000  # the speech, the pre-roll and the pause's quiet
 
 
