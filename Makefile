@@ -28,8 +28,11 @@ system-deps:
 	  else sudo apt-get update -q && sudo apt-get install -y -q chromium libportaudio2 espeak-ng; fi; \
 	fi
 
+# The tests without models first, on two processes (they are mostly waiting: fake clocks, loopback sockets), then
+# those with models and the browser one at a time (each already uses the cores; side by side they would time out).
 test: setup system-deps
-	$(VENV)/bin/python -m pytest -q -ra --durations=15
+	$(VENV)/bin/python -m pytest -q -ra -n 2 -m "not models and not browser"
+	$(VENV)/bin/python -m pytest -q -ra --durations=15 -m "models or browser"
 
 # Every test that needs no model, in under a minute. A test is marked `models` when it needs a bundled
 # model file (Whisper, Piper, Silero VAD, Smart Turn, SmolLM2), a `parley` server (it loads them) or a
@@ -37,7 +40,7 @@ test: setup system-deps
 # by tests/conftest.py, which also makes every model loader raise in a run without `models` tests, so a
 # missing marker fails here. `browser` tests need the Chromium of system-deps: they run in `make test`.
 test-fast: setup
-	$(VENV)/bin/python -m pytest -q -m "not models and not browser"
+	$(VENV)/bin/python -m pytest -q -n 2 -m "not models and not browser"
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

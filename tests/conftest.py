@@ -28,8 +28,9 @@ from app.bench.samples import synthesize_speech
 # fetched Qwen2.5-Coder-0.5B): every `Settings()` and every `parley serve` a test starts reads this. The tests of
 # the default brain itself name it (``llm_model="auto"`` or "qwen2.5-coder-0.5b").
 os.environ.setdefault("PARLEY_LLM_MODEL", "bundled")
-# What a server keeps across restarts (the reminders' database) goes to a folder of this run, not the user's.
-os.environ.setdefault("PARLEY_DATA_DIR", tempfile.mkdtemp(prefix="parley-test-data-"))
+# What a server keeps across restarts (the reminders' database) goes to a folder of this process, never the user's
+# (and not one that another worker of a parallel run, `pytest -n 2`, shares).
+os.environ["PARLEY_DATA_DIR"] = tempfile.mkdtemp(prefix="parley-test-data-")
 
 OUTPUT_DIR = ROOT / "test-output"
 MODELS = "models"
