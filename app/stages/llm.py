@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from app.stages.base import ChatLLM, GenerationSettings, Message, ReplyFeature, ReplyRequest, ToolCall
+from app.stages.control_tokens import neutralize_messages, neutralize_tools
 from app.stages.llm_engine import EngineChatLLM
 
 log = logging.getLogger(__name__)
@@ -185,9 +186,12 @@ class OpenAIChatLLM:
         if self._extensions_refused:
             sampling = {name: value for name, value in sampling.items() if name in OPENAI_SAMPLING_FIELDS}
         extensions = [name for name in sampling if name not in OPENAI_SAMPLING_FIELDS]
+        if "tools" in extra:
+            extra = {**extra, "tools": neutralize_tools(extra["tools"])}
         body = {
             "model": await self._model_name(),
-            "messages": request.messages,
+            # the server renders the template and parses special tokens in it: the user's words must stay words
+            "messages": neutralize_messages(request.messages),
             "stream": True,
             "max_tokens": request.sampling.max_tokens,
             **sampling,
