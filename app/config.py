@@ -81,6 +81,13 @@ class _Models(BaseModel):
     llm_context_tokens: int | None = Field(
         None, ge=256, description="prompt + reply tokens per turn (empty: the model's own context length)"
     )
+    llm_wait_s: float = Field(
+        10.0,
+        gt=0.0,
+        le=600.0,
+        description="longest wait for the LLM's next words (the first included): past it, or when the LLM fails, the "
+        "turn is given up and the user told so aloud (a remote server down, slow or restarting)",
+    )
 
     # The conversation policy: what the LLM sees each turn and how a reply is decoded. The policy's row
     # (app/policy.py) changes the defaults of some of these for its model; a setting given wins over the row.

@@ -37,6 +37,7 @@ from app.stages.base import (
     scheduling_of,
 )
 from app.voice.clock import Clock, RunBlocking
+from app.voice.llm_wait import LLMUnavailable, bounded
 from app.voice.pieces import Guard, Piece, PieceCutter
 from app.voice.playback import ReplyPlayback
 from app.voice.reply_audio import ReplyAudio
@@ -70,7 +71,8 @@ class ReplyOptions:
     ``earlier_replies``: the conversation's, for the LLM's DRY; ``voice``: the TTS voice (None: the default);
     ``speak``: False for a text-only reply (the client's ``reply_audio``); ``speech_budget_s``: about how long it may
     speak (``app.voice.runaway.SpeechBudget``; None: no bound); ``script``: the words to say, the server's own (a
-    timer rang), in place of the LLM's.
+    timer rang), in place of the LLM's; ``llm_wait_s``: the longest wait for the LLM's next words (None: no bound);
+    ``unavailable_words``: what is said when the LLM fails or keeps silent past it (None: only a typed error).
     """
 
     sampling: GenerationSettings = field(default_factory=GenerationSettings)
@@ -84,6 +86,8 @@ class ReplyOptions:
     speak: bool = True
     speech_budget_s: float | None = None
     script: str | None = None
+    llm_wait_s: float | None = None
+    unavailable_words: str | None = None
 
 
 class ReplyListener(Protocol):
@@ -304,6 +308,14 @@ class Reply:
             await self.emit(protocol.TurnDone(turn_id=self.turn_id, text=self.text))
         except asyncio.CancelledError:
             raise
+        except LLMUnavailable as exc:  # said aloud, where nothing of the reply was (``app.voice.llm_wait``)
+            log.warning("turn %s: the LLM did not answer: %s", self.turn_id, exc)
+            self._wiring.listener.reply_failed(self)
+            if not said and self.options.unavailable_words:
+                pieces.put_nowait(Piece(self.options.unavailable_words, filler=True))  # (spoken, never the reply's)
+                pieces.put_nowait(None)
+                await speaker
+            await self.emit(protocol.Error(code="llm_unavailable", message=f"the language model did not answer: {exc}"))
         except Exception as exc:  # one failed turn must not end the conversation
             log.exception("turn %s failed", self.turn_id)
             self._wiring.listener.reply_failed(self)
@@ -357,8 +369,9 @@ class Reply:
             stream = open_reply(self._llm, self._request(messages, spec, alone))
         round_start = len(self.written.parts)
         calls: list[ToolCall] = []
+        events = bounded(stream, self.options.llm_wait_s)
         try:
-            async for event in stream:
+            async for event in events:
                 if self.metrics.llm_ttft_ms is None:
                     self.metrics.llm_ttft_ms = (self._clock.now() - self._produce_started) * 1000
                 if isinstance(event, ToolCall):
@@ -370,6 +383,7 @@ class Reply:
                     log.info("turn %s: the reply ends here (guard: %s)", self.turn_id, cutter.stop)
                     break
         finally:
+            await events.aclose()
             await stream.aclose()  # aborts the LLM request if we stopped early
         self._queue(cutter, cutter.flush(), pieces, answer)
         return calls, cutter.stop

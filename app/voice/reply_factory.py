@@ -22,6 +22,7 @@ from app.stages.base import GenerationSettings, Message, ToolSpec, TurnEndVerdic
 from app.voice.context import Fitted
 from app.voice.history import History
 from app.voice.language import reply_in
+from app.voice.llm_wait import UNAVAILABLE_WORDS
 from app.voice.prefs import Preferences
 from app.voice.reply import Reply, ReplyOptions, ReplyWiring
 from app.voice.runaway import speech_budget_s
@@ -204,6 +205,8 @@ class ReplyFactory:
             speak=self._prefs.current.reply_audio,
             speech_budget_s=budget_s,
             script=script,
+            llm_wait_s=settings.llm_wait_s,
+            unavailable_words=UNAVAILABLE_WORDS.get(language or "en"),
         )
         request_id = f"{self._session_id}-{turn_id}-{next(self._request_ids)}"
         reply = Reply(turn_id, user_text, self._wiring, request_id=request_id, options=options, tools=self._tools())

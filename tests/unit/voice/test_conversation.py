@@ -209,24 +209,54 @@ async def test_partials_only_grow_and_share_the_turn_id(conversation):
     assert {p.turn_id for p in partials} == {1}
 
 
-async def test_a_failed_turn_reports_an_error_and_the_next_turn_is_answered(conversation):
+async def test_an_llm_that_fails_is_told_aloud_and_the_next_turn_is_answered(conversation):
+    """A backend that raises (a remote server down): a short sentence aloud, never written as the reply, a typed
+    ``llm_unavailable`` error, the question forgotten as any failed turn's; the next turn asks the LLM again."""
     conv = conversation()
 
-    class Broken(Exception):
-        pass
-
-    async def failing(messages, request_id, **_):
-        raise Broken("backend down")
+    async def failing(request):
+        raise ConnectionError("connection refused")
         yield ""  # pragma: no cover
 
     real_stream = conv.llm.stream
     conv.llm.stream = failing
     await conv.type("Hello?")
-    errors = conv.of(protocol.Error)
-    assert errors and errors[0].code == "turn_failed"
+    [error] = conv.of(protocol.Error)
+    assert error.code == "llm_unavailable" and "connection refused" in error.message
+    assert conv.audio_s > 1.0  # the notice, spoken
+    assert not conv.of(protocol.AssistantText) and not conv.of(protocol.TurnDone)
+    assert conv.session.history == []
     conv.llm.stream = real_stream
     await conv.type("Hello again?")
     assert conv.of(protocol.TurnDone)[-1].turn_id == 2
+    assert [m["content"] for m in conv.session.history] == ["Hello again?", "Paris is the capital of France."]
+
+
+async def test_an_llm_silent_past_its_wait_is_given_up_and_its_request_closed(conversation):
+    """A server that takes the request and says nothing (overloaded, restarting): given up after ``llm_wait_s``."""
+    conv = conversation(llm_pieces=[], llm_wait_s=0.05)
+    conv.llm.hold = asyncio.Event()  # never set: the stream stays open without a word
+    await conv.type("Hello?")
+    for _ in range(500):  # (real time: the wait is the event loop's)
+        if conv.of(protocol.Error):
+            break
+        await asyncio.sleep(0.01)
+    [error] = conv.of(protocol.Error)
+    assert error.code == "llm_unavailable" and "0.05 s" in error.message
+    assert conv.llm.closed == conv.llm.request_ids  # the request is closed: its server aborts it
+    assert conv.audio_s > 1.0 and conv.session.history == []
+
+
+async def test_an_error_of_our_own_is_still_a_failed_turn(conversation):
+    """Only the LLM's failure is told as the LLM's (here the TTS fails)."""
+    conv = conversation()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tts broke")
+
+    conv.session._replies._wiring.models.tts.synthesize = broken
+    await conv.type("Hello?")
+    assert [error.code for error in conv.of(protocol.Error)] == ["turn_failed"]
 
 
 async def test_reset_forgets_the_history_and_close_aborts_the_reply(conversation):
