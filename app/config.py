@@ -85,8 +85,8 @@ class _Models(BaseModel):
         10.0,
         gt=0.0,
         le=600.0,
-        description="longest wait for the LLM's next words (the first included): past it, or when the LLM fails, the "
-        "turn is given up and the user told so aloud (a remote server down, slow or restarting)",
+        description="longest wait for the first words of each LLM request: past it, or when the LLM fails, the turn "
+        "is given up and the user told so aloud (a remote server down, slow or restarting)",
     )
 
     # The conversation policy: what the LLM sees each turn and how a reply is decoded. The policy's row

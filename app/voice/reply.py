@@ -71,8 +71,8 @@ class ReplyOptions:
     ``earlier_replies``: the conversation's, for the LLM's DRY; ``voice``: the TTS voice (None: the default);
     ``speak``: False for a text-only reply (the client's ``reply_audio``); ``speech_budget_s``: about how long it may
     speak (``app.voice.runaway.SpeechBudget``; None: no bound); ``script``: the words to say, the server's own (a
-    timer rang), in place of the LLM's; ``llm_wait_s``: the longest wait for the LLM's next words (None: no bound);
-    ``unavailable_words``: what is said when the LLM fails or keeps silent past it (None: only a typed error).
+    timer rang), in place of the LLM's; ``llm_wait_s``: the longest wait for each LLM request's first words (None:
+    no bound); ``unavailable_words``: what is said when the LLM fails or keeps silent past it (None: only typed).
     """
 
     sampling: GenerationSettings = field(default_factory=GenerationSettings)
