@@ -1,15 +1,15 @@
 """A reply's wait for its LLM, bounded: a backend that fails or keeps silent ends the turn with a notice.
 
 Why: with a remote server (vLLM, a llama.cpp server, ``parley engine serve``) the LLM can be down, restarting or
-overloaded; its HTTP client would wait a minute for a word while the user hears nothing. The first event of each of
-a reply's LLM requests is waited for at most ``llm_wait_s``; past it, or when the backend raises at any point, the
-reply raises ``LLMUnavailable`` and says so (``Reply``: a short sentence aloud where nothing was said yet, a typed
-``llm_unavailable`` error), the user's words are forgotten as any failed turn's, and the session goes on: the next
-turn asks the LLM again.
+overloaded; its HTTP client would wait a minute for a word while the user hears nothing. Until something of the
+reply is said, the first event of its LLM request (each round's, after tool calls) is waited for at most
+``llm_wait_s``; past it, or when the backend raises at any point, the reply raises ``LLMUnavailable`` and says so
+(``Reply``: a short sentence aloud where nothing was said yet, a typed ``llm_unavailable`` error), the user's words
+are forgotten as any failed turn's, and the session goes on: the next turn asks the LLM again.
 
-Why only the first: once a reply speaks, its own LLM request may rightly wait for many seconds (a reply far ahead of
-its listener lets the other conversations' steps go first, ``LocalScheduling.yield_to_others``), and a bound there
-would cut a healthy reply; a remote server that stalls mid-reply is bounded by its HTTP client's read timeout.
+Why only then: once a reply speaks, its own LLM request may rightly wait for many seconds (a reply far ahead of its
+listener lets the other conversations' steps go first, ``LocalScheduling.yield_to_others``), and a bound there would
+cut a healthy reply; a remote server that stalls mid-reply is bounded by its HTTP client's read timeout.
 """
 
 from __future__ import annotations

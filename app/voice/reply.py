@@ -369,7 +369,8 @@ class Reply:
             stream = open_reply(self._llm, self._request(messages, spec, alone))
         round_start = len(self.written.parts)
         calls: list[ToolCall] = []
-        events = bounded(stream, self.options.llm_wait_s)
+        # (bounded while the user has heard nothing of the reply: a later round waits behind what is still playing)
+        events = bounded(stream, None if said else self.options.llm_wait_s)
         try:
             async for event in events:
                 if self.metrics.llm_ttft_ms is None:
