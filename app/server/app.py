@@ -102,11 +102,14 @@ def create_app(settings: Settings, models: Models | None = None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz():
-        """Ready to answer? 503 while the LLM backend cannot (engine loop down, remote server unreachable)."""
+        """Ready to answer? 503 while the LLM backend cannot (engine loop down, remote server unreachable), and
+        ``degraded`` names it: the dependencies that are down (the models in this process are loaded or it would
+        not serve; the LLM may be another server's)."""
         llm = app.state.models.llm
         healthy, detail = await llm.health()
         body = {
             "status": "ok" if healthy else "unavailable",
+            "degraded": [] if healthy else ["llm"],
             "sessions": len(app.state.sessions),
             "llm": llm.name,
             "llm_status": detail,
