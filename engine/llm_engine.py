@@ -250,9 +250,7 @@ class LLMEngine:
             except Exception as e:  # detokenizing / stop strings of this request: fail it alone
                 log.exception("request %s failed after its step", req.request_id)
                 self.scheduler.finish_request(req.request_id, "error", f"{type(e).__name__}: {e}")
-                self._states.pop(req.request_id, None)
-                self.counters.requests_finished_total += 1
-                outputs.append(final_output(req, "error", f"output processing failed: {type(e).__name__}: {e}"))
+                outputs.append(self._failed(req, f"output processing failed: {type(e).__name__}: {e}"))
         self.counters.generated(n_new, now)
         return outputs
 
@@ -280,10 +278,14 @@ class LLMEngine:
                 continue
             self.kv.uncache_from(req.request_id, chunk.start // self.config.block_size)
             self.scheduler.finish_request(req.request_id, "error", message)
-            self._states.pop(req.request_id, None)
-            self.counters.requests_finished_total += 1
-            outputs.append(final_output(req, "error", message))
+            outputs.append(self._failed(req, message))
         return outputs
+
+    def _failed(self, req, message: str) -> RequestOutput:
+        """The output of ``req``, finished in the scheduler with an error: its state dropped and it counted."""
+        self._states.pop(req.request_id, None)
+        self.counters.requests_finished_total += 1
+        return final_output(req, "error", message)
 
     def reset(self, message: str) -> list[RequestOutput]:
         """Fail every open request (queued outputs dropped), free all KV blocks, forget every cached prefix.
@@ -294,10 +296,8 @@ class LLMEngine:
         outputs = []
         for rid in list(self.scheduler.requests):
             req = self.scheduler.finish_request(rid, "error", message)
-            self._states.pop(rid, None)
             if req is not None:
-                self.counters.requests_finished_total += 1
-                outputs.append(final_output(req, "error", message))
+                outputs.append(self._failed(req, message))
         self._states.clear()
         self._pending = []
         self.kv.reset()
