@@ -121,8 +121,9 @@ def _cached_cut(model: Path, cache: Path | None) -> _Cut | None:
         from engine.weights import cache_dir
 
         cache = cache_dir()
-    stat = model.resolve().stat()
-    key = hashlib.sha256(f"{CUT_VERSION}|{model.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    resolved = model.resolve()
+    stat = resolved.stat()
+    key = hashlib.sha256(f"{CUT_VERSION}|{resolved}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
     folder = cache / "piper-halves" / f"{model.stem}-{key[:16]}"
     described = folder / "cut.json"
     if described.is_file():
