@@ -34,8 +34,9 @@ from engine.layers.linear import (
     tensor_nbytes,
 )
 from engine.layers.rotary import apply_rotary, build_rope
-from engine.model_weights import DecoderLayer, build_weights, load_state_dict
-from engine.quant import QuantMethod, quant_summary
+from engine.model_weights import CheckpointTensors, DecoderLayer, build_weights, checkpoint_files
+from engine.quant import QuantMethod, every_core, quant_summary
+from engine.quant_cache import QuantCache
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "DecoderLayer", "LlamaModel", "ModelArgs"]
 
@@ -121,16 +122,19 @@ class LlamaModel:
         # Gemma's scale is a tensor in the model's dtype (sqrt(3072) is 55.5 in bf16)
         self.embed_scale = float(torch.tensor(scale).to(dtype)) if self.family.embed_scale_rounded else scale
         self._activation = ACTIVATIONS[self.family.activation]
-        w = build_weights(
-            load_state_dict(path),
-            self.family,
-            dtype,
-            self.device,
-            rms_norm_eps=args.rms_norm_eps,
-            tie_word_embeddings=args.tie_word_embeddings,
-            quant=quant,
-            pack=pack,
-        )
+        files = checkpoint_files(path)
+        with every_core():  # quantizing is a one-off burst of elementwise work
+            w = build_weights(
+                CheckpointTensors(files),
+                self.family,
+                dtype,
+                self.device,
+                rms_norm_eps=args.rms_norm_eps,
+                tie_word_embeddings=args.tie_word_embeddings,
+                quant=quant,
+                pack=pack,
+                cache=QuantCache.for_checkpoint(path, files, dtype) if quant is not None else None,
+            )
         self.embed, self.lm_head, self.norm, self.layers = w.embed, w.lm_head, w.norm, w.layers
         self.embed_lookup: Callable[[torch.Tensor], torch.Tensor] = (
             self._dense_lookup if w.vocab is None else w.vocab.lookup

@@ -20,7 +20,8 @@ from engine.families import Family, LayerPlan
 from engine.layers.attention import AttentionSpec
 from engine.layers.linear import DenseLinear, Linear, PackedLinear, tensor_nbytes
 from engine.layers.norm import RMSNorm
-from engine.quant import Int8Embedding, QuantMethod
+from engine.quant import Int8Embedding, QuantMethod, quantize_per_channel
+from engine.quant_cache import QuantCache
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class ModelWeights:
 
 
 def build_weights(
-    sd: dict[str, torch.Tensor],
+    sd: CheckpointTensors,
     family: Family,
     dtype: torch.dtype,
     device: torch.device,
@@ -81,17 +82,20 @@ def build_weights(
     tie_word_embeddings: bool,
     quant: QuantMethod | None,
     pack: bool,
+    cache: QuantCache | None = None,
 ) -> ModelWeights:
-    """The model's weights from the language model's tensors ``sd`` (emptied as they are taken, so a
+    """The model's weights from the language model's tensors ``sd`` (each read as it is taken, so a
     16-bit tensor is freed once its quantized or packed linear is built).
 
     ``quant``: the layer linears (and, when it says so, the embedding / lm_head) quantized; ``pack``:
-    the 16-bit dense linears pre-packed for oneDNN.
+    the 16-bit dense linears pre-packed for oneDNN; ``cache``: per-channel int8 matrices quantized by an
+    earlier start, read instead of their float weights, and those quantized now kept for the next.
     """
     f = family
     float_linear_bytes = 0
     num_packed = 0
     prefix = _text_prefix(sd)
+    int8_rows_cached = cache is not None and quant is not None and quant.per_channel_int8
 
     def take(name: str) -> torch.Tensor:
         return sd.pop(name).to(device=device, dtype=dtype).contiguous()
@@ -106,37 +110,66 @@ def build_weights(
             return PackedLinear(weight, bias)
         return DenseLinear(weight, bias)
 
+    def cached(key: str, names: list[str]):
+        """``key``'s (q, scale) from the cache, its float weights ``names`` then left unread."""
+        found = cache.get(key, device) if int8_rows_cached else None
+        if found is not None:
+            for name in names:
+                sd.discard(name)
+        return found
+
+    def quantized(key: str, weight: torch.Tensor):
+        made = quantize_per_channel(weight)
+        cache.put(key, made)
+        return made
+
     def linear(base: str, names: tuple[str, ...]) -> Linear:
         """One linear over the rows of ``base.<name>`` for each name (q/k/v or gate/up fused)."""
         nonlocal float_linear_bytes
-        weight = torch.cat([take(f"{base}.{n}.weight") for n in names]).contiguous()
+        key = f"{base}|{','.join(names)}"
+        found = cached(key, [f"{base}.{n}.weight" for n in names])
         biases = [maybe(f"{base}.{n}.bias") for n in names]
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
             raise ValueError(f"{base}: some of {', '.join(names)} have a bias and some not")
         bias = torch.cat(biases).contiguous() if biases[0] is not None else None
+        if found is not None:
+            float_linear_bytes += found[0].numel() * dtype.itemsize + tensor_nbytes(bias)
+            return quant.linear(None, bias, dtype, found)
+        weight = torch.cat([take(f"{base}.{n}.weight") for n in names]).contiguous()
         float_linear_bytes += tensor_nbytes(weight, bias)
+        if int8_rows_cached:
+            return quant.linear(None, bias, dtype, quantized(key, weight))
         if quant is not None:
             return quant.linear(weight, bias, dtype)
         return dense(weight, bias)
+
+    def int8_rows(name: str) -> Int8Embedding:
+        """A vocabulary matrix as int8 rows."""
+        found = cached(name, [name])
+        if found is not None:
+            return quant.vocab(None, dtype, found)
+        weight = take(name)
+        return quant.vocab(None, dtype, quantized(name, weight)) if int8_rows_cached else quant.vocab(weight, dtype)
 
     def norm(name: str | None) -> RMSNorm | None:
         if name is None:
             return None
         return RMSNorm(take(name), rms_norm_eps, dtype, offset=f.norm_offset, upcast=f.norm_upcast)
 
-    embed = take(prefix + "embed_tokens.weight")
-    lm_head = next((sd.pop(n) for n in _LM_HEAD_NAMES if n in sd), None)
-    tied = tie_word_embeddings or lm_head is None
-    if not tied:
-        lm_head = lm_head.to(device=device, dtype=dtype).contiguous()
+    embed_name = prefix + "embed_tokens.weight"
+    head_name = next((n for n in _LM_HEAD_NAMES if n in sd), None)
+    tied = tie_word_embeddings or head_name is None
+    if tied and head_name is not None:
+        sd.discard(head_name)  # a tied checkpoint that stores the matrix twice: the embedding is used
     if quant is not None and quant.quantize_vocab:
         # int8 rows only: no 16-bit copy of the vocabulary matrix remains
-        vocab = quant.vocab(embed, dtype)
-        lm_head_linear = vocab if tied else quant.vocab(lm_head, dtype)
+        vocab = int8_rows(embed_name)
+        lm_head_linear = vocab if tied else int8_rows(head_name)
         embed = lm_head = None
     else:
         vocab = None
-        lm_head = embed if tied else lm_head
+        embed = take(embed_name)
+        lm_head = embed if tied else take(head_name)
         # a packed copy where packing applies (the plain tensor stays for the tied embedding lookup)
         lm_head_linear = dense(lm_head)
     final_norm = norm(prefix + "norm.weight")
@@ -161,6 +194,8 @@ def build_weights(
         )
     if sd:
         log.debug("unused weights: %s", sorted(sd)[:10])
+    if int8_rows_cached:
+        cache.save()
     return ModelWeights(
         embed=embed,
         lm_head=lm_head,
@@ -173,7 +208,7 @@ def build_weights(
     )
 
 
-def _text_prefix(sd: dict[str, torch.Tensor]) -> str:
+def _text_prefix(sd: CheckpointTensors) -> str:
     for prefix in _TEXT_PREFIXES:
         if prefix + "embed_tokens.weight" in sd:
             return prefix
@@ -187,19 +222,47 @@ def _is_text_weight(name: str) -> bool:
     )
 
 
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The language model's tensors of a (possibly sharded) safetensors checkpoint."""
-    from safetensors import safe_open
-
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a (possibly sharded) checkpoint folder."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not names:
         raise FileNotFoundError(f"no safetensors weights in {path}")
-    sd: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            sd.update({key: f.get_tensor(key) for key in f.keys() if _is_text_weight(key)})  # noqa: SIM118
-    return sd
+    return [path / name for name in names]
+
+
+class CheckpointTensors:
+    """The language model's tensors of a checkpoint, by name, each read from its file only when taken
+    (``pop``): a start that finds a matrix already quantized (``engine.quant_cache``) never reads its float
+    weights, and a tensor not taken is never read."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, object] = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            self._where.update({key: handle for key in handle.keys() if _is_text_weight(key)})  # noqa: SIM118
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(list(self._where))
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def pop(self, name: str) -> torch.Tensor:
+        return self._where.pop(name).get_tensor(name)
+
+    def discard(self, name: str) -> None:
+        self._where.pop(name, None)
+
+
+def load_state_dict(path: Path) -> CheckpointTensors:
+    """The language model's tensors of a (possibly sharded) safetensors checkpoint, read as they are taken."""
+    return CheckpointTensors(checkpoint_files(path))

@@ -42,8 +42,11 @@ The model builder (``engine/model.py``) applies the method while it builds the l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -63,11 +66,27 @@ INT4_TILE_N = 64  # output rows per tile of the CPU int4 pack layout
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: w ~= q * scale[:, None]."""
+    """Symmetric per-output-channel int8: w ~= q * scale[:, None] (scale float32).
+
+    The largest magnitude of a row is max(its max, -its min) and the rounding is done in place: no copy of the
+    matrix for ``abs`` or ``round`` (a load quantizes ~0.5 G weights of the default brain)."""
     w32 = w.float()
-    scale = w32.abs().amax(dim=1).clamp_min(1e-8) / 127.0
-    q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
+    low, high = torch.aminmax(w32, dim=1)
+    scale = torch.maximum(high, low.neg()).clamp_min(1e-8) / 127.0
+    q = w32 / scale[:, None]
+    return q.round_().clamp_(-127, 127).to(torch.int8).contiguous(), scale
+
+
+@contextlib.contextmanager
+def every_core() -> Iterator[None]:
+    """torch's CPU threads on every core this process may use while open (a model quantized as it loads: the
+    engine's own thread count is for its steps, beside the other models); the count is set back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, len(os.sched_getaffinity(0))))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Int8PackLinear:
@@ -75,11 +94,20 @@ class Int8PackLinear:
 
     kernel = "int8pack"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
-        self.qweight, scale = quantize_per_channel(weight)
+    def __init__(
+        self,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        act_dtype: torch.dtype,
+        *,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``quantized``: ``quantize_per_channel``'s (q, scale) of ``weight``, made before (a start reading them
+        from ``engine.quant_cache``); ``weight`` is then not needed."""
+        self.qweight, scale = quantized if quantized is not None else quantize_per_channel(weight)
         self.scale = scale.to(act_dtype).contiguous()
         self.max_rows, self.dense_dtype = prefill_path(
-            act_dtype, weight.device, INT8PACK_MAX_M, INT8PACK_MAX_M_EMULATED
+            act_dtype, self.qweight.device, INT8PACK_MAX_M, INT8PACK_MAX_M_EMULATED
         )
         self.scale_col = (self.scale if self.dense_dtype == act_dtype else scale.to(self.dense_dtype))[:, None]
         self.bias = bias
@@ -212,8 +240,14 @@ class Int8Embedding:
 
     kernel = "int8-rows"
 
-    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype) -> None:
-        self.qweight, scale = quantize_per_channel(weight)
+    def __init__(
+        self,
+        weight: torch.Tensor | None,
+        act_dtype: torch.dtype,
+        *,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        self.qweight, scale = quantized if quantized is not None else quantize_per_channel(weight)
         self.scale = scale.to(act_dtype).contiguous()
         self.act_dtype = act_dtype
         self.dot: Int8Dot | None = None  # set by use_fused_kernels
@@ -392,11 +426,31 @@ class QuantMethod:
     def kernel(self) -> str:
         return self.linear_cls.kernel
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype):
+    @property
+    def per_channel_int8(self) -> bool:
+        """The layer linears hold ``quantize_per_channel``'s int8 rows and scales: what ``engine.quant_cache``
+        keeps between starts (with the int8 vocabulary, which is always that)."""
+        return self.linear_cls is Int8PackLinear
+
+    def linear(
+        self,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        act_dtype: torch.dtype,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """A layer linear of ``weight``, or of its (q, scale) made before (``per_channel_int8`` methods)."""
+        if quantized is not None:
+            return self.linear_cls(weight, bias, act_dtype, quantized=quantized)
         return self.linear_cls(weight, bias, act_dtype)
 
-    def vocab(self, weight: torch.Tensor, act_dtype: torch.dtype) -> Int8Embedding:
-        return Int8Embedding(weight, act_dtype)
+    def vocab(
+        self,
+        weight: torch.Tensor | None,
+        act_dtype: torch.dtype,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Int8Embedding:
+        return Int8Embedding(weight, act_dtype, quantized=quantized)
 
 
 def get_quant_method(
