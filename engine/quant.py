@@ -82,7 +82,8 @@ def every_core() -> Iterator[None]:
     """torch's CPU threads on every core this process may use while open (a model quantized as it loads: the
     engine's own thread count is for its steps, beside the other models); the count is set back after."""
     before = torch.get_num_threads()
-    torch.set_num_threads(max(before, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(before, cores))
     try:
         yield
     finally:
