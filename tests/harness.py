@@ -213,10 +213,11 @@ class Harness:
             await asyncio.sleep(max(0.0, started + (index + 1) * 0.02 - loop.time()) if realtime else 0)
 
 
-async def talk_over_a_long_reply(url: str, question: np.ndarray) -> list[dict]:
+async def talk_over_a_long_reply(url: str, question: np.ndarray, *, until_answered: bool = False) -> list[dict]:
     """Ask for a long story by text; once its audio plays, speak ``question`` over it.
 
-    Returns the events up to the final transcript of the new turn.
+    Returns the events up to the final transcript of the new turn (``until_answered``: up to its ``turn_done``,
+    the connection open until then).
     """
     import websockets
 
@@ -235,7 +236,8 @@ async def talk_over_a_long_reply(url: str, question: np.ndarray) -> list[dict]:
 
         talking = asyncio.create_task(talk())
         try:
-            while not any(e["type"] == "transcript" and e["final"] and e["turn_id"] > 1 for e in events):
+            kind = "turn_done" if until_answered else "transcript"
+            while not any(e["type"] == kind and e.get("final", True) and e["turn_id"] > 1 for e in events):
                 message = await asyncio.wait_for(ws.recv(), 60)
                 if isinstance(message, str):
                     events.append(json.loads(message))

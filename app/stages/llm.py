@@ -131,7 +131,10 @@ class OpenAIChatLLM:
     """Any OpenAI-compatible server (vLLM, TGI, SGLang, ``parley engine serve``) over streamed SSE.
 
     Closing the stream closes the HTTP response, which such servers treat as an abort. Sampling fields beyond
-    OpenAI's are sent until the server refuses one by name; from then on only OpenAI's are (logged once).
+    OpenAI's are sent until the server refuses one by name; from then on only OpenAI's are (logged once). A server
+    that refuses ``tool_choice: "auto"`` (vLLM started without ``--enable-auto-tool-choice``: every turn with the
+    skills on failed) gets the request again without tools, and so do its later "auto" requests (logged once,
+    with the flags to start it with); "required" and named calls are still sent.
     """
 
     name = "openai"
@@ -148,6 +151,7 @@ class OpenAIChatLLM:
         self.context_tokens: int | None = None  # the server's own; llm_context_tokens sets a bound
         self._health: tuple[float, tuple[bool, str]] | None = None
         self._extensions_refused = False
+        self._auto_tools_refused = False
 
     async def _model_name(self) -> str:
         if self.model is None:
@@ -164,7 +168,7 @@ class OpenAIChatLLM:
         and name, the next ones fragments of its arguments)."""
         extra: dict = {}
         tools = request.tools
-        if tools is not None and tools.tools:
+        if tools is not None and tools.tools and not (tools.choice == "auto" and self._auto_tools_refused):
             extra = {"tools": list(tools.tools), "tool_choice": tools.choice, "parallel_tool_calls": tools.parallel}
         calls: dict[int, dict[str, str]] = {}
         async for delta in self._deltas(request, extra):
@@ -214,6 +218,17 @@ class OpenAIChatLLM:
                         yield choice.get("delta") or {}
                 return
             detail = (await response.aread()).decode(errors="replace")[:300]
+        if response.status_code == 400 and extra.get("tool_choice") == "auto" and "tool" in detail.lower():
+            log.warning(
+                "%s refused tools with tool_choice auto (%s): replies go without tools from now on; for tools, start "
+                "vLLM with --enable-auto-tool-choice --tool-call-parser <the model's: hermes for Qwen>",
+                self.base_url,
+                detail[:120],
+            )
+            self._auto_tools_refused = True
+            async for delta in self._deltas(request, {}):  # the same request without tools
+                yield delta
+            return
         refused = [name for name in extensions if name in detail]
         if response.status_code not in (400, 422) or not refused:
             raise RuntimeError(f"LLM server answered {response.status_code}: {detail}")

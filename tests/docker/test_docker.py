@@ -165,6 +165,7 @@ def test_compose_profiles_and_wiring():
     assert vllm["image"].startswith("vllm/vllm-openai:") and not vllm["image"].endswith(":latest")
     assert "/health" in " ".join(vllm["healthcheck"]["test"])
     assert "--model" in vllm["command"]
+    assert "--enable-auto-tool-choice" in vllm["command"] and "--tool-call-parser" in vllm["command"]
 
     lb = services["lb"]
     assert lb["ports"] == ["${PARLEY_PORT:-8000}:80"] and services["parley"]["ports"] == ["${PARLEY_PORT:-8000}:8000"]

@@ -155,6 +155,40 @@ async def test_sampling_fields_a_strict_server_refuses_are_dropped_once_and_for_
         await collect(llm.stream(ReplyRequest([{"role": "user", "content": "fail"}], "r3", settings)))
 
 
+async def test_a_server_that_refuses_auto_tool_choice_gets_the_reply_without_tools():
+    """vLLM started without ``--enable-auto-tool-choice`` answers 400 to every request with tool_choice "auto"
+    (the skills' requests): seen through the scale-out's vLLM, every turn failed. The request goes again without
+    tools, later "auto" requests go without them at once, a required call is still sent with its tools, and other
+    400s still raise."""
+    bodies: list[dict] = []
+    refusal = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        if body.get("tool_choice") == "auto":
+            return httpx.Response(400, json={"error": {"message": refusal, "code": 400}})
+        if body["messages"][-1]["content"] == "bad":
+            return httpx.Response(400, json={"error": {"message": "messages are malformed"}})
+        return httpx.Response(200, content=sse(delta(content="Hi.")), headers={"content-type": "text/event-stream"})
+
+    llm = OpenAIChatLLM("http://llm.test", model="served")
+    llm._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    auto = ToolSpec((WEATHER,), "auto", parallel=True)
+    ask = [{"role": "user", "content": "Hello"}]
+    assert await collect(llm.stream(ReplyRequest(ask, "r1", tools=auto))) == ["Hi."]
+    assert await collect(llm.stream(ReplyRequest(ask, "r2", tools=auto))) == ["Hi."]
+    assert await collect(llm.stream(ReplyRequest(ask, "r3", tools=ToolSpec((WEATHER,), "required")))) == ["Hi."]
+    assert [(body.get("tool_choice"), "tools" in body) for body in bodies] == [
+        ("auto", True),
+        (None, False),
+        (None, False),
+        ("required", True),
+    ]
+    with pytest.raises(RuntimeError, match="400"):
+        await collect(llm.stream(ReplyRequest([{"role": "user", "content": "bad"}], "r4")))
+
+
 async def test_the_remote_backend_sends_no_tool_fields_when_no_call_may_be_made():
     llm, bodies = remote(sse(delta(content="It was sunny.")))
     history = [{"role": "user", "content": "And?"}]
