@@ -24,7 +24,8 @@ class ServerProcess:
     """``parley <args> --host 127.0.0.1 --port <free>``, ready once ``ready_path`` answers 200.
 
     ``program``: another server's command line instead of ``parley`` (one that takes ``--host`` and ``--port``
-    too, such as ``transformers serve``).
+    too, such as ``transformers serve``); ``port``: this one instead of a free one (a server started again where
+    its clients know it).
     """
 
     def __init__(
@@ -34,8 +35,9 @@ class ServerProcess:
         ready_path: str = "/healthz",
         timeout_s: float = 180,
         program: list[str] | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
