@@ -218,7 +218,13 @@ class OpenAIChatLLM:
                         yield choice.get("delta") or {}
                 return
             detail = (await response.aread()).decode(errors="replace")[:300]
-        if response.status_code == 400 and extra.get("tool_choice") == "auto" and "tool" in detail.lower():
+        lowered = detail.lower()
+        if (
+            response.status_code == 400
+            and extra.get("tool_choice") == "auto"
+            and "auto" in lowered
+            and "choice" in lowered
+        ):
             log.warning(
                 "%s refused tools with tool_choice auto (%s): replies go without tools from now on; for tools, start "
                 "vLLM with --enable-auto-tool-choice --tool-call-parser <the model's: hermes for Qwen>",
