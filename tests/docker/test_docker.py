@@ -174,6 +174,9 @@ def test_compose_profiles_and_wiring():
     assert re.search(r"server\s+voice:8000\b", nginx), "nginx must balance over the voice service"
     assert "proxy_set_header Upgrade $http_upgrade" in nginx and "proxy_http_version 1.1" in nginx
     assert "least_conn" in nginx and re.search(r"location /ws", nginx)
+    # the Realtime door is a WebSocket too: its location passes the upgrade (the catch-all one does not)
+    realtime = nginx[nginx.index("location /v1/realtime") :]
+    assert "proxy_set_header Upgrade $http_upgrade" in realtime[: realtime.index("}")]
     assert set(compose["volumes"]) >= {"parley-data"}
 
 
