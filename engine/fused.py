@@ -50,7 +50,7 @@ def _build_and_load():
     _put_ninja_on_path()
     log.info("loading fused CPU kernels (first build takes about a minute)")
     source = _SOURCE.read_bytes()
-    name = build_name(source, cpu_features())
+    name = build_name(source, cpu_features(), torch_root())
     build_dir = Path(_get_build_directory(name, verbose=False))
     with _exclusive(build_dir / "parley.lock"):
         # torch's own lock is a file that only its creator removes: a build killed midway
@@ -70,18 +70,33 @@ def _build_and_load():
         )
 
 
-def build_name(source: bytes, cpu: str) -> str:
-    """The build's name, from the kernel source and the CPU it is compiled for.
+def build_name(source: bytes, cpu: str, torch_root: str = "") -> str:
+    """The build's name, from the kernel source, the CPU it is compiled for and the torch it is built against.
 
-    The source's hash: checkouts with the same kernels share one build, and an edited kernel
-    never overwrites the build another checkout is using. The CPU's: the build is
-    ``-march=native``, so one made on a CPU with AVX2 or AVX-512 dies with SIGILL on a CPU
-    without them; a cache shared between machines (a home directory on NFS, a copied
-    ``~/.cache``, a VM moved to another host) must give each kind of CPU its own build.
+    The source's hash: checkouts with the same kernels and environment share one build, and an edited kernel
+    never overwrites the build another checkout is using. The CPU's: the build is ``-march=native``, so one made
+    on a CPU with AVX2 or AVX-512 dies with SIGILL on a CPU without them; a cache shared between machines (a home
+    directory on NFS, a copied ``~/.cache``, a VM moved to another host) must give each kind of CPU its own
+    build. The torch's (``torch_root``): its headers and libraries are in the build command, so two environments
+    (two clones, each with its own ``.venv``) sharing one build folder made ninja rebuild it, ~40 s, every time
+    the other one had started last; each environment now has its own.
     """
     source_hash = hashlib.sha256(source).hexdigest()[:12]
     cpu_hash = hashlib.sha256(cpu.encode()).hexdigest()[:8]
-    return f"parley_fused_cpu_{source_hash}_{cpu_hash}"
+    torch_hash = hashlib.sha256(torch_root.encode()).hexdigest()[:8]
+    return f"parley_fused_cpu_{source_hash}_{cpu_hash}_{torch_hash}"
+
+
+def torch_root() -> str:
+    """This environment's torch folder, as torch's extension builds name it in their commands."""
+    import torch
+
+    return os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def this_build_name() -> str:
+    """The build's name for these kernels on this CPU with this environment's torch."""
+    return build_name(_SOURCE.read_bytes(), cpu_features(), torch_root())
 
 
 def cpu_features() -> str:

@@ -194,8 +194,7 @@ def _load_in_a_new_process(cwd: Path, timeout: float = 600) -> subprocess.Comple
 def _build_dir() -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
-    name = fused_module.build_name(fused_module._SOURCE.read_bytes(), fused_module.cpu_features())
-    return Path(_get_build_directory(name, verbose=False))
+    return Path(_get_build_directory(fused_module.this_build_name(), verbose=False))
 
 
 def test_each_kind_of_cpu_gets_its_own_build():
@@ -209,6 +208,14 @@ def test_each_kind_of_cpu_gets_its_own_build():
     with_avx2 = f"{without_avx2}\n#define __AVX2__ 1"
     assert fused_module.build_name(source, with_avx2) != fused_module.build_name(source, without_avx2)
     assert fused_module.build_name(source + b"//", here) != fused_module.build_name(source, here)
+
+
+def test_each_environment_gets_its_own_build():
+    """Two clones, each with its own venv: the torch paths in the build command differ, and one shared build
+    folder was rebuilt (~40 s) at every start of the other one."""
+    source, here = fused_module._SOURCE.read_bytes(), fused_module.cpu_features()
+    assert fused_module.build_name(source, here, "/a/.venv/torch") != fused_module.build_name(source, here, "/b/torch")
+    assert fused_module.this_build_name() == fused_module.build_name(source, here, fused_module.torch_root())
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next_start():
