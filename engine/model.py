@@ -133,7 +133,8 @@ class LlamaModel:
                 tie_word_embeddings=args.tie_word_embeddings,
                 quant=quant,
                 pack=pack,
-                cache=QuantCache.for_checkpoint(path, files, dtype) if quant is not None else None,
+                # only the per-channel int8 matrices are kept: another method never reads the kept file
+                cache=QuantCache.for_checkpoint(path, files, dtype) if quant and quant.per_channel_int8 else None,
             )
         self.embed, self.lm_head, self.norm, self.layers = w.embed, w.lm_head, w.norm, w.layers
         self.embed_lookup: Callable[[torch.Tensor], torch.Tensor] = (
