@@ -65,7 +65,10 @@ INT4PACK_MAX_M_EMULATED = 192  # where bf16 is emulated the dense product is fp3
 INT4_TILE_N = 64  # output rows per tile of the CPU int4 pack layout
 
 
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+Quantized = tuple[torch.Tensor, torch.Tensor]  # ``quantize_per_channel``'s int8 rows and float32 scale per row
+
+
+def quantize_per_channel(w: torch.Tensor) -> Quantized:
     """Symmetric per-output-channel int8: w ~= q * scale[:, None] (scale float32).
 
     The largest magnitude of a row is max(its max, -its min) and the rounding is done in place: no copy of the
@@ -101,7 +104,7 @@ class Int8PackLinear:
         bias: torch.Tensor | None,
         act_dtype: torch.dtype,
         *,
-        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+        quantized: Quantized | None = None,
     ) -> None:
         """``quantized``: ``quantize_per_channel``'s (q, scale) of ``weight``, made before (a start reading them
         from ``engine.quant_cache``); ``weight`` is then not needed."""
@@ -246,7 +249,7 @@ class Int8Embedding:
         weight: torch.Tensor | None,
         act_dtype: torch.dtype,
         *,
-        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+        quantized: Quantized | None = None,
     ) -> None:
         self.qweight, scale = quantized if quantized is not None else quantize_per_channel(weight)
         self.scale = scale.to(act_dtype).contiguous()
@@ -438,7 +441,7 @@ class QuantMethod:
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         act_dtype: torch.dtype,
-        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+        quantized: Quantized | None = None,
     ):
         """A layer linear of ``weight``, or of its (q, scale) made before (``per_channel_int8`` methods)."""
         if quantized is not None:
@@ -449,7 +452,7 @@ class QuantMethod:
         self,
         weight: torch.Tensor | None,
         act_dtype: torch.dtype,
-        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+        quantized: Quantized | None = None,
     ) -> Int8Embedding:
         return Int8Embedding(weight, act_dtype, quantized=quantized)
 

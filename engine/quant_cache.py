@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
+from engine.quant import Quantized
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 FILE_NAME = "int8.safetensors"
 # a checkpoint smaller than this quantizes in well under a second: not kept (the tests' tiny models)
 MIN_CHECKPOINT_BYTES = 64 << 20
-
-Quantized = tuple[torch.Tensor, torch.Tensor]  # (int8 rows, float32 scale per row)
 
 
 class QuantCache:
