@@ -91,7 +91,7 @@ def merge_lora(base: str | Path, adapter: str | Path, out: str | Path) -> Path:
 
     from engine.weights import resolve_model
 
-    base = resolve_model(base) if str(base) == "bundled" else Path(base)
+    base = resolve_model(base, float32_weights=True) if str(base) == "bundled" else Path(base)
     adapter, out = Path(adapter), Path(out)
     for path, what in (
         (base / "config.json", "the base model's config.json"),

@@ -34,7 +34,7 @@ from engine.layers.linear import (
     tensor_nbytes,
 )
 from engine.layers.rotary import apply_rotary, build_rope
-from engine.model_weights import CheckpointTensors, DecoderLayer, build_weights, checkpoint_files
+from engine.model_weights import DecoderLayer, build_weights, open_checkpoint
 from engine.quant import QuantMethod, every_core, quant_summary
 from engine.quant_cache import QuantCache
 
@@ -122,10 +122,10 @@ class LlamaModel:
         # Gemma's scale is a tensor in the model's dtype (sqrt(3072) is 55.5 in bf16)
         self.embed_scale = float(torch.tensor(scale).to(dtype)) if self.family.embed_scale_rounded else scale
         self._activation = ACTIVATIONS[self.family.activation]
-        files = checkpoint_files(path)
+        tensors, files = open_checkpoint(path)
         with every_core():  # quantizing is a one-off burst of elementwise work
             w = build_weights(
-                CheckpointTensors(files),
+                tensors,
                 self.family,
                 dtype,
                 self.device,

@@ -111,6 +111,10 @@ def _folder_traits(folder: Path) -> ModelTraits:
     if (folder / "chat_template.jinja").is_file():
         template += (folder / "chat_template.jinja").read_text()
     parameters = sum(_safetensors_parameters(p) for p in folder.glob("*.safetensors"))
+    if not parameters and (folder / "gguf_tensors.json").is_file():  # a GGUF's folder reading the GGUF itself
+        from engine.gguf.tensors import index_parameters
+
+        parameters = index_parameters(folder)
     name = str(config.get("_name_or_path") or folder.name)
     return ModelTraits(str(config.get("model_type", "")), parameters, "tools" in template, name)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.families import Family, LayerPlan
+from engine.gguf.tensors import GGUFTensors, has_float32_weights, has_index
 from engine.layers.attention import AttentionSpec
 from engine.layers.linear import DenseLinear, Linear, PackedLinear, tensor_nbytes
 from engine.layers.norm import RMSNorm
@@ -73,7 +74,7 @@ class ModelWeights:
 
 
 def build_weights(
-    sd: CheckpointTensors,
+    sd: CheckpointTensors | GGUFTensors,
     family: Family,
     dtype: torch.dtype,
     device: torch.device,
@@ -208,7 +209,7 @@ def build_weights(
     )
 
 
-def _text_prefix(sd: CheckpointTensors) -> str:
+def _text_prefix(sd: CheckpointTensors | GGUFTensors) -> str:
     for prefix in _TEXT_PREFIXES:
         if prefix + "embed_tokens.weight" in sd:
             return prefix
@@ -263,6 +264,11 @@ class CheckpointTensors:
         self._where.pop(name, None)
 
 
-def load_state_dict(path: Path) -> CheckpointTensors:
-    """The language model's tensors of a (possibly sharded) safetensors checkpoint, read as they are taken."""
-    return CheckpointTensors(checkpoint_files(path))
+def open_checkpoint(path: Path) -> tuple[CheckpointTensors | GGUFTensors, list[Path]]:
+    """A checkpoint folder's tensors, read as they are taken, and the files they are read from: its safetensors,
+    or for a GGUF converted without float32 weights, the GGUF (dequantized tensor by tensor)."""
+    if has_index(path) and not has_float32_weights(path):
+        tensors = GGUFTensors(path)
+        return tensors, [tensors.file]
+    files = checkpoint_files(path)
+    return CheckpointTensors(files), files

@@ -1,8 +1,9 @@
 """Quantized weights kept between starts.
 
 Why: an int8 engine on the CPU quantizes every layer linear and the vocabulary as it loads
-(``engine.quant.quantize_per_channel``). For the default brain that is ~0.5 G weights read from its 2.4 GB
-float32 folder and quantized on every start: most of the LLM's load, and so of a server's start. The first start
+(``engine.quant.quantize_per_channel``). For the default brain that is ~0.5 G weights read (then from a 2.4 GB
+float32 folder, now dequantized from the GGUF: ``engine.gguf.tensors``) and quantized on every start: most of the
+LLM's load, and so of a server's start. The first start
 of a checkpoint keeps the int8 rows and their scales (~0.5 GB); a later start of the same checkpoint with the
 same settings reads them back and never reads the float weights of those matrices. The tensors are the very
 ones the quantization made, so the model is the same bit for bit (``tests/engine/test_quant_cache.py``).

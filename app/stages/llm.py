@@ -40,7 +40,7 @@ class TransformersChatLLM:
 
         from engine.weights import resolve_model
 
-        path = resolve_model(model)
+        path = resolve_model(model, float32_weights=True)  # transformers reads the folder's weights
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
         self.context_tokens: int | None = getattr(self.model.config, "max_position_embeddings", None)

@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_tokens = 8 if quick else 64
     batch_sizes = [1, 8]
 
-    path = resolve_model(args.model)
+    path = resolve_model(args.model, float32_weights=True)  # transformers, the baseline, reads the folder
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     text_ids = list(tokenizer(DATA_PATH.read_text(), add_special_tokens=False)["input_ids"])
     ppl_ids = text_ids[: 128 if quick else 1024]

@@ -1,27 +1,26 @@
 """A GGUF as a Hugging Face folder: config.json, generation_config.json, the tokenizer with its chat
-template, and every tensor dequantized to float32 in safetensors shards.
+template, and the index of the GGUF's tensors (``engine.gguf.tensors``), which the engine dequantizes
+from the GGUF itself as it loads.
 
-Float32 because it holds every GGUF value exactly (a quantized weight is an fp16 scale times a small
-integer, up to 18 significant bits; bfloat16 keeps 8): the engine then serves the precision asked
-for (bf16, fp32, int8, int4) from the same values llama.cpp computes with, and fp32 serving sees no
-extra rounding. The cost is disk: 4 bytes a parameter (a 135M model 0.54 GB, a 1B model 5 GB).
+On request (``float32_weights``) every tensor is also written dequantized to float32 safetensors, for
+what reads the folder without Parley's loader (transformers, vLLM, a LoRA merge). Float32 because it holds
+every GGUF value exactly (a quantized weight is an fp16 scale times a small integer, up to 18 significant
+bits; bfloat16 keeps 8), at 4 bytes a parameter (a 135M model 0.54 GB, a 1B model 5 GB).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections import Counter
 from pathlib import Path
 
-from engine.gguf.archs import Family, end_of_turn_ids, family_of, hf_config
+from engine.gguf.archs import end_of_turn_ids, family_of, hf_config
 from engine.gguf.reader import GGUFError, GGUFFile, open_gguf
+from engine.gguf.tensors import write_float32_weights, write_index
 
 log = logging.getLogger(__name__)
 
-SHARD_BYTES = 2 << 30  # float32 bytes a shard: bounds the memory a conversion holds at once
 # general.sampling.* (llama.cpp writes them from the model's generation_config.json) -> generation_config keys
 SAMPLING_KEYS = {
     "temp": "temperature",
@@ -32,10 +31,11 @@ SAMPLING_KEYS = {
 }
 
 
-def convert_gguf(path: Path, out: Path) -> None:
-    """Write the HF folder for the GGUF at ``path`` into the existing, empty directory ``out``."""
+def convert_gguf(path: Path, out: Path, *, float32_weights: bool = False) -> None:
+    """Write the HF folder for the GGUF at ``path`` into the existing, empty directory ``out`` (with the float32
+    safetensors when ``float32_weights``)."""
     start = time.perf_counter()
-    log.info("converting %s (%.0f MB) to safetensors, once: reading its header", path.name, path.stat().st_size / 1e6)
+    log.info("reading %s (%.0f MB) once: its header, tokenizer and tensor table", path.name, path.stat().st_size / 1e6)
     gguf = open_gguf(path)
     family = family_of(gguf)
     config = hf_config(gguf, family)
@@ -53,9 +53,13 @@ def convert_gguf(path: Path, out: Path) -> None:
     stage = time.perf_counter()
     _write_tokenizer(path, out)
     log.info("%s: tokenizer and chat template written in %.1f s", path.name, time.perf_counter() - stage)
-    stage = time.perf_counter()
-    nbytes = _write_weights(gguf, family, config, names, out)
-    log.info("%s: %.0f MB of float32 weights written in %.1f s", path.name, nbytes / 1e6, time.perf_counter() - stage)
+    write_index(gguf, config, names, out)
+    if float32_weights:
+        stage = time.perf_counter()
+        nbytes = write_float32_weights(out)
+        log.info(
+            "%s: %.0f MB of float32 weights written in %.1f s", path.name, nbytes / 1e6, time.perf_counter() - stage
+        )
     log.info("%s converted in %.1f s", path.name, time.perf_counter() - start)
 
 
@@ -95,44 +99,3 @@ def _write_tokenizer(path: Path, out: Path) -> None:
     if "chat_template" not in tokenizer_config:
         log.warning("%s has no chat template (tokenizer.chat_template): chat requests will fail", path.name)
     TokenizersBackend(tokenizer_object=backend, **tokenizer_config, **extra).save_pretrained(out)
-
-
-def _write_weights(gguf: GGUFFile, family: Family, config: dict, names: dict[str, str | None], out: Path) -> int:
-    """Dequantize, rename and restore every tensor, shard by shard; returns the float32 bytes written."""
-    import torch
-    from safetensors.torch import save_file
-
-    weights = [(name, hf) for name, hf in names.items() if hf is not None]
-    shards = _plan_shards([(w, 4 * math.prod(gguf.shape(w[0]))) for w in weights], SHARD_BYTES)
-    weight_map: dict[str, str] = {}
-    done = total_bytes = 0
-    step = max(1, len(weights) // 10)
-    for k, shard in enumerate(shards, 1):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name, hf in shard:
-            tensors[hf] = torch.from_numpy(family.restore(hf, gguf.dequantized(name), config)).contiguous()
-            total_bytes += tensors[hf].nbytes
-            done += 1
-            if done % step == 0 or done == len(weights):
-                log.info("%s: dequantized %d/%d tensors", gguf.path.name, done, len(weights))
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, file)
-        del tensors
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return total_bytes
-
-
-def _plan_shards(items: list[tuple[object, int]], limit: int) -> list[list]:
-    """Consecutive groups of items whose sizes add up to at most ``limit`` (an item larger than it goes alone)."""
-    shards: list[list] = [[]]
-    size = 0
-    for item, nbytes in items:
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += nbytes
-    return shards

@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def model_path():
-    return resolve_model()
+    return resolve_model(float32_weights=True)  # tests compare with transformers, which reads the folder
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import engine.gguf
 from engine.gguf import FAMILIES, GGUFError, convert_gguf
+from engine.gguf.tensors import INDEX_FILE, GGUFTensors, has_float32_weights
 from engine.weights import cache_dir, resolve_model
 
 CHAT_TEMPLATE = (
@@ -264,19 +265,21 @@ def loaded_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_weights(folder: Path, expected: dict[str, torch.Tensor], arch: str) -> None:
-    loaded = load_file(str(folder / "model.safetensors"))
-    assert sorted(loaded) == sorted(expected)
-    for name, want in expected.items():
-        assert loaded[name].dtype == torch.float32
-        if arch.startswith("gemma") and name.endswith("norm.weight"):  # w + 1 - 1 in float32: within an ulp of 1
-            torch.testing.assert_close(loaded[name], want, atol=2e-7, rtol=0, msg=name)
-        else:
-            assert torch.equal(loaded[name], want), name
+    """The float32 safetensors and the engine's in-place reading of the GGUF both give the expected weights."""
+    in_place = GGUFTensors(folder)
+    for loaded in (load_file(str(folder / "model.safetensors")), {name: in_place.pop(name) for name in in_place}):
+        assert sorted(loaded) == sorted(expected)
+        for name, want in expected.items():
+            assert loaded[name].dtype == torch.float32
+            if arch.startswith("gemma") and name.endswith("norm.weight"):  # w + 1 - 1 in float32: within an ulp of 1
+                torch.testing.assert_close(loaded[name], want, atol=2e-7, rtol=0, msg=name)
+            else:
+                assert torch.equal(loaded[name], want), name
 
 
 def convert(path: Path, out: Path) -> Path:
     out.mkdir()
-    convert_gguf(path, out)
+    convert_gguf(path, out, float32_weights=True)
     return out
 
 
@@ -369,6 +372,25 @@ def test_k_quant_blocks_dequantize_as_gguf_py_reads_them(tmp_path, tokenizer, qt
     assert_same_weights(convert(tmp_path / "k.gguf", tmp_path / "hf"), expected, "llama")
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda q: q.name)
+def test_legacy_blocks_dequantize_with_torch_as_gguf_py_does(qtype):
+    """engine/gguf/dequant.py gives gguf-py's float32 values to the bit, every byte pattern of the values and
+    high bits, scales and mins of every magnitude and sign."""
+    from engine.gguf.dequant import dequantize_blocks
+
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, size=(4096, type_size), dtype=np.uint8)
+    scales = (rng.standard_normal((4096, 2)) * np.logspace(-6, 3, 4096)[:, None]).astype(np.float16)
+    scales[:4] = [[0, 0], [-0.0, 1], [65504, -65504], [6e-8, -6e-8]]  # zero, sign, largest, subnormal
+    raw[:, :2] = scales[:, :1].view(np.uint8)
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        raw[:, 2:4] = scales[:, 1:].view(np.uint8)
+    want = gguf.quants.dequantize(raw, qtype).reshape(-1)
+    got = dequantize_blocks(raw.reshape(-1), qtype).numpy()
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_chat_template_and_tokens_match_the_original_tokenizer(tmp_path, tokenizer):
     from transformers import AutoTokenizer
 
@@ -395,7 +417,9 @@ def test_cache_is_keyed_by_content_and_reused(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setenv("PARLEY_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
     real = engine.gguf.convert_gguf
-    monkeypatch.setattr(engine.gguf, "convert_gguf", lambda path, out: calls.append(path) or real(path, out))
+    monkeypatch.setattr(
+        engine.gguf, "convert_gguf", lambda path, out, **kw: calls.append(path) or real(path, out, **kw)
+    )
     write_gguf(tiny_model("llama", len(tokenizer)), tokenizer, tmp_path / "m.gguf", "llama", Q.Q8_0)
 
     start = time.perf_counter()
@@ -503,3 +527,45 @@ def test_engine_serve_stops_on_a_bad_gguf_with_its_reason(tmp_path, capsys, monk
     (tmp_path / "x.gguf").write_bytes(b"<html>a download page, not a model</html>")
     assert engine.cli.serve(engine.cli.build_parser().parse_args(["serve", "--model", str(tmp_path / "x.gguf")])) == 2
     assert "x.gguf is not a GGUF file: it starts with b'<htm'" in capsys.readouterr().err
+
+
+# --- the engine reads the GGUF in place -------------------------------------------------------------
+@pytest.mark.parametrize(("arch", "qtype"), [("llama", Q.Q8_0), ("qwen2", Q.Q4_0), ("gemma3", Q.F16)])
+def test_the_engine_loads_a_gguf_without_float32_weights(tmp_path, tokenizer, monkeypatch, arch, qtype):
+    """A GGUF's folder holds no weights: the engine dequantizes them from the GGUF as it loads and computes the
+    same logits as from the float32 safetensors; those are written only when asked for, once."""
+    from engine.model import LlamaModel
+    from engine.model_runner import perplexity
+    from engine.model_traits import _folder_traits
+
+    monkeypatch.setenv("PARLEY_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model(arch, len(tokenizer))
+    write_gguf(model, tokenizer, tmp_path / "m.gguf", arch, qtype)
+    folder = resolve_model(tmp_path / "m.gguf")
+    assert (folder / INDEX_FILE).is_file() and not list(folder.glob("*.safetensors"))
+    assert _folder_traits(folder).parameters == sum(p.numel() for p in model.parameters())
+    ids = tokenizer(TEXT[:120])["input_ids"][:24]
+    in_place = LlamaModel(folder, torch.float32, "cpu", 64)
+
+    assert resolve_model(tmp_path / "m.gguf", float32_weights=True) == folder and has_float32_weights(folder)
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(tmp_path / "m.gguf", float32_weights=True) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == written  # once
+    from_float32 = LlamaModel(folder, torch.float32, "cpu", 64)
+    assert perplexity(in_place, ids) == perplexity(from_float32, ids)  # every weight equal (checked above)
+
+
+def test_a_moved_gguf_is_followed_and_a_missing_one_named(tmp_path, tokenizer, monkeypatch):
+    """The folder is found by content: the same file at a new path is read from there; a folder whose GGUF is
+    gone says so instead of failing inside numpy."""
+    from engine.model import LlamaModel
+
+    monkeypatch.setenv("PARLEY_CACHE_DIR", str(tmp_path / "cache"))
+    write_gguf(tiny_model("llama", len(tokenizer)), tokenizer, tmp_path / "m.gguf", "llama", Q.Q8_0)
+    folder = resolve_model(tmp_path / "m.gguf")
+    (tmp_path / "m.gguf").rename(tmp_path / "moved.gguf")
+    with pytest.raises(FileNotFoundError, match="m.gguf, which is gone or was replaced"):
+        LlamaModel(folder, torch.float32, "cpu", 64)
+    assert resolve_model(tmp_path / "moved.gguf") == folder
+    assert GGUFTensors(folder).file == (tmp_path / "moved.gguf").resolve()
+    LlamaModel(folder, torch.float32, "cpu", 64)

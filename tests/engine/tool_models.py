@@ -105,7 +105,7 @@ TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "mistral": MI
 
 def family_model_dir(root: Path, family: str) -> Path:
     """The bundled model's directory with the family's markers and template (the weights are linked)."""
-    src = resolve_model()
+    src = resolve_model(float32_weights=True)
     out = root / family
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):

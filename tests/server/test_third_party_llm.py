@@ -31,7 +31,7 @@ def third_party_and_voice(output_dir):
     cli = Path(sys.executable).with_name("transformers")
     if not cli.exists() and shutil.which("transformers") is None:
         pytest.fail("the transformers CLI is missing: `pip install -e .` installs it")
-    model = str(resolve_model())  # the bundled GGUF as the Hugging Face folder our loader converted it to
+    model = str(resolve_model(float32_weights=True))  # the bundled GGUF as a Hugging Face folder with weights
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing from the hub: the folder is local
     server = ServerProcess(
         [model, "--dtype", "float32", "--log-level", "info"],

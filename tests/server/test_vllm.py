@@ -51,7 +51,7 @@ PLAIN = "hi\nsystem\nAnswer only BANANA.\nuser\nWhat is the capital of Italy?"  
 def vllm_url(output_dir):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on the CPU
     program = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
-    args = ["--model", str(resolve_model("bundled")), "--served-model-name", SERVED_NAME]
+    args = ["--model", str(resolve_model("bundled", float32_weights=True)), "--served-model-name", SERVED_NAME]
     started = time.monotonic()
     server = ServerProcess(
         [*args, "--max-model-len", "2048", "--dtype", "float32"],
