@@ -21,11 +21,12 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/parley serve --host $(HOST) --port $(PORT)
 
-# Debian packages the tests need: a real browser and PortAudio (installed only when missing).
+# Debian packages the tests need: a real browser, PortAudio, nginx for `parley scale` (installed only when missing).
 system-deps:
-	@if ! command -v chromium >/dev/null || ! command -v espeak-ng >/dev/null || ! ldconfig -p | grep -q libportaudio.so.2; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium libportaudio2 espeak-ng; \
-	  else sudo apt-get update -q && sudo apt-get install -y -q chromium libportaudio2 espeak-ng; fi; \
+	@if ! command -v chromium >/dev/null || ! command -v espeak-ng >/dev/null || ! ldconfig -p | grep -q libportaudio.so.2 \
+	  || ! { [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null; }; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium libportaudio2 espeak-ng nginx; \
+	  else sudo apt-get update -q && sudo apt-get install -y -q chromium libportaudio2 espeak-ng nginx; fi; \
 	fi
 
 # The tests without models first, on two processes (they are mostly waiting: fake clocks, loopback sockets), then

@@ -125,6 +125,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor_main(args.rest)
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from app.scale.cli import main as scale_main
+
+    return scale_main(args.rest)
+
+
 def _mic(args: argparse.Namespace) -> int:
     from app.clients.mic import main as mic_main
 
@@ -150,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["engine", "voice", "load", "quality", "turn-end", "wyoming"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
+
+    scale = commands.add_parser(
+        "scale",
+        help="the scale-out topology on this machine (LLM server, voice servers, nginx): `parley scale up|down|status`",
+        prefix_chars="+",  # every "--flag" is left to app.scale.cli's own parser
+    )
+    scale.add_argument("rest", nargs=argparse.REMAINDER)
+    scale.set_defaults(func=_scale)
 
     # prefix_chars="+": every "--flag" is left to app.clients.mic's own parser (REMAINDER alone stops at a leading option)
     mic = commands.add_parser("mic", help="talk to a server from this computer: `parley mic --help`", prefix_chars="+")

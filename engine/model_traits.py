@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from engine.gguf.index import has_index, index_parameters
 from engine.weights import BUNDLED_MODEL, known_model_file
 
 GGUF_MAGIC = b"GGUF"
@@ -111,9 +112,7 @@ def _folder_traits(folder: Path) -> ModelTraits:
     if (folder / "chat_template.jinja").is_file():
         template += (folder / "chat_template.jinja").read_text()
     parameters = sum(_safetensors_parameters(p) for p in folder.glob("*.safetensors"))
-    if not parameters and (folder / "gguf_tensors.json").is_file():  # a GGUF's folder reading the GGUF itself
-        from engine.gguf.tensors import index_parameters
-
+    if not parameters and has_index(folder):  # a GGUF's folder reading the GGUF itself
         parameters = index_parameters(folder)
     name = str(config.get("_name_or_path") or folder.name)
     return ModelTraits(str(config.get("model_type", "")), parameters, "tools" in template, name)

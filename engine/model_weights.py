@@ -13,16 +13,20 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.families import Family, LayerPlan
-from engine.gguf.tensors import GGUFTensors, has_float32_weights, has_index
+from engine.gguf.index import has_float32_weights, has_index
 from engine.layers.attention import AttentionSpec
 from engine.layers.linear import DenseLinear, Linear, PackedLinear, tensor_nbytes
 from engine.layers.norm import RMSNorm
 from engine.quant import Int8Embedding, QuantMethod, quantize_per_channel
 from engine.quant_cache import QuantCache
+
+if TYPE_CHECKING:
+    from engine.gguf.tensors import GGUFTensors
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +272,8 @@ def open_checkpoint(path: Path) -> tuple[CheckpointTensors | GGUFTensors, list[P
     """A checkpoint folder's tensors, read as they are taken, and the files they are read from: its safetensors,
     or for a GGUF converted without float32 weights, the GGUF (dequantized tensor by tensor)."""
     if has_index(path) and not has_float32_weights(path):
+        from engine.gguf.tensors import GGUFTensors  # gguf-py only where a GGUF is read
+
         tensors = GGUFTensors(path)
         return tensors, [tensors.file]
     files = checkpoint_files(path)

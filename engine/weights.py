@@ -163,7 +163,8 @@ def converted_gguf(gguf: Path, *, float32_weights: bool = False) -> Path:
     The folder reads its tensors from the GGUF (``engine.gguf.tensors``); ``float32_weights`` also
     writes them as float32 safetensors, once, for what loads the folder without Parley's engine.
     """
-    from engine.gguf.tensors import has_float32_weights, has_index, point_index_at, write_float32_weights
+    from engine.gguf.index import has_float32_weights, has_index, point_index_at
+    from engine.gguf.tensors import write_float32_weights
 
     digest = content_digest(gguf)
     models = cache_dir() / "models"

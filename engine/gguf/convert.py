@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.gguf.archs import end_of_turn_ids, family_of, hf_config
 from engine.gguf.reader import GGUFError, GGUFFile, open_gguf
-from engine.gguf.tensors import write_float32_weights, write_index
+from engine.gguf.tensors import index_gguf, write_float32_weights
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def convert_gguf(path: Path, out: Path, *, float32_weights: bool = False) -> Non
     stage = time.perf_counter()
     _write_tokenizer(path, out)
     log.info("%s: tokenizer and chat template written in %.1f s", path.name, time.perf_counter() - stage)
-    write_index(gguf, config, names, out)
+    index_gguf(gguf, config, names, out)
     if float32_weights:
         stage = time.perf_counter()
         nbytes = write_float32_weights(out)

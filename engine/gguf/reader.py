@@ -15,12 +15,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
+from engine.gguf import dequant
+from engine.gguf.index import GGUFError
+
 GGUF_MAGIC = b"GGUF"
 _MISSING = object()
-
-
-class GGUFError(ValueError):
-    """A .gguf Parley cannot load, and why."""
 
 
 class _CheckedReader(GGUFReader):
@@ -90,8 +89,6 @@ class GGUFFile:
 
 def dequantize_raw(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
     """A tensor's bytes (uint8, as stored) as a writable float32 array in torch order ``shape``."""
-    from engine.gguf import dequant
-
     block, type_size = GGML_QUANT_SIZES[qtype]
     if dequant.handles(qtype):  # the legacy block types, on every core
         return dequant.dequantize_blocks(raw, qtype).numpy().reshape(shape)

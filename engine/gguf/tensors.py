@@ -14,7 +14,6 @@ on request (``write_float32_weights``) for what reads the folder itself: transfo
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -25,18 +24,17 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.gguf.reader import GGUFError, GGUFFile, dequantize_raw
+from engine.gguf.index import gguf_of, read_index, write_index, write_json
+from engine.gguf.reader import GGUFFile, dequantize_raw
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "gguf_tensors.json"
-INDEX_VERSION = 1
 SHARD_BYTES = 2 << 30  # float32 bytes a shard: bounds the memory a float32 write holds at once
 # the config fields Family.restore reads
 _RESTORE_CONFIG = ("num_attention_heads", "num_key_value_heads")
 
 
-def write_index(gguf: GGUFFile, config: dict, names: dict[str, str | None], out: Path) -> None:
+def index_gguf(gguf: GGUFFile, config: dict, names: dict[str, str | None], out: Path) -> None:
     """Record where each weight of ``gguf`` lies (``names``: GGUF name -> HF name, None for config tensors)."""
     tensors = {}
     for name, hf in names.items():
@@ -50,44 +48,13 @@ def write_index(gguf: GGUFFile, config: dict, names: dict[str, str | None], out:
             "shape": list(gguf.shape(name)),
         }
     index = {
-        "version": INDEX_VERSION,
         "gguf": str(gguf.path.resolve()),
         "size": gguf.path.stat().st_size,
         "arch": gguf.arch,
         "restore": {k: config[k] for k in _RESTORE_CONFIG},
         "tensors": tensors,
     }
-    _write_json(out / INDEX_FILE, index)
-
-
-def has_index(folder: Path) -> bool:
-    return (folder / INDEX_FILE).is_file()
-
-
-def point_index_at(folder: Path, gguf: Path) -> None:
-    """Record that the folder's GGUF now lives at ``gguf`` (the same content found under another path)."""
-    index = _read_index(folder)
-    resolved = str(gguf.resolve())
-    if index["gguf"] != resolved:
-        index["gguf"] = resolved
-        _write_json(folder / INDEX_FILE, index)
-
-
-def index_parameters(folder: Path) -> int:
-    """How many parameters the indexed tensors hold."""
-    return sum(math.prod(t["shape"]) for t in _read_index(folder)["tensors"].values())
-
-
-def gguf_of(folder: Path) -> Path:
-    """The GGUF file a converted folder reads its tensors from (checked to be there, with its size)."""
-    index = _read_index(folder)
-    path = Path(index["gguf"])
-    if not path.is_file() or path.stat().st_size != index["size"]:
-        raise FileNotFoundError(
-            f"{folder} reads its weights from {path}, which is gone or was replaced: load the .gguf file itself "
-            "(it is converted again, in seconds)"
-        )
-    return path
+    write_index(out, index)
 
 
 class GGUFTensors:
@@ -97,7 +64,7 @@ class GGUFTensors:
     def __init__(self, folder: Path) -> None:
         from engine.gguf.archs import FAMILIES
 
-        index = _read_index(folder)
+        index = read_index(folder)
         self.file = gguf_of(folder)
         self._family = FAMILIES[index["arch"]]
         self._config = index["restore"]
@@ -124,12 +91,6 @@ class GGUFTensors:
 
     def discard(self, name: str) -> None:
         self._where.pop(name, None)
-
-
-def has_float32_weights(folder: Path) -> bool:
-    """Whether a converted folder holds its float32 safetensors whole (written single, or sharded with the
-    shard index last)."""
-    return (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
 
 
 def write_float32_weights(folder: Path) -> int:
@@ -166,7 +127,7 @@ def write_float32_weights(folder: Path) -> int:
         weight_map |= dict.fromkeys(shard_tensors, file)
         del shard_tensors
     if len(shards) > 1:
-        _write_json(
+        write_json(
             folder / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         )
     return total_bytes
@@ -183,21 +144,3 @@ def _plan_shards(items: list[tuple[object, int]], limit: int) -> list[list]:
         shards[-1].append(item)
         size += nbytes
     return shards
-
-
-def _read_index(folder: Path) -> dict:
-    try:
-        index = json.loads((folder / INDEX_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise GGUFError(f"{folder / INDEX_FILE}: unreadable ({e})") from e
-    if index.get("version") != INDEX_VERSION:
-        raise GGUFError(f"{folder / INDEX_FILE}: index version {index.get('version')}, expected {INDEX_VERSION}")
-    return index
-
-
-def _write_json(path: Path, value: dict) -> None:
-    """Write atomically: a reader sees the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(tmp, path)

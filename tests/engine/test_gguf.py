@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 import engine.gguf
 from engine.gguf import FAMILIES, GGUFError, convert_gguf
-from engine.gguf.tensors import INDEX_FILE, GGUFTensors, has_float32_weights
+from engine.gguf.index import INDEX_FILE, has_float32_weights
+from engine.gguf.tensors import GGUFTensors
 from engine.weights import cache_dir, resolve_model
 
 CHAT_TEMPLATE = (

@@ -14,6 +14,8 @@ app.voice         the base, and of the stages and skills only their interfaces (
                   app.skills.base): the server hands a session its models and its skills
 app.server        anything but clients and benchmarks
 app.clients       the base only
+app.scale         the base, and of the engine only where models live and its settings (engine.weights,
+                  engine.config): it runs the servers as processes, never their code
 benchmarks        (app.bench, engine.benchmarks) are imported by no product module; the one
                   exception is the ``parley`` command, which dispatches to them lazily
 no cycles         no two modules import each other, however indirectly, lazy imports included:
@@ -120,6 +122,8 @@ def allowed(importer: str, imported: str, module_level: bool) -> bool:
         return within(imported, *BASE, "app.voice", "app.stages.base", "app.skills.base")
     if within(importer, "app.clients"):
         return within(imported, *BASE, "app.clients")
+    if within(importer, "app.scale"):
+        return within(imported, *BASE, "app.scale", "engine.weights", "engine.config")
     if within(importer, "app.server"):
         return not within(imported, "app.clients", "app.cli")
     return True  # app.cli and the benchmarks may use any product module
