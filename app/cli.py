@@ -110,6 +110,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.quality import main as bench_quality
 
         return bench_quality(args.rest)
+    if args.what == "soak":
+        from app.bench.soak import main as bench_soak
+
+        return bench_soak(args.rest)
     if args.what == "wyoming":
         from app.bench.wyoming import main as bench_wyoming
 
@@ -151,9 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_engine)
 
     bench = commands.add_parser(
-        "bench", help="benchmarks: `parley bench engine|voice|load|quality|turn-end|wyoming --help`"
+        "bench", help="benchmarks: `parley bench engine|voice|load|soak|quality|turn-end|wyoming --help`"
     )
-    bench.add_argument("what", choices=["engine", "voice", "load", "quality", "turn-end", "wyoming"])
+    bench.add_argument("what", choices=["engine", "voice", "load", "soak", "quality", "turn-end", "wyoming"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 

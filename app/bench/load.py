@@ -48,8 +48,14 @@ class User:
     underruns: int = 0
     underrun_s: float = 0.0  # the silence those underruns left mid-reply
     answered_at: list[float] = field(default_factory=list)  # seconds into the ramp, one per turn
+    # the LLM's share of each turn: its request to the first spoken piece (the server's own figure)
+    llm_first_piece_ms: list[float] = field(default_factory=list)
 
-    def record(self, at_s: float, voice_to_voice_ms: float, rtf: float | None) -> None:
+    def record(
+        self, at_s: float, voice_to_voice_ms: float, rtf: float | None, llm_first_piece_ms: float | None = None
+    ) -> None:
+        if llm_first_piece_ms is not None:
+            self.llm_first_piece_ms.append(llm_first_piece_ms)
         self.turns += 1
         self.answered_at.append(at_s)
         self.voice_to_voice_ms.append(voice_to_voice_ms)
@@ -87,7 +93,12 @@ async def converse(
                 if error is not None or done is None or result.voice_to_voice_ms is None:
                     user.failed.append(f"turn {turn}: {error.message if error else 'no reply audio'}")
                     continue
-                user.record(time.monotonic() - began, result.voice_to_voice_ms, done.metrics.rtf)
+                user.record(
+                    time.monotonic() - began,
+                    result.voice_to_voice_ms,
+                    done.metrics.rtf,
+                    done.metrics.llm_first_piece_ms,
+                )
                 gaps = result.underrun_gaps
                 user.underruns += len(gaps)
                 user.underrun_s += sum(gaps)
@@ -179,6 +190,7 @@ def summarize(users: list[User], threshold_ms: float) -> dict:
     admitted = [u for u in users if u.refused is None]
     v2v = [value for u in admitted for value in u.voice_to_voice_ms]
     rtf = [value for u in admitted for value in u.rtf]
+    llm = [value for u in admitted for value in u.llm_first_piece_ms]
     by_level = levels(users, threshold_ms)
     return {
         "users_tried": len(users),
@@ -193,6 +205,8 @@ def summarize(users: list[User], threshold_ms: float) -> dict:
         "turns": sum(u.turns for u in admitted),
         "voice_to_voice_ms_p50": percentile(v2v, 50),
         "voice_to_voice_ms_p95": percentile(v2v, 95),
+        "llm_first_piece_ms_p50": percentile(llm, 50),
+        "llm_first_piece_ms_p95": percentile(llm, 95),
         "rtf_min": min(rtf) if rtf else None,
         "underruns": sum(u.underruns for u in admitted),
         "underrun_s": sum(u.underrun_s for u in admitted),
@@ -254,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"voice-to-voice p50 {summary['voice_to_voice_ms_p50'] or 0:.0f} ms, p95 {summary['voice_to_voice_ms_p95'] or 0:.0f} ms; "
         f"RTF min {summary['rtf_min'] or 0:.2f}; underruns {summary['underruns']} ({summary['underrun_s']:.2f} s of silence)"
+    )
+    print(
+        f"the LLM's share (its request to the first spoken piece): p50 {summary['llm_first_piece_ms_p50'] or 0:.0f} ms,"
+        f" p95 {summary['llm_first_piece_ms_p95'] or 0:.0f} ms"
     )
     for level in summary["levels"]:
         p95, rtf = level["voice_to_voice_ms_p95"], level["rtf_min"]

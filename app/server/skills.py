@@ -47,15 +47,23 @@ class ServerSkills:
     async def warm_first_prompt(self, llm: ChatLLM, settings: Settings) -> None:
         """Prefill the prompt every conversation starts with (the system prompt and the tools: ~900 tokens for the
         default brain, 6 s of a first turn when cold; with four users starting at once, 8 s) into the LLM's prefix
-        cache, once, so no first turn waits for it."""
+        cache, once, so no first turn waits for it. A remote server (``OpenAIChatLLM``) is asked for one token after
+        that prompt: its prefix cache then holds it, and its own first-call costs are paid here (a cold
+        ``parley engine serve`` took over ``llm_wait_s`` on the default brain's first turn, which failed)."""
+        from app.stages.llm import OpenAIChatLLM
+
         scheduling = scheduling_of(llm)
-        if scheduling is None:
+        if scheduling is not None:
+            warm = scheduling.warm
+        elif isinstance(llm, OpenAIChatLLM):
+            warm = llm.warm_prefix
+        else:
             return
         owner = SkillOwner("warm-up", lambda kind, text: None)
         tools = SessionTools((), load_server_tools(settings.tool_entry_point) + self.skills.tools(owner))
         system = {"role": "system", "content": dated(settings.system_prompt, datetime.date.today())}
         try:
-            await scheduling.warm([system], tools=tools.spec([]))
+            await warm([system], tools=tools.spec([]))
         except Exception:  # a warm-up that fails costs only its own time
             log.exception("the first prompt was not prefilled")
 

@@ -332,3 +332,20 @@ async def test_a_warm_up_with_the_tools_is_the_start_of_the_reply_s_prompt(engin
     await collect(engine_llm.stream(ReplyRequest(asked, "after-warm", SHORT, tools=spec)))
     full_blocks = len(warm_ids) // engine.config.block_size * engine.config.block_size
     assert full_blocks and engine.kv.prefix_hit_tokens - hits_before >= full_blocks
+
+
+async def test_the_server_start_warms_a_remote_llm_with_the_first_prompt(tmp_path):
+    """A remote server is asked for one token after the prompt every conversation starts with (the system prompt
+    and the skills' tools), so its prefix cache holds it and its first-call costs are not a user's: a cold
+    `parley engine serve` made the topology's first spoken turn fail."""
+    from app.config import Settings
+    from app.server.skills import ServerSkills
+
+    llm, bodies = remote(sse(delta(content="Hi")))
+    settings = Settings(data_dir=str(tmp_path))
+    skills = ServerSkills(settings)
+    await skills.warm_first_prompt(llm, settings)
+    (body,) = bodies
+    assert body["max_tokens"] == 1 and [m["role"] for m in body["messages"]] == ["system"]
+    assert body["tool_choice"] == "auto" and {t["function"]["name"] for t in body["tools"]} >= {"set_timer"}
+    await skills.stop()
