@@ -142,6 +142,10 @@ async def test_conversations_spread_and_a_dead_voice_server_loses_only_its_own(t
     url, run_dir, _ = topology
     ws = url.replace("http://", "ws://") + "/ws"
     voice_urls = [_process(run_dir, f"voice-{i}")["url"] for i in (1, 2)]
+    deadline = time.monotonic() + 30
+    while any(_sessions(u) for u in voice_urls):  # the earlier tests' sessions are gone
+        assert time.monotonic() < deadline, [_sessions(u) for u in voice_urls]
+        await asyncio.sleep(0.2)
     first = await open_connection(ws)
     second = None
     try:
