@@ -152,12 +152,29 @@ class OpenAIChatLLM:
         self._health: tuple[float, tuple[bool, str]] | None = None
         self._extensions_refused = False
         self._auto_tools_refused = False
+        self._card: dict | None = None  # the served model's /models entry, once asked
 
     async def _model_name(self) -> str:
-        if self.model is None:
-            response = await self._client.get(self.base_url + "/models")
-            response.raise_for_status()
-            self.model = response.json()["data"][0]["id"]
+        """The served model's id (``model``, else the server's first), asked once with its context length: vLLM's
+        and ``parley engine serve``'s ``/models`` cards give ``max_model_len``, which then bounds the prompt
+        (``context_tokens``). A server without ``/models`` is fine when the model is named."""
+        if self._card is None:
+            try:
+                response = await self._client.get(self.base_url + "/models")
+                response.raise_for_status()
+                cards = response.json().get("data") or []
+            except Exception:
+                if self.model is None:
+                    raise
+                cards = []
+            card = next((c for c in cards if c.get("id") == self.model), cards[0] if cards else {})
+            self._card = card
+            if self.model is None:
+                self.model = card["id"]
+            limit = card.get("max_model_len")
+            if isinstance(limit, int) and limit > 0:
+                self.context_tokens = limit
+                log.info("%s serves %s with a context of %d tokens", self.base_url, self.model, limit)
         return self.model
 
     def count_tokens(self, messages: list[Message]) -> None:

@@ -349,3 +349,34 @@ async def test_the_server_start_warms_a_remote_llm_with_the_first_prompt(tmp_pat
     assert body["max_tokens"] == 1 and [m["role"] for m in body["messages"]] == ["system"]
     assert body["tool_choice"] == "auto" and {t["function"]["name"] for t in body["tools"]} >= {"set_timer"}
     await skills.stop()
+
+
+async def test_the_remote_backend_takes_the_servers_context_length():
+    """vLLM and `parley engine serve` give ``max_model_len`` on ``/models``: the prompt is then fitted to it."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            cards = [{"id": "other", "max_model_len": 99}, {"id": "served", "max_model_len": 2048}]
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        return httpx.Response(200, content=sse(delta(content="Hi.")), headers={"content-type": "text/event-stream"})
+
+    llm = OpenAIChatLLM("http://llm.test", model="served")
+    llm._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    assert llm.context_tokens is None
+    assert await collect(llm.stream(ReplyRequest([{"role": "user", "content": "Hello"}], "r1"))) == ["Hi."]
+    assert llm.context_tokens == 2048
+
+    silent = OpenAIChatLLM("http://llm.test", model="served")  # a server without /models: the named model goes on
+    silent._client = httpx.AsyncClient(
+        transport=httpx.MockTransport(
+            lambda r: (
+                httpx.Response(404)
+                if r.url.path.endswith("/models")
+                else httpx.Response(
+                    200, content=sse(delta(content="Hi.")), headers={"content-type": "text/event-stream"}
+                )
+            )
+        )
+    )
+    assert await collect(silent.stream(ReplyRequest([{"role": "user", "content": "Hello"}], "r2"))) == ["Hi."]
+    assert silent.context_tokens is None
