@@ -134,7 +134,8 @@ class OpenAIChatLLM:
     OpenAI's are sent until the server refuses one by name; from then on only OpenAI's are (logged once). A server
     that refuses ``tool_choice: "auto"`` (vLLM started without ``--enable-auto-tool-choice``: every turn with the
     skills on failed) gets the request again without tools, and so do its later "auto" requests (logged once,
-    with the flags to start it with); "required" and named calls are still sent.
+    with the flags to start it with); "required" and named calls are still sent. What was learnt so is forgotten
+    when the server cannot be reached (a restart may bring other flags or another model).
     """
 
     name = "openai"
@@ -203,6 +204,8 @@ class OpenAIChatLLM:
 
     async def _deltas(self, request: ReplyRequest, extra: dict) -> AsyncIterator[dict]:
         """The ``delta`` of each streamed choice (``extra``: more request fields); an error answer raises."""
+        import httpx
+
         sampling = request.sampling.sampling()
         if self._extensions_refused:
             sampling = {name: value for name, value in sampling.items() if name in OPENAI_SAMPLING_FIELDS}
@@ -218,23 +221,27 @@ class OpenAIChatLLM:
             **sampling,
             **extra,
         }
-        async with self._client.stream(
-            "POST", self.base_url + "/chat/completions", json=body, headers={"X-Request-Id": request.request_id}
-        ) as response:
-            if response.status_code == 200:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise RuntimeError(f"LLM server error: {chunk['error']}")
-                    for choice in chunk.get("choices", []):
-                        yield choice.get("delta") or {}
-                return
-            detail = (await response.aread()).decode(errors="replace")[:300]
+        try:
+            async with self._client.stream(
+                "POST", self.base_url + "/chat/completions", json=body, headers={"X-Request-Id": request.request_id}
+            ) as response:
+                if response.status_code == 200:
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            return
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            raise RuntimeError(f"LLM server error: {chunk['error']}")
+                        for choice in chunk.get("choices", []):
+                            yield choice.get("delta") or {}
+                    return
+                detail = (await response.aread()).decode(errors="replace")[:300]
+        except httpx.TransportError:
+            self._forget_server()  # what answers next may be another server, or this one started with other flags
+            raise
         lowered = detail.lower()
         if (
             response.status_code == 400
@@ -243,8 +250,8 @@ class OpenAIChatLLM:
             and "choice" in lowered
         ):
             log.warning(
-                "%s refused tools with tool_choice auto (%s): replies go without tools from now on; for tools, start "
-                "vLLM with --enable-auto-tool-choice --tool-call-parser <the model's: hermes for Qwen>",
+                "%s refused tools with tool_choice auto (%s): replies go without tools until it restarts; for tools, "
+                "start vLLM with --enable-auto-tool-choice --tool-call-parser <the model's: hermes for Qwen>",
                 self.base_url,
                 detail[:120],
             )
@@ -262,6 +269,14 @@ class OpenAIChatLLM:
 
     def abort(self, request_id: str) -> None:
         pass  # closing the stream (the session does) is the abort
+
+    def _forget_server(self) -> None:
+        """Drop what was learnt of the server (its model card and context, the fields and tool choice it refused):
+        it was unreachable, and the one that answers next is asked afresh."""
+        self._card = None
+        self.context_tokens = None
+        self._auto_tools_refused = False
+        self._extensions_refused = False
 
     async def warm_prefix(self, messages: list[Message], tools: ToolSpec | None = None) -> None:
         """Ask the server for one token after ``messages`` (rendered with ``tools``), so that a server with a prefix

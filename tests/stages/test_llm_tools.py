@@ -380,3 +380,37 @@ async def test_the_remote_backend_takes_the_servers_context_length():
     )
     assert await collect(silent.stream(ReplyRequest([{"role": "user", "content": "Hello"}], "r2"))) == ["Hi."]
     assert silent.context_tokens is None
+
+
+async def test_a_server_that_went_away_is_asked_afresh():
+    """What the backend learnt of a server (its refusal of tool_choice auto, its context) is dropped once it cannot
+    be reached: vLLM restarted with --enable-auto-tool-choice gets tools again without restarting the voice
+    server."""
+    bodies: list[dict] = []
+    state = {"auto_refused": True, "down": False}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if state["down"]:
+            raise httpx.ConnectError("connection refused")
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "served", "max_model_len": 4096}]})
+        body = json.loads(request.content)
+        bodies.append(body)
+        if body.get("tool_choice") == "auto" and state["auto_refused"]:
+            refusal = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+            return httpx.Response(400, json={"error": {"message": refusal}})
+        return httpx.Response(200, content=sse(delta(content="Hi.")), headers={"content-type": "text/event-stream"})
+
+    llm = OpenAIChatLLM("http://llm.test", model="served")
+    llm._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    auto = ToolSpec((WEATHER,), "auto")
+    ask = [{"role": "user", "content": "Hello"}]
+    assert await collect(llm.stream(ReplyRequest(ask, "r1", tools=auto))) == ["Hi."]
+    assert llm.context_tokens == 4096 and "tools" not in bodies[-1]
+    state["down"] = True
+    with pytest.raises(httpx.ConnectError):
+        await collect(llm.stream(ReplyRequest(ask, "r2", tools=auto)))
+    assert llm.context_tokens is None
+    state.update(down=False, auto_refused=False)  # back, started with the flags
+    assert await collect(llm.stream(ReplyRequest(ask, "r3", tools=auto))) == ["Hi."]
+    assert bodies[-1]["tool_choice"] == "auto" and "tools" in bodies[-1]
