@@ -190,6 +190,41 @@ async def test_conversations_spread_and_a_dead_voice_server_loses_only_its_own(t
         pytest.fail(f"{victim['name']} was not started again: {_state(run_dir)}")
 
 
+async def test_the_llm_server_dies_the_conversation_hears_so_and_goes_on_once_it_is_back(topology):
+    """The LLM server (Parley's engine, or vLLM itself) killed mid-conversation: the next turn gets a typed
+    ``llm_unavailable`` within a bounded time, the session stays open, ``/healthz`` through nginx names the LLM as
+    degraded; the supervisor starts the server again and the same conversation's next turn is answered."""
+    url, run_dir, _ = topology
+    name = "vllm" if os.environ.get("PARLEY_VLLM_PYTHON") else "llm"
+    victim = _process(run_dir, name)
+    connection = await open_connection(url.replace("http://", "ws://") + "/ws")
+    try:
+        os.kill(victim["pid"], signal.SIGKILL)
+        started = time.monotonic()
+        await connection.send_text("What is the capital of Spain?")
+        while not isinstance(item := await connection.recv(timeout_s=60), protocol.Error):
+            pass
+        assert item.code == "llm_unavailable" and time.monotonic() - started < 30, item
+        for _ in range(40):  # each voice server asks its LLM at most every few seconds
+            health = httpx.get(url + "/healthz", timeout=10)
+            if health.status_code == 503:
+                break
+            await asyncio.sleep(0.5)
+        assert health.status_code == 503 and health.json()["degraded"] == ["llm"], health.text
+
+        deadline = time.monotonic() + 600  # vLLM's CPU build takes minutes to start
+        while httpx.get(url + "/healthz", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, _state(run_dir)
+            await asyncio.sleep(1)
+        assert _process(run_dir, name)["restarts"] == 1
+        await connection.send_text("What is the capital of Italy?")
+        while not isinstance(done := await connection.recv(timeout_s=180), protocol.TurnDone):
+            pass
+        assert words(done.text) and not done.interrupted
+    finally:
+        await connection.close()
+
+
 def test_down_stops_everything(topology):
     url, run_dir, up = topology
     pids = [p["pid"] for p in _state(run_dir)["processes"]]
