@@ -10,6 +10,7 @@ resources.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -24,6 +25,7 @@ from app.stages.llm_engine import EngineChatLLM
 log = logging.getLogger(__name__)
 
 HEALTH_TTL_S = 5.0
+REWARM_POLL_S = 2.0  # how often a lost remote server is asked whether it is back
 
 __all__ = ["ChatLLM", "EngineChatLLM", "GenerationSettings", "Message", "OpenAIChatLLM", "TransformersChatLLM"]
 
@@ -135,7 +137,8 @@ class OpenAIChatLLM:
     that refuses ``tool_choice: "auto"`` (vLLM started without ``--enable-auto-tool-choice``: every turn with the
     skills on failed) gets the request again without tools, and so do its later "auto" requests (logged once,
     with the flags to start it with); "required" and named calls are still sent. What was learnt so is forgotten
-    when the server cannot be reached (a restart may bring other flags or another model).
+    when the server cannot be reached (a restart may bring other flags or another model), and the prompt warmed
+    at start (``warm_prefix``) is warmed again as soon as it answers.
     """
 
     name = "openai"
@@ -154,6 +157,8 @@ class OpenAIChatLLM:
         self._extensions_refused = False
         self._auto_tools_refused = False
         self._card: dict | None = None  # the served model's /models entry, once asked
+        self._warm_prompt: tuple[list[Message], ToolSpec | None] | None = None  # warm_prefix's, warmed again later
+        self._rewarm: asyncio.Task | None = None  # waiting for a lost server to come back, to warm it
 
     async def _model_name(self) -> str:
         """The served model's id (``model``, else the server's first), asked once with its context length: vLLM's
@@ -277,15 +282,35 @@ class OpenAIChatLLM:
         self.context_tokens = None
         self._auto_tools_refused = False
         self._extensions_refused = False
+        if self._warm_prompt is not None and (self._rewarm is None or self._rewarm.done()):
+            with contextlib.suppress(RuntimeError):  # (no running loop: nothing to warm later)
+                self._rewarm = asyncio.get_running_loop().create_task(self._warm_when_back())
 
     async def warm_prefix(self, messages: list[Message], tools: ToolSpec | None = None) -> None:
         """Ask the server for one token after ``messages`` (rendered with ``tools``), so that a server with a prefix
         cache (vLLM, ``parley engine serve``) holds their KV when the first conversation's prompt starts with them;
         the first request also pays the server's own first-call costs, here rather than in a user's turn. The
         request waits as long as the server takes (a cold 0.5B prefill of ~900 tokens was >10 s on two cores)."""
+        self._warm_prompt = (messages, tools)
         request = ReplyRequest(messages, f"warm-{uuid.uuid4().hex}", GenerationSettings(max_tokens=1), tools)
         async for _ in self.stream(request):
             pass
+
+    async def _warm_when_back(self) -> None:
+        """After the server was lost: ask ``/models`` every ``REWARM_POLL_S`` until it answers, then warm it again
+        with the prompt ``warm_prefix`` was given, before a user's turn would have to pay its cold prefill."""
+        while True:
+            await asyncio.sleep(REWARM_POLL_S)
+            try:
+                if (await self._client.get(self.base_url + "/models", timeout=2.0)).status_code == 200:
+                    break
+            except Exception:  # still down
+                continue
+        try:
+            await self.warm_prefix(*self._warm_prompt)
+            log.info("%s is back: the first prompt is prefilled again", self.base_url)
+        except Exception as exc:  # a warm-up that fails costs only its own time
+            log.warning("%s is back but could not be warmed: %s", self.base_url, exc)
 
     async def health(self) -> tuple[bool, str]:
         """Asks the server's ``/models`` at most every ``HEALTH_TTL_S`` (health checks must not load it)."""
@@ -301,4 +326,5 @@ class OpenAIChatLLM:
         return verdict
 
     def close(self) -> None:
-        pass
+        if self._rewarm is not None:
+            self._rewarm.cancel()

@@ -3,9 +3,11 @@
 An LLM server (``parley engine serve`` on the bundled model; vLLM instead when ``PARLEY_VLLM_PYTHON`` names its
 interpreter), two voice servers on the remote backend and nginx with the project's own configuration, started
 by one command and stopped by another. Through nginx: the page, a spoken turn on ``/ws``, a typed turn through
-the Realtime door, two conversations on two voice servers (least connections); a voice server killed loses only
-its own conversation, a new one goes to the other, and the supervisor starts the dead one again; ``down``
-leaves no process and nothing listening. Needs nginx (``make system-deps`` installs it).
+the Realtime door, a barge-in that ends the LLM server's request, a client tool's call and result, two
+conversations on two voice servers (least connections); a voice server killed loses only its own conversation,
+a new one goes to the other, and the supervisor starts the dead one again; the LLM server killed: a notice,
+``/healthz`` degraded, answered again once the supervisor has restarted it; ``down`` leaves no process and
+nothing listening. Needs nginx (``make system-deps`` installs it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness import NO_BREAKER, TEST_MAX_SESSIONS
+from harness import NO_BREAKER, TEST_MAX_SESSIONS, THERMOSTAT_TOOL, assert_barged_in, talk_over_a_long_reply
 from heard import heard_as
 
 from app import protocol
@@ -81,7 +83,8 @@ def topology(output_dir, tmp_path_factory):
         argv += ["--engine-arg=--dtype", "--engine-arg=float32", "--engine-arg=--max-model-len", "--engine-arg=2048"]
     else:
         argv += ["--llm-model", "bundled"]
-    argv += [f"--serve-arg={flag}" for flag in [*NO_BREAKER, *TEST_MAX_SESSIONS]]
+    # replies long enough to be still streaming when the barge-in test cuts one
+    argv += [f"--serve-arg={flag}" for flag in [*NO_BREAKER, *TEST_MAX_SESSIONS, "--llm-max-tokens", "400"]]
     log = open(output_dir / "scale-up.log", "w")  # noqa: SIM115 - closed below
     up = subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -188,6 +191,64 @@ async def test_conversations_spread_and_a_dead_voice_server_loses_only_its_own(t
         await asyncio.sleep(1)
     else:
         pytest.fail(f"{victim['name']} was not started again: {_state(run_dir)}")
+
+
+def _llm_figure(run_dir: Path, name: str) -> float:
+    base = _state(run_dir)["llm_url"].removesuffix("/v1")
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in the LLM server's /metrics")
+
+
+async def test_a_barge_in_through_nginx_ends_the_llm_servers_request(topology, speech):
+    """Talking over a long reply through nginx stops it, and the LLM server's request ends with it (Parley's engine
+    counts it aborted; vLLM's CPU build does not count client-closed requests, so its running gauge is read)."""
+    url, run_dir, _ = topology
+    on_vllm = bool(os.environ.get("PARLEY_VLLM_PYTHON"))
+    aborted = None if on_vllm else _llm_figure(run_dir, "parley_engine_requests_aborted_total")
+    events = await talk_over_a_long_reply(
+        url.replace("http://", "ws://") + "/ws", speech("Wait what is the capital of France?")
+    )
+    assert_barged_in(events)
+    running = "vllm:num_requests_running" if on_vllm else "parley_engine_requests_running"
+    for _ in range(100):
+        if _llm_figure(run_dir, running) == 0 and (
+            aborted is None or _llm_figure(run_dir, "parley_engine_requests_aborted_total") > aborted
+        ):
+            break
+        await asyncio.sleep(0.1)
+    assert _llm_figure(run_dir, running) == 0
+    if aborted is not None:
+        assert _llm_figure(run_dir, "parley_engine_requests_aborted_total") >= aborted + 1
+
+
+async def test_a_tool_call_and_its_result_pass_through_nginx(topology):
+    """A client's tool through the whole topology: declared on /ws, the LLM server's required call comes back as a
+    ``call_tool``, its result goes back and the answer is spoken."""
+    url, _, _ = topology
+    connection = await open_connection(url.replace("http://", "ws://") + "/ws")
+
+    async def until(kind: type) -> tuple[object, int]:
+        audio = 0
+        while not isinstance(item := await connection.recv(timeout_s=180), kind):
+            assert not isinstance(item, protocol.Error), item
+            audio += len(item) if isinstance(item, bytes) else 0
+        return item, audio
+
+    try:
+        await connection.send(
+            protocol.SessionConfig(tools=[protocol.FunctionTool(**THERMOSTAT_TOOL)], tool_choice="required")
+        )
+        await until(protocol.ConfigApplied)
+        await connection.send_text("Make the bedroom warmer, 22 degrees please.")
+        call, _ = await until(protocol.CallTool)
+        assert call.name == "set_thermostat" and set(json.loads(call.arguments)) == {"room", "celsius"}
+        await connection.send(protocol.ToolResult(call_id=call.call_id, output='{"done": true}'))
+        done, audio = await until(protocol.TurnDone)
+        assert done.metrics.tool_calls == 1 and words(done.text) and audio > 0
+    finally:
+        await connection.close()
 
 
 async def test_the_llm_server_dies_the_conversation_hears_so_and_goes_on_once_it_is_back(topology):

@@ -7,6 +7,7 @@ are decoded under the engine's grammar, so even this model's arguments parse and
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -414,3 +415,39 @@ async def test_a_server_that_went_away_is_asked_afresh():
     state.update(down=False, auto_refused=False)  # back, started with the flags
     assert await collect(llm.stream(ReplyRequest(ask, "r3", tools=auto))) == ["Hi."]
     assert bodies[-1]["tool_choice"] == "auto" and "tools" in bodies[-1]
+
+
+async def test_a_lost_server_is_warmed_again_when_it_is_back(monkeypatch):
+    """The prompt warmed at start is warmed again once a lost server answers ``/models`` (a restarted server has an
+    empty prefix cache and its first-call costs again), before any user's turn asks it."""
+    import app.stages.llm
+
+    monkeypatch.setattr(app.stages.llm, "REWARM_POLL_S", 0.02)
+    bodies: list[dict] = []
+    state = {"down": False}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if state["down"]:
+            raise httpx.ConnectError("connection refused")
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "served"}]})
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(delta(content="Hi")), headers={"content-type": "text/event-stream"})
+
+    llm = OpenAIChatLLM("http://llm.test", model="served")
+    llm._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    system = [{"role": "system", "content": "You are Parley."}]
+    await llm.warm_prefix(system, ToolSpec((WEATHER,), "auto"))
+    assert len(bodies) == 1
+    state["down"] = True
+    with pytest.raises(httpx.ConnectError):
+        await collect(llm.stream(ReplyRequest([{"role": "user", "content": "Hello"}], "r1")))
+    await asyncio.sleep(0.2)
+    assert len(bodies) == 1  # still down: nothing sent
+    state["down"] = False
+    for _ in range(500):  # up to 10 s on a busy machine; 2 polls here
+        if len(bodies) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert bodies[1]["max_tokens"] == 1 and bodies[1]["messages"] == system and "tools" in bodies[1]
+    llm.close()
