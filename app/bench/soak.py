@@ -121,7 +121,8 @@ def stuck_reader(ws_url: str) -> socket.socket:
 
 
 async def one_round(ws_url: str, speech, r: int, args) -> None:
-    await speak_turn(ws_url, speech, trailing_silence_s=1.0, realtime=False)
+    for _ in range(args.spoken):
+        await speak_turn(ws_url, speech, trailing_silence_s=1.0, realtime=False)
     for i in range(args.typed):
         await typed_turn(ws_url, QUESTIONS[(r + i) % len(QUESTIONS)])
     for _ in range(args.hang_ups):
@@ -162,7 +163,12 @@ def summarize(samples: list[dict], args) -> dict:
     slope = _slope(second) * 100 if len(second) > 1 else 0.0
     return {
         "rounds": len(rss),
-        "per_round": {"spoken": 1, "typed": args.typed, "hang_ups": args.hang_ups, "malformed": args.malformed},
+        "per_round": {
+            "spoken": args.spoken,
+            "typed": args.typed,
+            "hang_ups": args.hang_ups,
+            "malformed": args.malformed,
+        },
         "stuck_readers": -(-len(rss) // args.stuck_every) if args.stuck_every else 0,
         "rss_after_first_round_mb": rss[0],
         "rss_end_mb": rss[-1],
@@ -185,6 +191,7 @@ def _slope(ys: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="parley bench soak", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--spoken", type=int, default=1, help="spoken questions answered per round")
     parser.add_argument("--typed", type=int, default=3, help="typed questions answered per round")
     parser.add_argument("--hang-ups", type=int, default=3, help="users hanging up mid-reply per round")
     parser.add_argument("--malformed", type=int, default=40, help="malformed frames per round")

@@ -7,7 +7,7 @@ from argparse import Namespace
 
 from app.bench.soak import summarize
 
-ARGS = Namespace(typed=3, hang_ups=3, malformed=40, stuck_every=10)
+ARGS = Namespace(spoken=1, typed=3, hang_ups=3, malformed=40, stuck_every=10)
 
 
 def _samples(rss: list[float]) -> list[dict]:
