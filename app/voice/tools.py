@@ -171,6 +171,17 @@ def failure(why: str) -> str:
     return json.dumps({"error": why})
 
 
+def argument_problem(call: ToolCall) -> str | None:
+    """Why a call's arguments cannot be run (not a JSON object), or None. A model can write anything where no
+    grammar holds it (vLLM's CPU build streamed a required call's arguments as the string '"santos"'): such a
+    call is failed here, for the LLM to read, and never handed to a client."""
+    try:
+        value = json.loads(call.arguments or "{}")
+    except ValueError:
+        return f"{call.name}'s arguments are not JSON"
+    return None if isinstance(value, dict) else f"{call.name}'s arguments are not a JSON object"
+
+
 # ---------------------------------------------------------------- the client's answers
 class PendingCalls:
     """A session's client calls waiting for their ``tool_result``."""
@@ -225,13 +236,17 @@ class ToolRunner:
 
     def waits_for(self, calls: list[ToolCall]) -> bool:
         """Whether the reply waits for these calls' results (else it ends at them)."""
-        return self._client_results == "wait" or not any(self._tools.client_tool(c.name) for c in calls)
+        return self._client_results == "wait" or not any(self._runs_on_client(c) for c in calls)
+
+    def _runs_on_client(self, call: ToolCall) -> bool:
+        return self._tools.client_tool(call.name) and argument_problem(call) is None
 
     async def run(self, turn_id: int, calls: list[ToolCall], emit: Emit) -> RoundResult:
         """Announce ``calls``, run or await each, and say how each settled; cancelling this cancels them all."""
         started = self._clock.now()
         for call in calls:
-            runs_on = "client" if self._tools.client_tool(call.name) else "server"  # (an unknown tool: it fails here)
+            # an unknown tool, or arguments no tool can take: it fails here
+            runs_on = "client" if self._runs_on_client(call) else "server"
             await emit(
                 protocol.CallTool(
                     turn_id=turn_id, call_id=call.id, name=call.name, arguments=call.arguments, runs_on=runs_on
@@ -263,6 +278,8 @@ class ToolRunner:
 
     async def _result(self, call: ToolCall) -> tuple[str, str]:
         """(status, what the LLM reads) of one call."""
+        if (problem := argument_problem(call)) is not None:
+            return "failed", failure(problem)
         if self._tools.client_tool(call.name):
             return "completed", output_text(await self._pending.open(call.id))
         tool = self._tools.server_tool(call.name)

@@ -353,3 +353,19 @@ def test_the_engine_answers_alone_where_alone_the_words_open_a_call_and_with_the
     assert not acts(with_tools, SimpleNamespace(token_ids_delta=[7]))
     assert not acts(Rendered([1, 2]), SimpleNamespace(token_ids_delta=[5]))  # no tools, no call
     assert not acts(with_tools, SimpleNamespace(token_ids_delta=[]))
+
+
+async def test_a_call_whose_arguments_are_not_an_object_fails_here_and_never_reaches_the_client():
+    """A model unconstrained by a grammar may write anything as arguments (vLLM's CPU build: '"santos"'): the call is
+    announced as the server's, fails with the reason for the LLM to read, and the reply goes on."""
+    llm = ToolScriptedLLM([[ToolCall("call_1", "get_weather", '"santos"')], ["Sorry, I could not do that."]])
+    conv = await tool_session(llm)
+    await conv.type("What is the weather in Paris?")
+    await until(conv, lambda: done(conv))
+    [call] = conv.of(protocol.CallTool)
+    assert call.runs_on == "server"
+    [settled] = conv.of(protocol.ToolDone)
+    assert settled.status == "failed" and "not a JSON object" in settled.output
+    assert done(conv)[0].text == "Sorry, I could not do that."
+    await conv.session.handle(protocol.ToolResult(call_id="call_1", output="{}"))
+    assert conv.of(protocol.Error)[-1].code == "unknown_tool_call"
