@@ -246,6 +246,16 @@ async def talk_over_a_long_reply(url: str, question: np.ndarray, *, until_answer
     return events
 
 
+async def recv_until(connection, kind: type, timeout_s: float = 120) -> tuple[object, int]:
+    """What ``connection`` (``app.clients.core.Connection``) receives until an item of ``kind``: that item, and the
+    bytes of reply audio on the way; an error on the way fails the test."""
+    audio = 0
+    while not isinstance(item := await connection.recv(timeout_s=timeout_s), kind):
+        assert not isinstance(item, protocol.Error), item
+        audio += len(item) if isinstance(item, bytes) else 0
+    return item, audio
+
+
 def assert_barged_in(events: list[dict]) -> None:
     """Turn 1 was interrupted (interrupt + turn_done interrupted) and the new question was heard."""
     from app.voice.text import words

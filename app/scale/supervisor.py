@@ -276,13 +276,9 @@ def running_supervisor(run_dir: Path) -> int | None:
         pid = int(pid_file.read_text())
     except (OSError, ValueError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         pid_file.unlink(missing_ok=True)
         return None
-    except PermissionError:
-        pass
     return pid
 
 
@@ -296,7 +292,7 @@ def run_down(run_dir: Path, timeout_s: float = 90.0) -> int:
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if running_supervisor(run_dir) is None or not _pid_alive(pid):
+        if running_supervisor(run_dir) is None:
             print(f"stopped (supervisor pid {pid})")
             return 0
         time.sleep(0.3)
@@ -316,7 +312,7 @@ def run_status(run_dir: Path) -> int:
         print("starting (no state yet)")
         return 1
     for p in state["processes"]:
-        alive = p["pid"] is not None and _pid_alive(p["pid"])
+        alive = p["pid"] is not None and pid_alive(p["pid"])
         print(f"{p['name']:8} pid {p['pid']} {'up' if alive else 'DOWN'} {p['url'] or ''} restarts {p['restarts']}")
     try:
         r = httpx.get(state["url"] + "/healthz", timeout=3)
@@ -362,7 +358,8 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited, unreaped zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

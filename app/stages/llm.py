@@ -297,15 +297,13 @@ class OpenAIChatLLM:
             pass
 
     async def _warm_when_back(self) -> None:
-        """After the server was lost: ask ``/models`` every ``REWARM_POLL_S`` until it answers, then warm it again
+        """After the server was lost: ask ``health`` every ``REWARM_POLL_S`` until it answers, then warm it again
         with the prompt ``warm_prefix`` was given, before a user's turn would have to pay its cold prefill."""
         while True:
             await asyncio.sleep(REWARM_POLL_S)
-            try:
-                if (await self._client.get(self.base_url + "/models", timeout=2.0)).status_code == 200:
-                    break
-            except Exception:  # still down
-                continue
+            healthy, _ = await self.health()
+            if healthy:
+                break
         try:
             await self.warm_prefix(*self._warm_prompt)
             log.info("%s is back: the first prompt is prefilled again", self.base_url)

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from harness import NO_BREAKER, TEST_MAX_SESSIONS, THERMOSTAT_TOOL, assert_barged_in, talk_over_a_long_reply
+from harness import NO_BREAKER, TEST_MAX_SESSIONS, THERMOSTAT_TOOL, assert_barged_in, recv_until, talk_over_a_long_reply
 from heard import heard_as
 
 from app import protocol
@@ -84,25 +84,18 @@ async def test_a_tool_call_and_its_result_pass_through_the_remote_engine(engine_
     _, voice_url, _ = engine_and_voice
     connection = await open_connection(voice_url)
 
-    async def until(kind: type) -> tuple[object, int]:
-        audio = 0
-        while not isinstance(item := await connection.recv(timeout_s=120), kind):
-            assert not isinstance(item, protocol.Error), item
-            audio += len(item) if isinstance(item, bytes) else 0
-        return item, audio
-
     try:
-        await until(protocol.Ready)  # (sent again after ``start``)
+        await recv_until(connection, protocol.Ready)  # (sent again after ``start``)
         await connection.send(protocol.SessionConfig(tools=[THERMOSTAT], tool_choice="required"))
-        await until(protocol.ConfigApplied)
+        await recv_until(connection, protocol.ConfigApplied)
         await connection.send_text("Make the bedroom warmer, 22 degrees please.")
-        call, _ = await until(protocol.CallTool)
+        call, _ = await recv_until(connection, protocol.CallTool)
         arguments = json.loads(call.arguments)
         assert call.name == "set_thermostat" and call.runs_on == "client"
         assert set(arguments) == {"room", "celsius"} and arguments["room"] in ("kitchen", "bedroom", "living room")
         assert isinstance(arguments["celsius"], int | float) and 10 <= arguments["celsius"] <= 30
         await connection.send(protocol.ToolResult(call_id=call.call_id, output='{"done": true}'))
-        done, audio = await until(protocol.TurnDone)
+        done, audio = await recv_until(connection, protocol.TurnDone)
         assert done.metrics.tool_calls == 1 and words(done.text) and audio > 0
     finally:
         await connection.close()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness import NO_BREAKER, TEST_MAX_SESSIONS, THERMOSTAT_TOOL, assert_barged_in, talk_over_a_long_reply
+from harness import NO_BREAKER, TEST_MAX_SESSIONS, THERMOSTAT_TOOL, assert_barged_in, recv_until, talk_over_a_long_reply
 from heard import heard_as
 
 from app import protocol
@@ -31,6 +31,7 @@ from app.bench.launcher import ROOT, free_port
 from app.bench.user import speak_turn
 from app.clients.core import open_connection
 from app.scale.nginx import NginxError, nginx_binary
+from app.scale.supervisor import pid_alive
 from app.voice.text import words
 
 pytestmark = pytest.mark.models  # three servers with models, and nginx
@@ -42,15 +43,6 @@ def _state(run_dir: Path) -> dict:
 
 def _process(run_dir: Path, name: str) -> dict:
     return next(p for p in _state(run_dir)["processes"] if p["name"] == name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not stat.exists() or stat.read_text().split(") ")[-1][0] != "Z"
 
 
 def _sessions(url: str) -> int:
@@ -229,33 +221,26 @@ async def test_a_tool_call_and_its_result_pass_through_nginx(topology):
     url, _, _ = topology
     connection = await open_connection(url.replace("http://", "ws://") + "/ws")
 
-    async def until(kind: type) -> tuple[object, int]:
-        audio = 0
-        while not isinstance(item := await connection.recv(timeout_s=180), kind):
-            assert not isinstance(item, protocol.Error), item
-            audio += len(item) if isinstance(item, bytes) else 0
-        return item, audio
-
     try:
         await connection.send(
             protocol.SessionConfig(tools=[protocol.FunctionTool(**THERMOSTAT_TOOL)], tool_choice="required")
         )
-        await until(protocol.ConfigApplied)
+        await recv_until(connection, protocol.ConfigApplied, 180)
         await connection.send_text("Make the bedroom warmer, 22 degrees please.")
-        call, _ = await until(protocol.CallTool)
+        call, _ = await recv_until(connection, protocol.CallTool, 180)
         assert call.name == "set_thermostat"
         if os.environ.get("PARLEY_VLLM_PYTHON") and call.runs_on == "server":
             # vLLM 0.32's CPU build did not hold a required call to its schema (on SmolLM2 it streamed the arguments
             # '"santos"'): the voice server fails such a call itself, and the reply goes on
-            settled, _ = await until(protocol.ToolDone)
+            settled, _ = await recv_until(connection, protocol.ToolDone, 180)
             assert settled.status == "failed" and "not a JSON object" in settled.output
-            done, audio = await until(protocol.TurnDone)
+            done, audio = await recv_until(connection, protocol.TurnDone, 180)
             assert words(done.text) and audio > 0
             return
         # Parley's engine decodes a required call under its schema
         assert call.runs_on == "client" and set(json.loads(call.arguments)) == {"room", "celsius"}
         await connection.send(protocol.ToolResult(call_id=call.call_id, output='{"done": true}'))
-        done, audio = await until(protocol.TurnDone)
+        done, audio = await recv_until(connection, protocol.TurnDone, 180)
         assert done.metrics.tool_calls == 1 and words(done.text) and audio > 0
     finally:
         await connection.close()
@@ -308,7 +293,7 @@ def test_down_stops_everything(topology):
     )
     assert down.returncode == 0, down.stdout + down.stderr
     assert up.wait(timeout=30) == 0
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if pid_alive(pid)]
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/healthz", timeout=3)
     assert not (run_dir / "supervisor.pid").exists()

@@ -423,6 +423,7 @@ async def test_a_lost_server_is_warmed_again_when_it_is_back(monkeypatch):
     import app.stages.llm
 
     monkeypatch.setattr(app.stages.llm, "REWARM_POLL_S", 0.02)
+    monkeypatch.setattr(app.stages.llm, "HEALTH_TTL_S", 0.0)  # each poll asks the server
     bodies: list[dict] = []
     state = {"down": False}
 
