@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint system-deps clean
+.PHONY: setup run test test-fast lint system-deps bench-deps clean
 
 # docker/install.sh holds the install steps (the GPU image runs the same script): torch pinned and
 # installed first so no multi-GB CUDA build is pulled on a CPU machine; the project editable with
@@ -42,6 +42,12 @@ test: setup system-deps
 # missing marker fails here. `browser` tests need the Chromium of system-deps: they run in `make test`.
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -n 2 -m "not models and not browser"
+
+# `parley bench engine --peer llama-cpp`: llama-cpp-python built from source for any x86-64 CPU with AVX2. Instruction
+# sets named, not the native build: a native build on one Xeon (AMX) died with SIGILL on its first token.
+bench-deps: setup
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF" \
+	  $(VENV)/bin/pip install --no-binary llama-cpp-python "llama-cpp-python>=0.3.2"
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -89,9 +89,25 @@ def _engine(args: argparse.Namespace) -> int:
     return engine_main(args.rest)
 
 
+def _peer(rest: list[str]) -> str | None:
+    """``bench engine``'s peer: ``vllm``, ``llama-cpp`` (also meant by ``--peer-url``), or None."""
+    for i, arg in enumerate(rest):
+        name, _, value = arg.partition("=")
+        if name == "--peer":
+            return value or (rest[i + 1] if i + 1 < len(rest) else "llama-cpp")
+        if name == "--peer-url":
+            return "llama-cpp"
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
-        if any(arg.split("=")[0] in ("--peer", "--peer-url") for arg in args.rest):
+        peer = _peer(args.rest)
+        if peer == "vllm":
+            from engine.benchmarks.serving import main as bench_serving  # server against server, OpenAI APIs
+
+            return bench_serving(args.rest)
+        if peer is not None:
             from engine.benchmarks.peer import main as bench_peer  # side by side with llama.cpp
 
             return bench_peer(args.rest)

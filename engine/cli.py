@@ -40,8 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="'bundled', a Hugging Face model directory, or a GGUF file (llama.cpp, Ollama, LM Studio: converted once)",
     )
     serve.add_argument("--served-model-name", default=None, help="model id for /v1/models (default: from --model)")
-    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
-    serve.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
+    serve.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto (the voice server's choice): bfloat16 on CUDA and on CPUs that compute it, else float32",
+    )
+    serve.add_argument(
+        "--quantization",
+        choices=["auto", "none", "int8", "int4"],
+        default="auto",
+        help="auto (the voice server's choice): int8 weights on the CPU, none on CUDA",
+    )
     serve.add_argument(
         "--int8-method",
         choices=["auto", "int8pack", "ao", "bitsandbytes"],
@@ -89,12 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace):
-    from engine.config import EngineConfig
+    """The served engine's configuration: ``auto`` resolves as in the voice server, on the device it will use."""
+    from engine.config import EngineConfig, resolve_dtype, resolve_quantization
 
+    device = EngineConfig(model=args.model, device=args.device).resolved_device()
     return EngineConfig(
         model=args.model,
-        dtype=args.dtype,
-        quantization=None if args.quantization == "none" else args.quantization,
+        dtype=resolve_dtype(args.dtype, device),
+        quantization=resolve_quantization(args.quantization, device),
         int8_method=args.int8_method,
         device=args.device,
         max_num_seqs=args.max_num_seqs,

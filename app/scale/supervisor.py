@@ -230,13 +230,11 @@ class Topology:
 
 
 def default_engine_args() -> list[str]:
-    """The started engine server's precision: the one the voice server would choose in process (int8 on the CPU)."""
+    """The started engine server's precision: the voice server's settings (``auto`` resolves alike in both)."""
     from app.config import Settings
-    from engine.config import resolve_dtype, resolve_quantization
 
     settings = Settings()
-    quantization = resolve_quantization(settings.llm_quantization, settings.llm_device) or "none"
-    return ["--dtype", resolve_dtype(settings.llm_dtype, settings.llm_device), "--quantization", quantization]
+    return ["--dtype", settings.llm_dtype, "--quantization", settings.llm_quantization]
 
 
 def run_up(options: ScaleOptions) -> int:

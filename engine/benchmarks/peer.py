@@ -16,8 +16,12 @@ workload, for both sides:
    the 8 requests go to llama-server at once (its slots serve them in parallel); with
    llama-cpp-python alone the peer serves them one after another (one context), which
    the report says;
-3. prefill of a 200-token prompt: time to the first token (ours) / to evaluate the prompt
+3. prefill of a 500-token prompt: time to the first token (ours) / to evaluate the prompt
    (llama.cpp), prefix caches cleared.
+
+A peer that dies (llama.cpp built for instructions this CPU lacks dies on its first token with
+SIGILL) stops the run with its reason, never a wait on a dead worker. ``make bench-deps`` builds
+llama-cpp-python for any x86-64 CPU with AVX2 (explicit instruction sets, not the native build).
 
 Ratios (``--json``): ``peer_decode_bs1_ratio`` (ours/peer tokens/s, target >= 1),
 ``peer_concurrent8_throughput_ratio`` (ours/peer, target >= 2),
@@ -43,6 +47,13 @@ log = logging.getLogger(__name__)
 
 DATA_PATH = Path(__file__).with_name("data.txt")
 SYSTEM = "You are a helpful assistant."
+PREFILL_TOKENS = 500
+DEATHS = {
+    4: "SIGILL, an illegal instruction: llama.cpp was built for a CPU with more instruction sets than this "
+    "one; build it portable with `make bench-deps`",
+    9: "SIGKILL (out of memory?)",
+    11: "SIGSEGV",
+}
 TARGETS = {
     "peer_decode_bs1_ratio": (1.0, True),
     "peer_concurrent8_throughput_ratio": (2.0, True),
@@ -104,8 +115,8 @@ def workload(tokenizer, quick: bool, seed: int) -> dict:
         "decode_prompt": chat_prompt(tokenizer, text_ids, 100, 0),
         "decode_tokens": 24 if quick else 64,
         "concurrent": conc,
-        # a fresh 200-token prompt per repetition, so no prefix cache can help either side
-        "prefill": [chat_prompt(tokenizer, text_ids, 200, 1000 + 331 * i) for i in range(16)],
+        # a fresh 500-token prompt per repetition, so no prefix cache can help either side
+        "prefill": [chat_prompt(tokenizer, text_ids, PREFILL_TOKENS, 1000 + 331 * i) for i in range(16)],
     }
 
 
@@ -237,6 +248,15 @@ def _worker_main(conn, gguf: str, threads: int) -> None:
             conn.send(("error", repr(e)))
 
 
+def died_of(exitcode: int | None) -> str:
+    """A dead child's exit code in words (multiprocessing gives a signal as its negative)."""
+    if exitcode is None:
+        return "it closed its pipe and did not exit"
+    if exitcode < 0:
+        return f"killed by signal {-exitcode}" + (f" ({DEATHS[-exitcode]})" if -exitcode in DEATHS else "")
+    return f"exit code {exitcode}"
+
+
 class LlamaCppPeer:
     """llama-cpp-python in a child process, driven over a pipe.
 
@@ -247,26 +267,39 @@ class LlamaCppPeer:
 
     mode_concurrent = "llama-cpp-python, the 8 requests one after another (one context)"
 
-    def __init__(self, gguf: Path, threads: int) -> None:
+    def __init__(self, gguf: Path, threads: int, worker=None) -> None:
+        """``worker`` (tests): the child's main function in place of llama-cpp-python's."""
         import importlib.util
         import multiprocessing as mp
 
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise RuntimeError(
-                "llama-cpp-python is not installed: `pip install 'parley[bench]'` (it builds llama.cpp from "
-                "source, ~5 minutes on 2 cores), or give a llama-server URL with --peer-url"
-            )
-        from importlib.metadata import version
+        self.name = f"a stand-in worker, {gguf.name}"
+        if worker is None:
+            if importlib.util.find_spec("llama_cpp") is None:
+                raise RuntimeError(
+                    "llama-cpp-python is not installed: `make bench-deps` (it builds llama.cpp from source for any "
+                    "AVX2 CPU, ~10 minutes on 2 cores), or give a llama-server URL with --peer-url"
+                )
+            from importlib.metadata import version
 
-        self.name = f"llama.cpp via llama-cpp-python {version('llama-cpp-python')}, {gguf.name}"
+            self.name = f"llama.cpp via llama-cpp-python {version('llama-cpp-python')}, {gguf.name}"
+            worker = _worker_main
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(child, str(gguf), threads), daemon=True)
+        self._proc = ctx.Process(target=worker, args=(child, str(gguf), threads), daemon=True)
         self._proc.start()
+        child.close()  # the child's end lives in the child alone: its death is then an end of file here
         self._recv()
 
     def _recv(self):
-        status, value = self._conn.recv()
+        """The worker's answer; its death (a signal, an exit) is an error with its cause, never a wait."""
+        while not self._conn.poll(0.5):
+            if not self._proc.is_alive():
+                break
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5)
+            raise RuntimeError(f"llama-cpp-python's worker died: {died_of(self._proc.exitcode)}") from None
         if status != "ok":
             raise RuntimeError(f"llama-cpp-python: {value}")
         return value
@@ -476,13 +509,13 @@ def _measure(args, peer, ours: Ours, w: dict, reps: int, precisions: list[str], 
     r["peer_concurrent8_throughput_ratio"] = _ratio(statistics.median(thr), statistics.median(thr_p))
     r["peer_concurrent8_ttft_ratio"] = _ratio(statistics.median(ttft), statistics.median(ttft_p))
 
-    # 3. prefill of a 200-token prompt (a fresh prompt every repetition)
+    # 3. prefill of a 500-token prompt (a fresh prompt every repetition)
     pf, pf_p = [], []
     for i in range(reps):
         pf_p.append(peer.prefill_ms(w["prefill"][i]))
         pf.append(ours.prefill_ms(args.dtype, w["prefill"][i]))
-    r["ours_prefill200_ms"] = stats(pf)
-    r["peer_prefill200_ms"] = stats(pf_p)
+    r["ours_prefill_ms"] = stats(pf)
+    r["peer_prefill_ms"] = stats(pf_p)
     r["peer_prefill_ratio"] = _ratio(statistics.median(pf), statistics.median(pf_p))
     r["elapsed_s"] = time.monotonic() - t_all
     return r
@@ -511,7 +544,7 @@ def report(r: dict) -> str:
         f"peer {fmt(r['peer_concurrent8_ttft_p50_s'], '.2f')}",
         "",
         f"prefill of a {r['prefill_prompt_tokens']}-token prompt, ms (ours in {r['concurrent_dtype']}):",
-        f"  ours {fmt(r['ours_prefill200_ms'], '.0f')}   peer {fmt(r['peer_prefill200_ms'], '.0f')}",
+        f"  ours {fmt(r['ours_prefill_ms'], '.0f')}   peer {fmt(r['peer_prefill_ms'], '.0f')}",
         "",
         "ratios (medians) and targets (ours vs llama.cpp: decode at least as fast, 8 concurrent requests",
         "at least 2x its throughput with 1/4 of its TTFT, prefill in under 0.3x its time):",

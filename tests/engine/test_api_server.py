@@ -359,6 +359,21 @@ def test_engine_cli_reads_the_api_key_from_the_environment(monkeypatch):
     assert engine.cli.build_parser().parse_args(["serve"]).api_key is None
 
 
+def test_engine_serve_defaults_to_the_voice_servers_precision():
+    """`parley engine serve` without flags runs the precision the in-process engine runs (int8 weights on the CPU),
+    so a server measured or scaled out is the engine the voice server would have used; flags still choose."""
+    import engine.cli
+    from app.config import Settings
+    from app.stages.registry import llm_engine_config
+
+    parse = engine.cli.build_parser().parse_args
+    served = engine.cli.engine_config(parse(["serve", "--device", "cpu"]))
+    app = llm_engine_config(Settings(llm_device="cpu"))
+    assert (served.dtype, served.quantization) == (app.dtype, app.quantization) and served.quantization == "int8"
+    chosen = engine.cli.engine_config(parse(["serve", "--dtype", "float32", "--quantization", "none"]))
+    assert (chosen.dtype, chosen.quantization) == ("float32", None)
+
+
 def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(small_engine):
     from fastapi.testclient import TestClient
 

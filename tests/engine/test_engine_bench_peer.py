@@ -24,7 +24,7 @@ class FakePeer:
         return 60.0, 6.0
 
     def prefill_ms(self, prompt):
-        assert len(prompt) == 200
+        assert len(prompt) == bench_peer.PREFILL_TOKENS
         return 600.0
 
     def close(self):
@@ -68,3 +68,22 @@ def test_peer_bench_ratios_and_json(monkeypatch, tmp_path, capsys):
 def test_peer_bench_unreachable_url_is_a_clean_error(capsys):
     assert bench_peer.main(["--quick", "--peer-url", "http://127.0.0.1:9", "--precisions", "bf16"]) == 2
     assert "bench engine --peer" in capsys.readouterr().err
+
+
+def _dies_on_its_first_token(conn, gguf, threads):
+    """A worker that dies as a llama.cpp built for another CPU does: SIGILL on its first token (the warm-up, while
+    the parent still waits for it to be ready)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGILL)
+
+
+def test_a_peer_that_dies_stops_the_run_with_its_cause(tmp_path):
+    """`--peer llama-cpp` on a CPU its build does not fit: the worker's death is an error naming SIGILL, not a wait."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="signal 4 .*illegal instruction.*make bench-deps"):
+        bench_peer.LlamaCppPeer(tmp_path / "model.gguf", 1, worker=_dies_on_its_first_token)
+    assert time.monotonic() - t0 < 30
