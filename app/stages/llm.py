@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from app.stages.base import ChatLLM, GenerationSettings, Message, ReplyFeature, ReplyRequest, ToolCall, ToolSpec
 from app.stages.control_tokens import neutralize_messages, neutralize_tools
-from app.stages.llm_engine import EngineChatLLM
+from app.stages.llm_engine import EngineChatLLM, is_json
 
 log = logging.getLogger(__name__)
 
@@ -188,24 +188,51 @@ class OpenAIChatLLM:
 
     async def stream(self, request: ReplyRequest) -> AsyncIterator[str | ToolCall]:
         """The server's text deltas, then its ``tool_calls`` put together (each call's first delta has its index, id
-        and name, the next ones fragments of its arguments)."""
+        and name, the next ones fragments of its arguments).
+
+        With tools, the text is also read for calls the server's own parser left in it: vLLM's hermes parser takes
+        only tagged calls, and Qwen2.5-Coder-0.5B (the default brain) writes its calls as bare JSON, which reached
+        the user as spoken JSON. Such a call (tagged, or a JSON object naming a tool that opens the reply) is
+        read as the in-process engine reads it (``engine.openai_api.tool_parser``, Hermes); other text streams
+        through as it comes."""
+        from engine.openai_api.tool_parser import ParsedDelta, ReplyAssembler, ToolCallParser
+        from engine.structured_output.formats import HERMES
+
         extra: dict = {}
         tools = request.tools
         if tools is not None and tools.tools and not (tools.choice == "auto" and self._auto_tools_refused):
             extra = {"tools": list(tools.tools), "tool_choice": tools.choice, "parallel_tool_calls": tools.parallel}
         calls: dict[int, dict[str, str]] = {}
+        text_parser = ToolCallParser(HERMES) if extra else None
+        in_text = ReplyAssembler()
         async for delta in self._deltas(request, extra):
             if delta.get("content"):
-                yield delta["content"]
+                if text_parser is None:
+                    yield delta["content"]
+                else:
+                    parsed = text_parser.feed(delta["content"])
+                    if parsed.content:
+                        yield parsed.content
+                    in_text.add(ParsedDelta(calls=parsed.calls))
             for piece in delta.get("tool_calls") or ():
                 call = calls.setdefault(int(piece.get("index", len(calls))), {"id": "", "name": "", "arguments": ""})
                 function = piece.get("function") or {}
                 call["id"] = piece.get("id") or call["id"]
                 call["name"] = function.get("name") or call["name"]
                 call["arguments"] += function.get("arguments") or ""
+        if text_parser is not None:
+            rest = text_parser.finish()
+            if rest.content:
+                yield rest.content
+            in_text.add(ParsedDelta(calls=rest.calls))
         for index in sorted(calls):
             call = calls[index]
             yield ToolCall(call["id"] or f"call_{uuid.uuid4().hex[:24]}", call["name"], call["arguments"] or "{}")
+        for found in in_text.reply().calls:
+            if is_json(found.arguments):
+                yield ToolCall(found.id, found.name, found.arguments)
+            else:
+                log.warning("the LLM wrote a call to %s whose arguments are not JSON; the call is dropped", found.name)
 
     async def _deltas(self, request: ReplyRequest, extra: dict) -> AsyncIterator[dict]:
         """The ``delta`` of each streamed choice (``extra``: more request fields); an error answer raises."""

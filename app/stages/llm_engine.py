@@ -64,7 +64,7 @@ def declared_names(tools: ToolSpec | None) -> set[str]:
     return {tool.get("function", {}).get("name") for tool in tools.tools} if tools is not None else set()
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
     try:
         json.loads(text)
     except json.JSONDecodeError:
@@ -291,7 +291,7 @@ class EngineChatLLM:
                 yield delta.content
             calls.add(ParsedDelta(calls=delta.calls))
         for call in calls.reply().calls:
-            if _is_json(call.arguments):
+            if is_json(call.arguments):
                 yield ToolCall(call.id, call.name, call.arguments)
             else:
                 log.warning("the LLM called %s with arguments that are not JSON; the call is dropped", call.name)

@@ -106,6 +106,33 @@ async def test_the_remote_backend_sends_the_tools_and_puts_streamed_calls_back_t
     assert body["messages"] == history and body["stream"] is True
 
 
+async def test_a_call_the_server_left_in_the_text_is_read_as_a_call():
+    """vLLM's hermes parser takes only tagged calls; the default brain writes its calls bare. Such a call, bare or
+    tagged, split anywhere across deltas, reaches the caller as a call, never as text to be spoken; a reply that is
+    text (even one that opens with a brace or mentions the tag's name) streams as text."""
+    auto = ToolSpec((WEATHER,), "auto", parallel=True)
+    history = [{"role": "user", "content": "Weather in Paris?"}]
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    tagged = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    for text, expected in (
+        (bare, [("get_weather", {"city": "Paris"})]),
+        ("  " + bare, [("get_weather", {"city": "Paris"})]),
+        (tagged, ["Checking. ", ("get_weather", {"city": "Rome"})]),
+        ("{Braces} are fine here, <tool_ calls too.", ["{Braces} are fine here, <tool_ calls too."]),
+        ('{"city": "Paris"} is where it is sunny.', ['{"city": "Paris"} is where it is sunny.']),
+    ):
+        pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+        llm, _ = remote(sse(*(delta(content=p) for p in pieces)))
+        events = await collect(llm.stream(ReplyRequest(history, "r1", tools=auto)))
+        texts = "".join(e for e in events if isinstance(e, str))
+        got = ([texts] if texts else []) + [
+            (e.name, json.loads(e.arguments)) for e in events if isinstance(e, ToolCall)
+        ]
+        assert got == expected, text
+    llm, _ = remote(sse(delta(content=bare)))  # without tools the text is not read for calls
+    assert await collect(llm.stream(ReplyRequest(history, "r1"))) == [bare]
+
+
 async def test_words_shaped_as_control_tokens_leave_for_the_server_as_words():
     """A remote server renders the chat template and parses special tokens in it: a typed text that closes the
     user's turn and opens a system turn is broken (``app.stages.control_tokens``) before it is sent, and so is a
