@@ -44,8 +44,17 @@ class WallClock(Protocol):
 
 
 class SystemWallClock:
+    """The machine's clock in its own time zone (``TZ``, else the system's), with its rules, not today's offset:
+    "tomorrow at nine" across a daylight-saving change is nine on tomorrow's clock (a fixed offset put it an hour
+    off), and an hour later is an hour of real time."""
+
     def now(self) -> datetime:
-        return datetime.now().astimezone()
+        try:
+            import tzlocal
+
+            return datetime.now(tzlocal.get_localzone())
+        except Exception:  # an unknown zone name: the offset in force now
+            return datetime.now().astimezone()
 
 
 Announce = Callable[[str, str], None]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 
 import dateparser
 from text_to_num import alpha2digit
@@ -288,8 +288,8 @@ def parse_when(text: str, now: datetime, *, max_ahead: timedelta = timedelta(day
     normal = _digits(text)
     relative = re.fullmatch(r"(?:in|after) (.+)|(.+) (?:from now|later)", normal)
     seconds = duration_seconds(relative[1] or relative[2]) if relative else duration_seconds(normal)
-    if seconds is not None:
-        moment = now + timedelta(seconds=seconds)
+    if seconds is not None:  # real time: across a daylight-saving change "in 2 hours" is two hours, not on the dial
+        moment = (now.astimezone(UTC) + timedelta(seconds=seconds)).astimezone(now.tzinfo)
     else:
         moment = _moment(text, normal, now)
     if moment <= now:

@@ -212,7 +212,7 @@ def start_vllm(python: str, folder: Path, threads: int, extra: list[str], log_di
     port = free_port()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     argv += ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--max-model-len", "2048", "--disable-log-requests", *extra]
+    argv += ["--max-model-len", "2048", *extra]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     return _start("vllm", argv, port, log_dir, env)

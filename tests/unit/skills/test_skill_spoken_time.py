@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from skill_fakes import NOW
@@ -127,6 +127,33 @@ def test_unreadable_or_past_moments_say_why(said: str, why: str) -> None:
 def test_the_moment_keeps_nows_timezone() -> None:
     now = NOW.astimezone(timezone(timedelta(hours=-5)))  # 09:22 there
     assert parse_when("at 10 am", now) == datetime(2026, 12, 6, 10, 0, tzinfo=now.tzinfo)
+
+
+def test_a_moment_across_a_daylight_saving_change_keeps_the_zones_rules(monkeypatch) -> None:
+    """Berlin leaves summer time in the night of 24-25 October 2026: tomorrow at nine is 09:00 on that day's clock
+    (+01:00, where today's offset said +02:00), and "in 12 hours" is twelve hours of real time. The system clock
+    gives a time in the zone with its rules, not today's offset."""
+    from zoneinfo import ZoneInfo
+
+    import tzlocal
+
+    from app.skills.base import SystemWallClock
+
+    berlin = ZoneInfo("Europe/Berlin")
+    evening = datetime(2026, 10, 24, 20, 0, tzinfo=berlin)
+    nine = parse_when("tomorrow at nine am", evening)
+    assert (nine.hour, nine.utcoffset()) == (9, timedelta(hours=1))
+    later = parse_when("in 12 hours", evening)
+    assert later - evening.astimezone(UTC) == timedelta(hours=12) and later.hour == 7
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    tzlocal.reload_localzone()
+    try:
+        now = SystemWallClock().now()
+        assert now.tzinfo.key == "Europe/Berlin"
+        assert now.utcoffset() == berlin.utcoffset(now.replace(tzinfo=None))
+    finally:
+        monkeypatch.delenv("TZ")
+        tzlocal.reload_localzone()
 
 
 def test_descriptions_are_spoken_words() -> None:
