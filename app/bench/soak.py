@@ -9,8 +9,11 @@ the server to settle (no session, no engine request, no KV block in use) and rea
 (``/proc/<pid>/status``).
 
 Reported: RSS after the warm-up round, at the end, the growth over the second half of the rounds (what a
-leak shows as: the first rounds fill caches and pools once), and its slope per 100 rounds. The server is
-started by the bench (its pid is needed); ``--server-arg`` passes settings to it.
+leak shows as: the first rounds fill caches and pools once), and its slope per 100 rounds; and where the
+growth from round 1 to the end went, by the server's own ``parley_heap_bytes`` (glibc's allocator: live
+allocations, freed memory the arenas hold, large mmapped blocks; the rest of the RSS is memory no allocator
+manages: mapped model files, stacks). The server is started by the bench (its pid is needed);
+``--server-arg`` passes settings to it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,16 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def heap_mb(base: str) -> dict[str, float]:
+    """The server's ``parley_heap_bytes`` by kind, in MB (empty where its libc has no ``mallinfo2``)."""
+    heap = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith('parley_heap_bytes{kind="'):
+            kind = line.split('"')[1]
+            heap[f"heap_{kind}_mb"] = round(float(line.split()[-1]) / 2**20, 1)
+    return heap
 
 
 def _figure(base: str, name: str) -> float:
@@ -148,6 +161,7 @@ async def soak(base: str, pid: int, args) -> dict:
             {
                 "round": r + 1,
                 "rss_mb": round(rss_mb(pid), 1),
+                **heap_mb(base),
                 "settled": settled,
                 "seconds": round(time.monotonic() - started, 1),
             }
@@ -175,6 +189,11 @@ def summarize(samples: list[dict], args) -> dict:
         "rss_max_mb": max(rss),
         "growth_second_half_mb": round(second[-1] - second[0], 1),
         "slope_mb_per_100_rounds": round(slope, 1),
+        "growth_from_round_1_mb": {
+            key: round(samples[-1][key] - samples[0][key], 1)
+            for key in samples[0]
+            if key.endswith("_mb") and key in samples[-1]
+        },
         "all_settled": all(s["settled"] for s in samples),
         "samples": samples,
     }
@@ -212,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['rounds']}; second half {summary['growth_second_half_mb']:+} MB "
         f"({summary['slope_mb_per_100_rounds']:+} MB per 100 rounds); settled every round: {summary['all_settled']}"
     )
+    growth = summary["growth_from_round_1_mb"]
+    print("growth from round 1, MB: " + ", ".join(f"{key.removesuffix('_mb')} {v:+}" for key, v in growth.items()))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(summary, indent=2))
     return 0 if summary["all_settled"] else 1

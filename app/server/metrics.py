@@ -1,8 +1,11 @@
-"""Prometheus metrics of the voice server: per-stage latency histograms, RTF, barge-ins, underruns."""
+"""Prometheus metrics of the voice server: per-stage latency histograms, RTF, barge-ins, underruns, memory."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import ctypes
+import ctypes.util
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -61,6 +64,9 @@ class VoiceMetrics:
         )
         if admission is not None:
             self.registry.register(_AdmissionCollector(admission))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open files
+        if heap_bytes() is not None:
+            self.registry.register(_HeapCollector())
         self._llm_attached = False
 
     def observe_turn(self, metrics: TurnMetrics) -> None:
@@ -118,3 +124,57 @@ class _AdmissionCollector(Collector):
             "share of memory in use (GPU memory too on CUDA)",
             value=self._admission.memory_fraction(),
         )
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _mallinfo2():
+    """glibc's ``mallinfo2`` (2.33+), or None (another libc)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        function = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_bytes() -> dict[str, int] | None:
+    """The C heap as glibc's allocator sees it, every arena summed (None on another libc): ``in_use`` (live
+    allocations, Python's, torch's and the ONNX runtimes' alike), ``free_held`` (freed but kept by the arenas,
+    counted in the RSS only where touched) and ``mmapped`` (large blocks, returned to the system when freed).
+    Why: a resident set that grows is one of these, or memory no allocator manages (mapped model files,
+    stacks); ``parley bench soak`` reads them per round to say which."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return {"in_use": info.uordblks, "free_held": info.fordblks, "mmapped": info.hblkhd}
+
+
+class _HeapCollector(Collector):
+    def collect(self):
+        gauge = GaugeMetricFamily(
+            "parley_heap_bytes", "the C heap by glibc's allocator: in_use, free_held, mmapped", labels=["kind"]
+        )
+        for kind, value in (heap_bytes() or {}).items():
+            gauge.add_metric([kind], value)
+        yield gauge

@@ -24,3 +24,30 @@ def test_a_warm_up_then_flat_is_flat():
 def test_a_leak_shows_as_its_slope():
     summary = summarize(_samples([1000 + 2 * i for i in range(40)]), ARGS)
     assert summary["slope_mb_per_100_rounds"] == 200 and summary["growth_second_half_mb"] == 38
+
+
+def test_the_growth_is_split_by_the_allocators_view():
+    samples = _samples([1000, 1100, 1160])
+    for sample, in_use, held in zip(samples, (300, 380, 390), (20, 30, 60), strict=True):
+        sample.update(heap_in_use_mb=in_use, heap_free_held_mb=held, heap_mmapped_mb=5)
+    growth = summarize(samples, ARGS)["growth_from_round_1_mb"]
+    assert growth == {"rss_mb": 160, "heap_in_use_mb": 90, "heap_free_held_mb": 40, "heap_mmapped_mb": 0}
+
+
+def test_the_server_exports_its_heap_as_glibc_sees_it():
+    """``parley_heap_bytes`` (read by the soak) grows with a live allocation and says so in /metrics."""
+    import ctypes
+
+    from app.server.metrics import VoiceMetrics, heap_bytes
+
+    import pytest
+
+    before = heap_bytes()
+    if before is None:
+        pytest.skip("this libc has no mallinfo2 (glibc 2.33+)")
+    block = ctypes.create_string_buffer(64 * 1024)  # under glibc's mmap threshold: an arena allocation
+    after = heap_bytes()
+    assert after["in_use"] - before["in_use"] >= 64 * 1024
+    text = VoiceMetrics().render(0).decode()
+    assert 'parley_heap_bytes{kind="in_use"}' in text and "process_resident_memory_bytes" in text
+    del block
