@@ -17,6 +17,10 @@ Scored (``app.bench.quality_score``):
 * replies under three words (but to a thanks or goodbye), words per reply;
 * after a cancelled reply, whether the next reply says it again;
 * how often each reply guard cut a reply (``protocol.GUARD_FIELDS``, summed from ``turn_done``).
+
+``--spoken-actions`` says the requests to act on aloud instead (the bundled voice, ``--snr-db`` of background
+noise), each in a conversation of its own, so an action is shown from speech to skill; ``--conversations 0``
+leaves the conversations out.
 """
 
 from __future__ import annotations
@@ -198,6 +202,38 @@ async def run(
     return talks, alone, acts
 
 
+async def speak_actions(
+    url: str, actions: tuple[ActionAsk, ...], snr_db: float | None, say: Callable[[str], None] = print
+) -> list[ActionRecord]:
+    """Each request said aloud (the bundled voice, background noise ``snr_db`` under it) in a conversation of its
+    own, scored as a typed one from what the wire shows; with what the server heard and the reply audio's length."""
+    from app.bench.samples import noise_rms, synthesize_speech, trim_to_speech
+    from app.bench.user import VoiceClient
+
+    clips = [trim_to_speech(synthesize_speech(request.text)) for request in actions]
+    noise = 0.0 if snr_db is None else noise_rms(clips, snr_db)
+    records = []
+    for index, (request, clip) in enumerate(zip(actions, clips, strict=True)):
+        async with VoiceClient(url, noise_rms=noise, seed=index) as client:
+            result = await client.ask(clip, timeout_s=TURN_TIMEOUT_S)
+        done = result.event(protocol.TurnDone)
+        error = next((event.message for event in result.all(protocol.Error)), None)
+        guards = {name: getattr(done.metrics, name) or 0 for name in protocol.GUARD_FIELDS} if done else {}
+        audio_s = len(result.reply_audio) / 2 / result.output_sample_rate if result.output_sample_rate else 0.0
+        record = ActionRecord(
+            request,
+            done.text if done else "",
+            result.all(protocol.ToolDone),
+            guards,
+            error,
+            heard=result.final_transcript,
+            audio_s=round(audio_s, 1),
+        )
+        records.append(record)
+        say(describe_action(record))
+    return records
+
+
 def speech_seconds(replies: list[str]) -> dict[str, float]:
     """Seconds of speech per reply, p50 and p90, estimated from its length (``app.voice.runaway.SPOKEN_CHARS_PER_S``:
     the replies come as text here), and how many would run past 20 s."""
@@ -224,11 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--actions", action=argparse.BooleanOptionalAction, default=True, help="also the requests to act on"
     )
+    parser.add_argument("--spoken-actions", action="store_true", help="say the requests to act on aloud")
+    parser.add_argument("--snr-db", type=float, help="with --spoken-actions: noise this many dB under the speech")
     parser.add_argument("--out", default="bench-output", help="folder for the server log")
     parser.add_argument("--json", dest="json_path", help="write the summary and every turn here")
     args = parser.parse_args(argv)
-    if not 1 <= args.conversations <= len(CONVERSATIONS):
-        parser.error(f"--conversations: 1 to {len(CONVERSATIONS)}")
+    if not 0 <= args.conversations <= len(CONVERSATIONS):
+        parser.error(f"--conversations: 0 to {len(CONVERSATIONS)}")
+    if args.spoken_actions and not args.actions:
+        parser.error("--spoken-actions needs the actions (not --no-actions)")
     chosen = CONVERSATIONS[: args.conversations]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -240,16 +280,19 @@ def main(argv: list[str] | None = None) -> int:
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:
         print(f"typing {sum(map(len, chosen))} conversation turns, then their questions alone, to {url} ...")
-        actions = ACTIONS if args.actions else ()
-        conversations, alone, acts = asyncio.run(
-            run(url, chosen, args.seed, say=lambda line: print(line, flush=True), actions=actions)
-        )
+        actions = ACTIONS if args.actions and not args.spoken_actions else ()
+        say = lambda line: print(line, flush=True)  # noqa: E731
+        conversations, alone, acts = asyncio.run(run(url, chosen, args.seed, say=say, actions=actions))
+        if args.spoken_actions:
+            print(f"saying {len(ACTIONS)} requests to act on (noise: {args.snr_db} dB SNR) ...", flush=True)
+            acts = asyncio.run(speak_actions(url, ACTIONS, args.snr_db, say=say))
     finally:
         if server is not None:
             server.stop()
-    summary = summarize(conversations, alone) | (summarize_actions(acts) if acts else {})
+    summary = (summarize(conversations, alone) if conversations else {}) | (summarize_actions(acts) if acts else {})
     summary |= speech_seconds([r.reply for c in conversations for r in c] + [r.reply for r in alone + acts])
-    print_table(summary)
+    if conversations:
+        print_table(summary)
     if acts:
         print_actions(summary)
     if "speech_s_per_reply_p50" in summary:
@@ -261,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "summary": summary,
             "seed": args.seed,
+            "spoken_actions": args.spoken_actions,
+            "snr_db": args.snr_db,
             "server_args": args.server_arg,
             "conversations": [[record.to_json() for record in records] for records in conversations],
             "alone": [record.to_json() for record in alone],

@@ -76,6 +76,8 @@ class ActionRecord:
     calls: list[protocol.ToolDone] = field(default_factory=list)
     guards: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    heard: str | None = None  # spoken (``--spoken-actions``): what the server transcribed
+    audio_s: float | None = None  # spoken: seconds of reply audio received
 
     @property
     def acted(self) -> list[protocol.ToolDone]:
@@ -116,6 +118,7 @@ class ActionRecord:
             "right": self.right,
             "claim_without_action": self.claim_without_action,
             "error": self.error,
+            **({"heard": self.heard, "audio_s": self.audio_s} if self.heard is not None else {}),
         }
 
 
@@ -129,6 +132,10 @@ def summarize_actions(records: list[ActionRecord]) -> dict:
         summary[f"declines_asked_{half}"] = sum(r.ask.tool is None for r in mine)
         summary[f"claims_without_action_{half}"] = sum(r.claim_without_action for r in mine)
     summary["action_errors"] = sum(r.error is not None for r in records)
+    spoken = [r.audio_s for r in records if r.audio_s is not None]
+    if spoken:
+        summary["action_audio_s_max"] = round(max(spoken), 1)
+        summary["action_replies_over_20_s_of_audio"] = sum(s > 20 for s in spoken)
     summary["guard_runaway_actions"] = sum(r.guards.get("guard_runaway", 0) for r in records)
     return summary
 
@@ -136,7 +143,8 @@ def summarize_actions(records: list[ActionRecord]) -> dict:
 def describe_action(record: ActionRecord) -> str:
     calls = ", ".join(f"{c.name}:{c.status}" for c in record.calls) or "no call"
     mark = "ok " if record.right else "BAD"
-    return f"  {mark} [{record.ask.half}] {record.ask.text!r} -> {calls}; {record.reply[:80]!r}"
+    heard = "" if record.heard is None else f" (heard {record.heard!r}, {record.audio_s:.1f} s of audio)"
+    return f"  {mark} [{record.ask.half}] {record.ask.text!r}{heard} -> {calls}; {record.reply[:80]!r}"
 
 
 def print_actions(summary: dict) -> None:
@@ -149,3 +157,8 @@ def print_actions(summary: dict) -> None:
         print(f"{label:<44}{cells[0]:>18}{cells[1]:>18}")
     claims = [str(summary[f"claims_without_action_{h}"]) for h in ("tune", "held_out")]
     print(f"{'replies claiming an action not taken':<44}{claims[0]:>18}{claims[1]:>18}")
+    if "action_audio_s_max" in summary:
+        print(
+            f"spoken: longest reply {summary['action_audio_s_max']} s of audio, "
+            f"{summary['action_replies_over_20_s_of_audio']} over 20 s; runaways {summary['guard_runaway_actions']}"
+        )

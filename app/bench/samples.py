@@ -35,6 +35,13 @@ def synthesize_speech(
     return audio
 
 
+def noise_rms(clips: list[np.ndarray], snr_db: float) -> float:
+    """The RMS of background noise ``snr_db`` under the speech of ``clips`` (its loud samples, not its pauses)."""
+    speech = np.concatenate(clips)
+    loud = speech[np.abs(speech) > 0.01]
+    return float(np.sqrt(np.mean(loud**2))) / 10 ** (snr_db / 20)
+
+
 FRAME = ASR_SAMPLE_RATE // 100  # 10 ms
 
 

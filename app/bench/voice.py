@@ -43,7 +43,7 @@ import numpy as np
 
 from app import protocol
 from app.bench.launcher import ServerProcess
-from app.bench.samples import synthesize_speech, trim_to_speech, with_pause
+from app.bench.samples import noise_rms, synthesize_speech, trim_to_speech, with_pause
 from app.bench.tools import DEFAULT_TOOL_MS, TOOL_MS_VARIABLE
 from app.bench.user import CLIENT_MEASURED, VoiceClient
 from app.voice.text import words
@@ -149,12 +149,8 @@ def build_workload(kind: str, snr_db: float | None, rates: list[float], pause_s:
     over_reply = ()
     if kind == "backchannels":
         over_reply = tuple((text, trim_to_speech(synthesize_speech(text))) for text in [*BACKCHANNELS, INTERRUPTION])
-    noise_rms = 0.0
-    if snr_db is not None:
-        speech = np.concatenate([audio for _, audio in questions])
-        loud = speech[np.abs(speech) > 0.01]
-        noise_rms = float(np.sqrt(np.mean(loud**2))) / 10 ** (snr_db / 20)
-    return Workload(kind, tuple(questions), over_reply, noise_rms)
+    noise = 0.0 if snr_db is None else noise_rms([audio for _, audio in questions], snr_db)
+    return Workload(kind, tuple(questions), over_reply, noise)
 
 
 ANSWER_TIMEOUT_S = 60.0

@@ -390,6 +390,11 @@ def test_an_action_is_right_only_when_its_tool_completed_with_what_was_asked_and
     assert summary["actions_right_tune"] == 1 and summary["actions_asked_tune"] == 2
     assert summary["declined_right_held_out"] == 1 and summary["declines_asked_held_out"] == 3
     assert summary["claims_without_action_held_out"] == 1
+    assert "action_audio_s_max" not in summary  # typed: no audio
+    spoken = [ActionRecord(timer, "Done.", [], heard="Set a timer for 10 minutes.", audio_s=s) for s in (2.0, 21.5)]
+    summary = summarize_actions(spoken)
+    assert summary["action_audio_s_max"] == 21.5 and summary["action_replies_over_20_s_of_audio"] == 1
+    assert spoken[0].to_json()["heard"] == "Set a timer for 10 minutes." and "heard" not in set_right.to_json()
 
 
 def test_the_action_set_has_two_halves_and_each_tool_of_the_default_skills():
