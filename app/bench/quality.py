@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from app.bench.quality_actions import (
     describe_action,
     print_actions,
     summarize_actions,
+    with_home,
 )
 from app.bench.quality_score import TurnRecord, describe, print_table, score_in_conversation, score_turn, summarize
 from app.bench.quality_set import CONVERSATIONS, Ask, alone_questions
@@ -262,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--spoken-actions", action="store_true", help="say the requests to act on aloud")
     parser.add_argument("--snr-db", type=float, help="with --spoken-actions: noise this many dB under the speech")
+    parser.add_argument(
+        "--home", action="store_true", help="connect a stand-in home MCP server (app.bench.home_mcp): lights to switch"
+    )
     parser.add_argument("--out", default="bench-output", help="folder for the server log")
     parser.add_argument("--json", dest="json_path", help="write the summary and every turn here")
     args = parser.parse_args(argv)
@@ -274,18 +279,25 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     server, url = None, args.url
+    action_set = with_home(ACTIONS) if args.home else ACTIONS
+    if args.home and url is not None:
+        parser.error("--home starts the server (it connects the home's MCP server): leave out --url")
+    home_state = (out / "home-state.json").resolve()
+    if args.home:
+        home = {"name": "home", "command": [sys.executable, "-m", "app.bench.home_mcp", "--state", str(home_state)]}
+        args.server_arg += ["--mcp-servers", json.dumps([home])]
     if url is None:
         print("starting parley serve ...", flush=True)
         server = ServerProcess(["serve", *args.server_arg], out / "quality-server.log")
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:
         print(f"typing {sum(map(len, chosen))} conversation turns, then their questions alone, to {url} ...")
-        actions = ACTIONS if args.actions and not args.spoken_actions else ()
+        actions = action_set if args.actions and not args.spoken_actions else ()
         say = lambda line: print(line, flush=True)  # noqa: E731
         conversations, alone, acts = asyncio.run(run(url, chosen, args.seed, say=say, actions=actions))
         if args.spoken_actions:
-            print(f"saying {len(ACTIONS)} requests to act on (noise: {args.snr_db} dB SNR) ...", flush=True)
-            acts = asyncio.run(speak_actions(url, ACTIONS, args.snr_db, say=say))
+            print(f"saying {len(action_set)} requests to act on (noise: {args.snr_db} dB SNR) ...", flush=True)
+            acts = asyncio.run(speak_actions(url, action_set, args.snr_db, say=say))
     finally:
         if server is not None:
             server.stop()
@@ -306,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "spoken_actions": args.spoken_actions,
             "snr_db": args.snr_db,
+            "home": json.loads(home_state.read_text()) if args.home and home_state.exists() else None,
             "server_args": args.server_arg,
             "conversations": [[record.to_json() for record in records] for records in conversations],
             "alone": [record.to_json() for record in alone],

@@ -69,6 +69,22 @@ ACTIONS: tuple[ActionAsk, ...] = (
 )
 
 
+# With a home's MCP server connected (``--home``: ``app.bench.home_mcp``, Home Assistant's tool names), the lights
+# request is one to act on, and more are asked; written before the first run with it, never tuned on.
+HOME_ACTIONS: tuple[ActionAsk, ...] = (
+    ActionAsk("Turn on the kitchen lights.", "HassTurnOn", ("kitchen",), "tune"),
+    ActionAsk("Switch off the bedroom lamp.", "HassTurnOff", ("bedroom",)),
+    ActionAsk("Turn the porch light on, please.", "HassTurnOn", ("porch",)),
+)
+
+
+def with_home(actions: tuple[ActionAsk, ...]) -> tuple[ActionAsk, ...]:
+    """``actions`` where a home's lights can be switched: the home's requests replace the same words declined."""
+    home = {ask.text: ask for ask in HOME_ACTIONS}
+    kept = tuple(home.pop(ask.text, ask) for ask in actions)
+    return kept + tuple(home.values())
+
+
 @dataclass
 class ActionRecord:
     ask: ActionAsk

@@ -1,0 +1,97 @@
+"""A stand-in for Home Assistant's MCP server, over stdio, for ``parley bench quality --home``.
+
+Home Assistant's *Model Context Protocol Server* integration (``/api/mcp``) offers its intents as tools;
+``HassTurnOn`` and ``HassTurnOff`` take the device by ``name`` and/or ``area`` (and ``floor``, ``domain``,
+``device_class``), which is what "turn on the kitchen lights" must reach. This server offers those two tools with
+those parameters on a few made-up lights, matches them as loosely as Home Assistant does (a name or an area,
+any case, "lights" for "light"), fails a request that matches nothing, and writes every light's state to
+``--state`` after each call, so the benchmark reads what really happened, not what the reply says.
+
+Not Home Assistant: no live home was at hand; its tools' names and parameters are copied, its matching is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+LIGHTS = {
+    "light.kitchen": {"name": "Kitchen light", "area": "kitchen"},
+    "light.bedroom_lamp": {"name": "Bedroom lamp", "area": "bedroom"},
+    "light.living_room": {"name": "Living room lights", "area": "living room"},
+    "light.porch": {"name": "Porch light", "area": "porch"},
+}
+
+
+def _words(text: str | None) -> str:
+    return " ".join((text or "").lower().replace("_", " ").replace("lights", "light").split())
+
+
+def matching(name: str | None, area: str | None, domain: list[str] | None) -> list[str]:
+    """The lights a request names: by area, by name, or by both; a domain other than light matches none."""
+    if domain and "light" not in [_words(d) for d in domain]:
+        return []
+    wanted_name, wanted_area = _words(name), _words(area)
+    found = []
+    for entity, light in LIGHTS.items():
+        light_name, light_area = _words(light["name"]), _words(light["area"])
+        by_area = not wanted_area or wanted_area in light_area or light_area in wanted_area
+        by_name = not wanted_name or wanted_name in light_name or light_name in wanted_name or wanted_name == "light"
+        by_name = by_name or (wanted_name and light_area in wanted_name)  # "kitchen light" said as the name
+        if (wanted_area or wanted_name) and by_area and by_name:
+            found.append(entity)
+    return found
+
+
+def make_server(state_path: Path) -> MCPServer:
+    state = dict.fromkeys(LIGHTS, "off")
+    server = MCPServer("home-stand-in")
+
+    def switch(to: str, name: str | None, area: str | None, domain: list[str] | None) -> str:
+        found = matching(name, area, domain)
+        if not found:
+            raise ToolError(f"no device or entity matched name={name!r} area={area!r}")
+        for entity in found:
+            state[entity] = to
+        tmp = state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, state_path)
+        return f"Turned {to}: " + ", ".join(f"{LIGHTS[e]['name']} ({LIGHTS[e]['area']})" for e in found)
+
+    @server.tool(name="HassTurnOn", description="Turns on/opens/presses a device or entity")
+    def turn_on(
+        name: str | None = None,
+        area: str | None = None,
+        floor: str | None = None,
+        domain: list[str] | None = None,
+        device_class: list[str] | None = None,
+    ) -> str:
+        return switch("on", name, area, domain)
+
+    @server.tool(name="HassTurnOff", description="Turns off/closes a device or entity")
+    def turn_off(
+        name: str | None = None,
+        area: str | None = None,
+        floor: str | None = None,
+        domain: list[str] | None = None,
+        device_class: list[str] | None = None,
+    ) -> str:
+        return switch("off", name, area, domain)
+
+    state_path.write_text(json.dumps(state))
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state", required=True, help="where every light's state is written")
+    make_server(Path(parser.parse_args().state)).run("stdio")
+
+
+if __name__ == "__main__":
+    main()
