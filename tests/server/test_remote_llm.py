@@ -24,7 +24,7 @@ pytestmark = pytest.mark.models  # two real servers
 
 @pytest.fixture(scope="module")
 def engine_and_voice(output_dir):
-    engine = ServerProcess(["engine", "serve", "--dtype", "bfloat16"], output_dir / "remote-engine.log")
+    engine = ServerProcess(["engine", "serve"], output_dir / "remote-engine.log")
     llm_url = engine.base_url + "/v1"
     try:
         voice = ServerProcess(
@@ -127,9 +127,7 @@ async def test_the_llm_server_killed_mid_reply_is_told_and_the_turn_after_its_re
                 break
             await asyncio.sleep(0.25)
         assert health.status_code == 503 and health.json()["degraded"] == ["llm"]
-        restarted = ServerProcess(
-            ["engine", "serve", "--dtype", "bfloat16"], output_dir / "remote-engine-again.log", port=engine.port
-        )
+        restarted = ServerProcess(["engine", "serve"], output_dir / "remote-engine-again.log", port=engine.port)
         await connection.send_text("What is the capital of France?")
         while not isinstance(done := await connection.recv(timeout_s=120), protocol.TurnDone):
             assert not isinstance(done, protocol.Error), done
