@@ -8,6 +8,8 @@ any case, "lights" for "light"), fails a request that matches nothing, and write
 ``--state`` after each call, so the benchmark reads what really happened, not what the reply says.
 
 Not Home Assistant: no live home was at hand; its tools' names and parameters are copied, its matching is not.
+Like Home Assistant (whose intent slots pass through ``cv.ensure_list``), ``domain`` and ``device_class`` take a
+list or one string: the default brain writes ``"domain": "light"``, which a stricter stand-in refused.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Annotated
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import BeforeValidator
+
+# a list of strings, as advertised; one string is taken as a list of it (Home Assistant's ``cv.ensure_list``)
+Names = Annotated[list[str] | None, BeforeValidator(lambda value: [value] if isinstance(value, str) else value)]
 
 LIGHTS = {
     "light.kitchen": {"name": "Kitchen light", "area": "kitchen"},
@@ -68,8 +75,8 @@ def make_server(state_path: Path) -> MCPServer:
         name: str | None = None,
         area: str | None = None,
         floor: str | None = None,
-        domain: list[str] | None = None,
-        device_class: list[str] | None = None,
+        domain: Names = None,
+        device_class: Names = None,
     ) -> str:
         return switch("on", name, area, domain)
 
@@ -78,8 +85,8 @@ def make_server(state_path: Path) -> MCPServer:
         name: str | None = None,
         area: str | None = None,
         floor: str | None = None,
-        domain: list[str] | None = None,
-        device_class: list[str] | None = None,
+        domain: Names = None,
+        device_class: Names = None,
     ) -> str:
         return switch("off", name, area, domain)
 

@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         args.server_arg += ["--mcp-servers", json.dumps([home])]
     if url is None:
         print("starting parley serve ...", flush=True)
-        server = ServerProcess(["serve", *args.server_arg], out / "quality-server.log")
+        # answers are scored, not speed: the latency breaker must not refuse the spoken requests' connections
+        breaker_off = ["--breaker-voice-to-voice-ms", "600000", "--breaker-llm-ttft-ms", "600000"]
+        server = ServerProcess(["serve", *breaker_off, *args.server_arg], out / "quality-server.log")
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:
         print(f"typing {sum(map(len, chosen))} conversation turns, then their questions alone, to {url} ...")
