@@ -62,7 +62,7 @@ def make_server(state_path: Path) -> MCPServer:
     def switch(to: str, name: str | None, area: str | None, domain: list[str] | None) -> str:
         found = matching(name, area, domain)
         if not found:
-            raise ToolError(f"no device or entity matched name={name!r} area={area!r}")
+            raise ToolError(f"no device or entity matched name={name!r} area={area!r} domain={domain!r}")
         for entity in found:
             state[entity] = to
         tmp = state_path.with_suffix(".tmp")
