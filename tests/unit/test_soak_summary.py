@@ -38,9 +38,9 @@ def test_the_server_exports_its_heap_as_glibc_sees_it():
     """``parley_heap_bytes`` (read by the soak) grows with a live allocation and says so in /metrics."""
     import ctypes
 
-    from app.server.metrics import VoiceMetrics, heap_bytes
-
     import pytest
+
+    from app.server.metrics import VoiceMetrics, heap_bytes
 
     before = heap_bytes()
     if before is None:
