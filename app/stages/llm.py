@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from app.stages.base import ChatLLM, GenerationSettings, Message, ReplyFeature, ReplyRequest, ToolCall, ToolSpec
+from app.stages.code_fence import Unfence
 from app.stages.control_tokens import neutralize_messages, neutralize_tools
 from app.stages.llm_engine import EngineChatLLM, is_json
 
@@ -193,8 +194,8 @@ class OpenAIChatLLM:
         With tools, the text is also read for calls the server's own parser left in it: vLLM's hermes parser takes
         only tagged calls, and Qwen2.5-Coder-0.5B (the default brain) writes its calls as bare JSON, which reached
         the user as spoken JSON. Such a call (tagged, or a JSON object naming a tool that opens the reply) is
-        read as the in-process engine reads it (``engine.openai_api.tool_parser``, Hermes); other text streams
-        through as it comes."""
+        read as the in-process engine reads it (``engine.openai_api.tool_parser``, Hermes), also inside a markdown
+        code fence (``app.stages.code_fence``); other text streams through as it comes."""
         from engine.openai_api.tool_parser import ParsedDelta, ReplyAssembler, ToolCallParser
         from engine.structured_output.formats import HERMES
 
@@ -204,13 +205,14 @@ class OpenAIChatLLM:
             extra = {"tools": list(tools.tools), "tool_choice": tools.choice, "parallel_tool_calls": tools.parallel}
         calls: dict[int, dict[str, str]] = {}
         text_parser = ToolCallParser(HERMES) if extra else None
+        unfence = Unfence()  # a call in a markdown code fence, as the default brain wrote it through vLLM
         in_text = ReplyAssembler()
         async for delta in self._deltas(request, extra):
             if delta.get("content"):
                 if text_parser is None:
                     yield delta["content"]
                 else:
-                    parsed = text_parser.feed(delta["content"])
+                    parsed = text_parser.feed(unfence.feed(delta["content"]))
                     if parsed.content:
                         yield parsed.content
                     in_text.add(ParsedDelta(calls=parsed.calls))
@@ -221,7 +223,9 @@ class OpenAIChatLLM:
                 call["name"] = function.get("name") or call["name"]
                 call["arguments"] += function.get("arguments") or ""
         if text_parser is not None:
+            last = text_parser.feed(unfence.finish())
             rest = text_parser.finish()
+            rest = ParsedDelta(last.content + rest.content, last.calls + rest.calls)
             if rest.content:
                 yield rest.content
             in_text.add(ParsedDelta(calls=rest.calls))

@@ -10,7 +10,9 @@ vLLM serves the bundled SmolLM2 folder (the converted GGUF in ``~/.cache/parley/
 cores; ``python -m vllm.entrypoints.openai.api_server`` because vLLM's own CLI looks for a distribution named
 ``vllm``. What is shown: the words a user types reach the model as words (vLLM's own ``/tokenize`` of the very
 messages Parley's backend sent), a spoken question is answered through it, and a barge-in ends the request on
-vLLM (its running-requests gauge back to 0).
+vLLM (its running-requests gauge back to 0). With the default brain fetched, vLLM also serves it with its own tool
+parser (``--enable-auto-tool-choice --tool-call-parser hermes``, ~3 more minutes), and a typed request sets a
+timer through the built-in skill: the call comes back through vLLM's parser or, written bare, through Parley's.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import pytest
 from harness import NO_BREAKER, TEST_MAX_SESSIONS, assert_barged_in, talk_over_a_long_reply
 from heard import heard_as
 
+from app import protocol
 from app.bench.launcher import ServerProcess
 from app.bench.user import speak_turn
+from app.clients.core import open_connection
 from app.stages.base import GenerationSettings, ReplyRequest
 from app.stages.llm import OpenAIChatLLM
 from app.voice.text import words
-from engine.weights import resolve_model
+from engine.weights import DEFAULT_BRAIN, MIRRORED_MODELS, resolve_model
 
 VLLM_PYTHON = os.environ.get("PARLEY_VLLM_PYTHON", "")
 SERVED_NAME = "smollm2"
@@ -149,3 +153,52 @@ def ended_by_itself(url: str) -> float:
         if line.startswith("vllm:request_success_total{")
         and ('finished_reason="stop"' in line or 'finished_reason="length"' in line)
     )
+
+
+@pytest.fixture(scope="module")
+def brain_voice_url(output_dir):
+    """vLLM serving the default brain with its own tool parser, and a voice server on it with the skills on."""
+    if not MIRRORED_MODELS[DEFAULT_BRAIN].is_fetched():
+        pytest.skip(f"the default brain is not fetched (python -m engine.mirrors fetch {DEFAULT_BRAIN})")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    args = ["--model", str(resolve_model(DEFAULT_BRAIN, float32_weights=True)), "--served-model-name", DEFAULT_BRAIN]
+    args += [
+        "--max-model-len",
+        "4096",
+        "--dtype",
+        "float32",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
+    vllm = ServerProcess(
+        args,
+        output_dir / "vllm-brain.log",
+        ready_path="/v1/models",
+        timeout_s=900,
+        program=[VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"],
+    )
+    voice_args = ["serve", "--llm-backend", "openai", "--llm-url", vllm.base_url + "/v1", "--llm-model", DEFAULT_BRAIN]
+    voice = ServerProcess([*voice_args, *NO_BREAKER, *TEST_MAX_SESSIONS], output_dir / "vllm-brain-voice.log")
+    yield voice.base_url.replace("http://", "ws://") + "/ws"
+    voice.stop()
+    vllm.stop()
+
+
+async def test_the_default_brain_on_vllm_sets_a_timer_through_the_skill(brain_voice_url):
+    """The tools go to vLLM with ``tool_choice: auto``; the brain's call (tagged, read by vLLM's hermes parser, or
+    bare, read by Parley's) reaches the timer skill on the voice server, which understood ten minutes."""
+    connection = await open_connection(brain_voice_url)
+    events = []
+    try:
+        await connection.send_text("Set a timer for ten minutes.")
+        while not isinstance(events[-1] if events else None, protocol.TurnDone):
+            events.append(await connection.recv(timeout_s=180))
+    finally:
+        await connection.close()
+    calls = [e for e in events if isinstance(e, protocol.CallTool)]
+    settled = [e for e in events if isinstance(e, protocol.ToolDone)]
+    done = events[-1]
+    assert [(c.name, c.runs_on) for c in calls] == [("set_timer", "server")], events
+    assert settled[0].status == "completed" and "10 minutes" in settled[0].output, events
+    assert "{" not in done.text and words(done.text), events

@@ -118,6 +118,8 @@ async def test_a_call_the_server_left_in_the_text_is_read_as_a_call():
         (bare, [("get_weather", {"city": "Paris"})]),
         ("  " + bare, [("get_weather", {"city": "Paris"})]),
         (tagged, ["Checking. ", ("get_weather", {"city": "Rome"})]),
+        ("```json\n" + bare + "\n```", [("get_weather", {"city": "Paris"})]),  # fenced, as through vLLM
+        ("Use `get_weather` for that.", ["Use `get_weather` for that."]),
         ("{Braces} are fine here, <tool_ calls too.", ["{Braces} are fine here, <tool_ calls too."]),
         ('{"city": "Paris"} is where it is sunny.', ['{"city": "Paris"} is where it is sunny.']),
     ):
