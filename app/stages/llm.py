@@ -184,6 +184,14 @@ class OpenAIChatLLM:
                 log.info("%s serves %s with a context of %d tokens", self.base_url, self.model, limit)
         return self.model
 
+    async def _card_or_none(self) -> dict:
+        """The served model's ``/models`` card ({} where the server gives none); asked once."""
+        try:
+            await self._model_name()
+        except Exception:
+            return {}  # the request itself will say what is wrong
+        return self._card or {}
+
     def count_tokens(self, messages: list[Message]) -> None:
         return None  # no tokenizer here: the session estimates
 
@@ -204,7 +212,10 @@ class OpenAIChatLLM:
         if tools is not None and tools.tools and not (tools.choice == "auto" and self._auto_tools_refused):
             extra = {"tools": list(tools.tools), "tool_choice": tools.choice, "parallel_tool_calls": tools.parallel}
         calls: dict[int, dict[str, str]] = {}
-        text_parser = ToolCallParser(HERMES) if extra else None
+        # Parley's own server has read its text with this same parser already: read again, a model without tools in
+        # its template (SmolLM2) echoing a call's JSON as its answer made new calls
+        ours = extra and (self._card or await self._card_or_none()).get("owned_by") == "parley"
+        text_parser = ToolCallParser(HERMES) if extra and not ours else None
         unfence = Unfence()  # a call in a markdown code fence, as the default brain wrote it through vLLM
         in_text = ReplyAssembler()
         async for delta in self._deltas(request, extra):

@@ -134,6 +134,15 @@ async def test_a_call_the_server_left_in_the_text_is_read_as_a_call():
     llm, _ = remote(sse(delta(content=bare)))  # without tools the text is not read for calls
     assert await collect(llm.stream(ReplyRequest(history, "r1"))) == [bare]
 
+    def parleys(request: httpx.Request) -> httpx.Response:  # Parley's own server has read its text already
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "served", "owned_by": "parley"}]})
+        return httpx.Response(200, content=sse(delta(content=bare)), headers={"content-type": "text/event-stream"})
+
+    llm = OpenAIChatLLM("http://llm.test", model="served")
+    llm._client = httpx.AsyncClient(transport=httpx.MockTransport(parleys))
+    assert await collect(llm.stream(ReplyRequest(history, "r1", tools=auto))) == [bare]
+
 
 async def test_words_shaped_as_control_tokens_leave_for_the_server_as_words():
     """A remote server renders the chat template and parses special tokens in it: a typed text that closes the
