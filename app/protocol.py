@@ -361,12 +361,14 @@ class Notice(_Message):
 class Error(_Message):
     """Something went wrong; ``fatal`` errors are followed by the server closing the connection.
 
-    ``retry_after_s`` comes with ``overloaded``: when trying again may succeed.
+    ``retry_after_s`` comes with ``overloaded``: when trying again may succeed. ``turn_id`` names the turn an error
+    ended (``turn_failed``, ``llm_unavailable``): such a turn has no ``turn_done``.
     """
 
     type: Literal["error"] = "error"
     code: str
     message: str
+    turn_id: int | None = None
     fatal: bool = False
     retry_after_s: float | None = None
 

@@ -277,6 +277,11 @@ function handleEvent(msg) {
       ui.notice(msg.message, { keep: true, kind: "server" });
       break;
     case "error":
+      if (msg.turn_id != null) {
+        // the error ended that turn (turn_failed, llm_unavailable): no turn_done follows
+        if (state.replyTurn === msg.turn_id) state.replyTurn = null;
+        state.thinkingUntil = 0;
+      }
       if (msg.code === "overloaded") break; // shown as the "Server busy" countdown
       if (msg.code === "bad_config") {
         settings.setStatus(`Not applied: ${msg.message}`, "error");

@@ -275,7 +275,9 @@ class ChatLLM(Protocol):
 
     def stream(self, request: ReplyRequest) -> AsyncIterator[str | ToolCall]:
         """Yield the reply's text piece by piece, then each call it made (``ToolCall``, its arguments whole: only
-        with ``request.tools``); closing the iterator aborts the request. Fields outside ``features`` are ignored:
+        with ``request.tools``); closing the iterator aborts the request. An empty string says the model wrote
+        something not to be said (a call it is writing): nothing to speak, but a sign that it is alive, which the
+        reply's wait for its first words counts (``app.voice.llm_wait``). Fields outside ``features`` are ignored:
         callers pass ``request.within(llm.features)`` (``open_reply``)."""
         ...
 

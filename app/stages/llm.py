@@ -203,7 +203,9 @@ class OpenAIChatLLM:
         only tagged calls, and Qwen2.5-Coder-0.5B (the default brain) writes its calls as bare JSON, which reached
         the user as spoken JSON. Such a call (tagged, or a JSON object naming a tool that opens the reply) is
         read as the in-process engine reads it (``engine.openai_api.tool_parser``, Hermes), also inside a markdown
-        code fence (``app.stages.code_fence``); other text streams through as it comes."""
+        code fence (``app.stages.code_fence``); other text streams through as it comes. Every delta that says
+        nothing (a call's, held or from the server's parser) is an empty string: the reply's wait for its first
+        words counts it (``app.voice.llm_wait``), so a call written slowly is not a silent server."""
         from engine.openai_api.tool_parser import ParsedDelta, ReplyAssembler, ToolCallParser
         from engine.structured_output.formats import HERMES
 
@@ -219,14 +221,15 @@ class OpenAIChatLLM:
         unfence = Unfence()  # a call in a markdown code fence, as the default brain wrote it through vLLM
         in_text = ReplyAssembler()
         async for delta in self._deltas(request, extra):
+            said = ""
             if delta.get("content"):
                 if text_parser is None:
-                    yield delta["content"]
+                    said = delta["content"]
                 else:
                     parsed = text_parser.feed(unfence.feed(delta["content"]))
-                    if parsed.content:
-                        yield parsed.content
+                    said = parsed.content
                     in_text.add(ParsedDelta(calls=parsed.calls))
+            yield said  # "" while a call is written: the server is alive (``ChatLLM.stream``)
             for piece in delta.get("tool_calls") or ():
                 call = calls.setdefault(int(piece.get("index", len(calls))), {"id": "", "name": "", "arguments": ""})
                 function = piece.get("function") or {}

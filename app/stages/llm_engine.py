@@ -287,8 +287,7 @@ class EngineChatLLM:
                 if output.finished:
                     rest = parser.finish()
                     delta = ParsedDelta(delta.content + rest.content, delta.calls + rest.calls)
-            if delta.content:
-                yield delta.content
+            yield delta.content  # "" while a call is written (``ChatLLM.stream``)
             calls.add(ParsedDelta(calls=delta.calls))
         for call in calls.reply().calls:
             if is_json(call.arguments):

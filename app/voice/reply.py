@@ -315,11 +315,17 @@ class Reply:
                 pieces.put_nowait(Piece(self.options.unavailable_words, filler=True))  # (spoken, never the reply's)
                 pieces.put_nowait(None)
                 await speaker
-            await self.emit(protocol.Error(code="llm_unavailable", message=f"the language model did not answer: {exc}"))
+            await self.emit(
+                protocol.Error(
+                    code="llm_unavailable", message=f"the language model did not answer: {exc}", turn_id=self.turn_id
+                )
+            )
         except Exception as exc:  # one failed turn must not end the conversation
             log.exception("turn %s failed", self.turn_id)
             self._wiring.listener.reply_failed(self)
-            await self.emit(protocol.Error(code="turn_failed", message=f"could not answer: {exc}"))
+            await self.emit(
+                protocol.Error(code="turn_failed", message=f"could not answer: {exc}", turn_id=self.turn_id)
+            )
         finally:
             self._turn_end_unread()
             await cancel_task(speaker)
@@ -377,6 +383,8 @@ class Reply:
                     self.metrics.llm_ttft_ms = (self._clock.now() - self._produce_started) * 1000
                 if isinstance(event, ToolCall):
                     calls.append(event)
+                    continue
+                if not event:  # a call being written: alive, nothing to say
                     continue
                 delta = await self.write(event, round_start)
                 self._queue(cutter, cutter.push(delta), pieces, answer)

@@ -75,7 +75,8 @@ def remote(reply: bytes) -> tuple[OpenAIChatLLM, list[dict]]:
 
 
 async def collect(stream) -> list:
-    return [event async for event in stream]
+    """The reply's text and calls (the empty strings that say a call is being written left out)."""
+    return [event async for event in stream if event != ""]
 
 
 async def test_the_remote_backend_sends_the_tools_and_puts_streamed_calls_back_together():
@@ -142,6 +143,28 @@ async def test_a_call_the_server_left_in_the_text_is_read_as_a_call():
     llm = OpenAIChatLLM("http://llm.test", model="served")
     llm._client = httpx.AsyncClient(transport=httpx.MockTransport(parleys))
     assert await collect(llm.stream(ReplyRequest(history, "r1", tools=auto))) == [bare]
+
+
+async def test_a_call_being_written_shows_the_server_alive_delta_by_delta():
+    """A call held until whole (read from the text, or streamed by the server's own parser) says nothing, but each of
+    its deltas is an empty string as it arrives: the reply's wait for the LLM's first words counts those, so a slow
+    call is not taken for a silent server (``app.voice.llm_wait``)."""
+    auto = ToolSpec((WEATHER,), "auto", parallel=True)
+    history = [{"role": "user", "content": "Weather in Paris?"}]
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    pieces = [bare[i : i + 5] for i in range(0, len(bare), 5)]
+    llm, _ = remote(sse(*(delta(content=p) for p in pieces)))
+    events = [event async for event in llm.stream(ReplyRequest(history, "r1", tools=auto))]
+    assert events[: len(pieces)] == [""] * len(pieces)
+    assert events[len(pieces) :] == [ToolCall(events[-1].id, "get_weather", '{"city": "Paris"}')]
+    streamed = sse(
+        delta(role="assistant", content=""),
+        delta(tool_calls=[{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather"}}]),
+        delta(tool_calls=[{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]),
+    )
+    llm, _ = remote(streamed)
+    events = [event async for event in llm.stream(ReplyRequest(history, "r2", tools=auto))]
+    assert events == ["", "", "", ToolCall("call_a", "get_weather", '{"city": "Paris"}')]
 
 
 async def test_words_shaped_as_control_tokens_leave_for_the_server_as_words():

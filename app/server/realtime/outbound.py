@@ -27,6 +27,8 @@ from app.server.realtime.state import Item, RealtimeState, Response, ResponsePar
 from app.voice.session import VoiceSession
 
 INCLUDE_NOTICES = "parley.notice"
+# the errors that end a turn in place of its turn_done (``protocol.Error.turn_id``): its response fails
+TURN_ENDING_ERRORS = ("turn_failed", "llm_unavailable")
 
 
 class Outbound:
@@ -217,10 +219,17 @@ class Outbound:
             response.cancel_reason = "turn_detected"
 
     async def _on_parley_error(self, message: protocol.Error) -> None:
+        """An error that ended a turn (it names it) fails that turn's response; any other is an ``error`` event."""
         response = self.state.response
-        if message.code == "turn_failed" and response is not None:
+        if message.turn_id is not None:
+            response = self.state.current(message.turn_id)
+        if message.code in TURN_ENDING_ERRORS and response is not None:
             error = {"type": "server_error", "code": message.code, "message": message.message}
             await self.responses.finish(response, "failed", "".join(response.text_parts).strip(), error)
             return
-        kind = "server_error" if message.code in ("internal", "overloaded", "turn_failed") else "invalid_request_error"
+        kind = (
+            "server_error"
+            if message.code in ("internal", "overloaded", *TURN_ENDING_ERRORS)
+            else "invalid_request_error"
+        )
         await self.error(RealtimeError(message.code, message.message, kind=kind))

@@ -226,6 +226,12 @@ async def test_a_failed_turn_fails_its_response_and_other_errors_are_error_event
     assert done["response"]["status"] == "failed"
     assert done["response"]["status_details"]["error"]["code"] == "turn_failed"
     assert done["response"]["output"][0]["content"][0]["transcript"] == "Hel"
+    # the LLM that did not answer ends the next turn's response as failed too, named by its turn
+    await rt.outbound.on_parley(protocol.Transcript(turn_id=2, text="Again", final=True))
+    await rt.outbound.on_parley(protocol.Error(code="llm_unavailable", message="no word in 10 s", turn_id=2))
+    done = rt.client.events[-1]
+    assert done["type"] == "response.done" and done["response"]["status"] == "failed"
+    assert done["response"]["status_details"]["error"]["code"] == "llm_unavailable"
     rt.state.client_event_id = "evt_7"
     await rt.outbound.on_parley(protocol.Error(code="overloaded", message="busy"))
     await rt.outbound.on_parley(protocol.Error(code="bad_config", message="no"))

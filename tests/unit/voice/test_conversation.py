@@ -222,7 +222,7 @@ async def test_an_llm_that_fails_is_told_aloud_and_the_next_turn_is_answered(con
     conv.llm.stream = failing
     await conv.type("Hello?")
     [error] = conv.of(protocol.Error)
-    assert error.code == "llm_unavailable" and "connection refused" in error.message
+    assert error.code == "llm_unavailable" and "connection refused" in error.message and error.turn_id == 1
     assert conv.audio_s > 1.0  # the notice, spoken
     assert not conv.of(protocol.AssistantText) and not conv.of(protocol.TurnDone)
     assert conv.session.history == []

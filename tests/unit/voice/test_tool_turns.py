@@ -369,3 +369,36 @@ async def test_a_call_whose_arguments_are_not_an_object_fails_here_and_never_rea
     assert done(conv)[0].text == "Sorry, I could not do that."
     await conv.session.handle(protocol.ToolResult(call_id="call_1", output="{}"))
     assert conv.of(protocol.Error)[-1].code == "unknown_tool_call"
+
+
+class SlowCallLLM(ToolScriptedLLM):
+    """Writes its call over ``steps`` deltas ``gap_s`` apart, each an empty string (the call's text, held), as a
+    remote server streams a call it writes token by token."""
+
+    def __init__(self, steps: int, gap_s: float) -> None:
+        super().__init__([[CALL], ANSWER])
+        self.steps, self.gap_s = steps, gap_s
+
+    async def stream(self, request):
+        if request.tools is not None and not self.specs:
+            for _ in range(self.steps):
+                await asyncio.sleep(self.gap_s)  # (real time: the wait is the event loop's)
+                yield ""
+        async for event in super().stream(request):
+            yield event
+
+
+async def test_a_call_written_longer_than_the_llm_wait_is_made_not_given_up():
+    """A call is held until it is whole, so a reply that opens with one says nothing for as long as the model
+    writes it (seconds on a loaded server): the backend's empty deltas show the LLM alive, the call is made and
+    answered, and nothing empty is written to the client. A server that stays silent is still given up
+    (``test_conversation``)."""
+    conv = Conversation(llm=SlowCallLLM(steps=6, gap_s=0.03), tool_entry_point="fakes:server_tools", llm_wait_s=0.1)
+    await conv.type("What is the weather in Paris?")
+    for _ in range(300):
+        if done(conv) or conv.of(protocol.Error):
+            break
+        await asyncio.sleep(0.01)
+    assert not conv.of(protocol.Error)
+    assert done(conv)[0].text == "It is 21 degrees in Paris."
+    assert all(text.delta for text in conv.of(protocol.AssistantText))
