@@ -253,7 +253,7 @@ def test_int8_linear_matches_the_dequantized_product(dtype):
     for out_features, in_features in ((960, 576), (7, 96)):  # (7, 96): fewer outputs than a thread's share, odd blocks
         q, scale = quantize_per_channel(torch.randn(out_features, in_features) * 0.05)
         scale = scale.to(dtype)
-        for rows in range(1, 10):  # every remainder of the 4-row blocking
+        for rows in (*range(1, 10), 13, 38):  # every remainder of the 4-row blocking, below and in 2-row tiles
             x = torch.randn(rows, in_features).to(dtype)
             exact = x.float() @ (q.float() * scale.float()[:, None]).T
             got = fk.int8_linear(x, q, scale)
@@ -263,6 +263,30 @@ def test_int8_linear_matches_the_dequantized_product(dtype):
             assert F.cosine_similarity(got.float().flatten(), exact.flatten(), dim=0) > 0.9999
     with pytest.raises(RuntimeError, match="multiple of 32"):
         fk.int8_linear(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
+
+
+@pytest.mark.skipif(fk is None, reason="the fused CPU kernels are not built here")
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_a_prefill_dequantizes_into_one_kept_buffer_the_values_aten_gives(dtype):
+    """A prefill's dense product takes the int8 weight dequantized into the thread's buffer (``DenseWeight``): the
+    same values as ``q.to(dtype) * scale``, the same buffer call after call, and the product unchanged."""
+    from engine.quant import Int8PackLinear, quantize_per_channel
+
+    torch.manual_seed(0)
+    quantized = quantize_per_channel(torch.randn(96, 64) * 0.05)
+    linear = Int8PackLinear(None, torch.randn(96).to(dtype), dtype, quantized=quantized)
+    linear.use_fused_kernels(fk)
+    linear.max_rows = 4  # (so that 8 rows take the dense product on any CPU)
+    assert linear.dequantize is not None
+    w = linear.dequantize.weight(linear.dense_dtype)
+    assert torch.equal(w, linear.qweight.to(linear.dense_dtype) * linear.scale_col)
+    other = Int8PackLinear(torch.randn(32, 64), None, dtype)
+    other.use_fused_kernels(fk)
+    assert other.dequantize.weight(linear.dense_dtype).data_ptr() == w.data_ptr()  # one buffer, overwritten
+    x = torch.randn(8, 64).to(dtype)
+    reference = Int8PackLinear(None, linear.bias, dtype, quantized=quantized)
+    reference.max_rows = 4
+    assert torch.equal(linear(x), reference(x))  # (ATen's dequantization: no fused kernels)
 
 
 @int8_dot
