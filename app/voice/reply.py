@@ -283,7 +283,7 @@ class Reply:
         self._produce_started = self._clock.now()
         said: list[str] = []
         budget = SpeechBudget(self.options.speech_budget_s)
-        rounds = ToolRounds(self, self._tools, pieces, said)
+        rounds = ToolRounds(self, self._tools, pieces, said, budget)
         try:
             while True:
                 first = rounds.made == 0  # (only the first round weighs the words alone)

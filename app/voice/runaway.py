@@ -119,6 +119,11 @@ class SpeechBudget:
         self._chars = None if seconds is None else seconds * SPOKEN_CHARS_PER_S
         self._spoken = 0
 
+    def tighten(self, seconds: float) -> None:
+        """At most about ``seconds`` more of speech from here on (a bound already tighter stays)."""
+        limit = self._spoken + seconds * SPOKEN_CHARS_PER_S
+        self._chars = limit if self._chars is None else min(self._chars, limit)
+
     def admit(self, piece: str) -> tuple[bool, bool]:
         """(say ``piece``, stop after it): counts it as said when it is said."""
         if self._chars is None:

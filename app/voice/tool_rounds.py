@@ -17,10 +17,23 @@ from app import protocol
 from app.stages.base import Message, ToolCall, ToolSpec
 from app.voice.pieces import Piece
 from app.voice.reply_text import ReplyText
+from app.voice.runaway import SpeechBudget
 from app.voice.text import speakable
-from app.voice.tools import MAX_TOOL_ROUNDS, ToolRunner, calls_message, next_round, spoken_results, unasked_round
+from app.voice.tools import (
+    MAX_TOOL_ROUNDS,
+    ToolRunner,
+    calls_message,
+    failed_round,
+    next_round,
+    spoken_results,
+    unasked_round,
+)
 
 log = logging.getLogger(__name__)
+
+# How much the answer to calls that all failed may say: that it could not be done, in a sentence or two (the 0.5B
+# default brain read an MCP server's whole validation error aloud, 17.5 s, in `parley bench quality`'s spoken run).
+FAILED_CALLS_SPEECH_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -55,9 +68,15 @@ class ToolRounds:
     """
 
     def __init__(
-        self, reply: CallingReply, tools: ReplyTools | None, pieces: asyncio.Queue[Piece | None], said: list[str]
+        self,
+        reply: CallingReply,
+        tools: ReplyTools | None,
+        pieces: asyncio.Queue[Piece | None],
+        said: list[str],
+        budget: SpeechBudget,
     ) -> None:
         self._reply, self._tools, self._pieces, self._said = reply, tools, pieces, said
+        self._budget = budget
         self.spec = tools.spec if tools is not None else None
         self.made = 0
 
@@ -89,6 +108,8 @@ class ToolRounds:
             return messages
         if await self._say_results(results):
             return None  # the skills said what they did: no LLM round to write it again
+        if failed_round(results):
+            self._budget.tighten(FAILED_CALLS_SPEECH_S)
         self.spec = next_round(self.spec, self.made, self._tools.rounds)
         self._next_request()
         return answered

@@ -137,6 +137,18 @@ def spoken_results(results: list[Message]) -> str | None:
     return " ".join(says) if says and all(says) else None
 
 
+def failed_round(results: list[Message]) -> bool:
+    """Every result is a failure (``{"error": ...}``: the tool raised, timed out, or refused its arguments)."""
+    for message in results:
+        try:
+            result = json.loads(message.get("content") or "")
+        except (TypeError, ValueError):
+            return False
+        if not isinstance(result, dict) or "error" not in result:
+            return False
+    return bool(results)
+
+
 def unasked_round(results: list[Message]) -> bool:
     """Every result says its call was not asked for (``app.skills.base.unasked``): the model reached for a tool on
     words that wanted none, and the reply is written again without tools."""

@@ -402,3 +402,35 @@ async def test_a_call_written_longer_than_the_llm_wait_is_made_not_given_up():
     assert not conv.of(protocol.Error)
     assert done(conv)[0].text == "It is 21 degrees in Paris."
     assert all(text.delta for text in conv.of(protocol.AssistantText))
+
+
+async def test_the_answer_to_calls_that_all_failed_is_told_in_a_sentence_or_two():
+    """A failure is not read out: after calls that all failed the answer may say about ``FAILED_CALLS_SPEECH_S`` more
+    (it ends at the first sentence end past it), stored as what was said; one that did not fail keeps the reply's
+    whole budget."""
+    from app.voice.tool_rounds import FAILED_CALLS_SPEECH_S
+
+    long_answer = [  # ~30 s of speech
+        "The sensor reported a validation error on its humidity field. ",
+        "Morning clouds should clear over the river by ten. ",
+        "A light breeze from the west keeps the afternoon mild. ",
+        "Expect twenty one degrees at noon and fifteen after dark. ",
+        "Rain is unlikely before the weekend, when a front arrives. ",
+        "Pollen counts stay moderate, so allergy sufferers can relax. ",
+        "Sunset comes at eight minutes past seven this evening. ",
+        "Tomorrow looks much the same, perhaps a little warmer still. ",
+    ]
+    llm = ToolScriptedLLM([[ToolCall("call_h", "get_humidity", "{}")], long_answer])
+    conv = Conversation(llm=llm, tool_entry_point="fakes:server_tools")
+    await conv.type("How humid is it?")
+    await until(conv, lambda: done(conv))
+    text = done(conv)[0].text
+    assert 0 < len(text) <= (FAILED_CALLS_SPEECH_S * 16 + max(map(len, long_answer))) * 1.25
+    assert text.count(".") <= 2
+    assert conv.session.history[-1]["content"] == text
+
+    llm = ToolScriptedLLM([[ToolCall("call_w", "get_weather", '{"city": "Paris"}')], long_answer])
+    conv = Conversation(llm=llm, tool_entry_point="fakes:server_tools")
+    await conv.type("What is the weather in Paris?")
+    await until(conv, lambda: done(conv))
+    assert done(conv)[0].text.count(".") > 4
