@@ -43,6 +43,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.benchmarks.entry import bench_main
+
 log = logging.getLogger(__name__)
 
 DATA_PATH = Path(__file__).with_name("data.txt")
@@ -565,25 +567,8 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        r = run(args)
-    except (RuntimeError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"bench engine --peer: {e}", file=sys.stderr)
-        return 2
-    print(report(r))
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
-    return 0
+    return bench_main("bench engine --peer", build_parser(), argv, run, report)
 
 
 if __name__ == "__main__":

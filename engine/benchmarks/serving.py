@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.benchmarks.entry import bench_main
 from engine.benchmarks.peer import DATA_PATH, Req, chat_prompt, fmt, stats
 
 CONCURRENCY = (1, 8, 32)
@@ -417,23 +418,10 @@ def run(args, progress=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 0
-    from transformers.utils import logging as hf_logging
+    def run_showing_progress(args) -> dict:
+        return run(args, progress=lambda s: print(s, file=sys.stderr, flush=True))
 
-    hf_logging.set_verbosity_error()
-    try:
-        r = run(args, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    except (RuntimeError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"bench engine --peer vllm: {e}", file=sys.stderr)
-        return 2
-    print(report(r))
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
-    return 0
+    return bench_main("bench engine --peer vllm", build_parser(), argv, run_showing_progress, report)
 
 
 if __name__ == "__main__":
