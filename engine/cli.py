@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="cap on requests in the running batch")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step (default: 128 on the CPU, 512 on CUDA)",
+    )
     serve.add_argument(
         "--kv-cache-mb",
         type=int,

@@ -8,6 +8,8 @@ from typing import Literal
 Dtype = Literal["float32", "bfloat16", "float16"]
 Int8Method = Literal["auto", "int8pack", "ao", "bitsandbytes"]
 INT8_METHODS = ("auto", "int8pack", "ao", "bitsandbytes")
+CPU_STEP_TOKENS = 128  # ``EngineConfig.step_tokens``
+CUDA_STEP_TOKENS = 512
 
 
 def resolve_dtype(setting: str, device: str) -> str:
@@ -67,7 +69,7 @@ class EngineConfig:
     int8_method: Int8Method = "auto"
     device: Literal["cpu", "cuda", "auto"] = "auto"
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # tokens of one step; None: ``step_tokens`` (by device)
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: 512 MiB on the CPU, from gpu_memory_fraction on CUDA
     num_blocks: int | None = None
@@ -99,7 +101,8 @@ class EngineConfig:
             raise ValueError(f"int8_method={self.int8_method!r} applies only to quantization='int8'")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, not {self.device!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
+        budget = self.max_num_batched_tokens
+        if self.max_num_seqs < 1 or (budget is not None and budget < 1) or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be positive")
@@ -113,6 +116,19 @@ class EngineConfig:
             raise ValueError("prefill_threads_first_tokens must be 0 or more")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], not {self.gpu_memory_fraction}")
+
+    def step_tokens(self) -> int:
+        """The most tokens one step computes (``max_num_batched_tokens``, or the device's default).
+
+        On the CPU 128: a prompt is prefilled in chunks the int8 x int8 kernel takes (it beats the dense product
+        there), and a step of one user's long prompt holds the others' replies for ~1 s instead of ~4. The default
+        brain (int8, 2 AVX2 cores, the two alternated in one process): a 500-token prefill 4.37 s against 5.10 at
+        512, eight chat requests at once 15.5 against 14.4 tok/s with the median first token at 3.9 against 4.6 s;
+        SmolLM2 the same within noise (1.71 against 1.62 s, 43 against 42 tok/s). On CUDA 512: a GPU wants wide
+        steps."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CUDA_STEP_TOKENS if self.resolved_device() == "cuda" else CPU_STEP_TOKENS
 
     def resolved_device(self) -> str:
         """``auto`` means CUDA when a GPU is visible, else CPU."""

@@ -125,7 +125,7 @@ def profile_activation_bytes(model, num_tokens: int, block_size: int) -> int:
 def gpu_kv_cache_bytes(model, config, bytes_per_block: int, max_model_len: int) -> int:
     """CUDA only: the KV pool size for ``config`` (see ``kv_cache_bytes_for_gpu``), logged with its figures."""
     dev = model.device
-    activation = profile_activation_bytes(model, config.max_num_batched_tokens, config.block_size)
+    activation = profile_activation_bytes(model, config.step_tokens(), config.block_size)
     free, total = torch.cuda.mem_get_info(dev)
     per_seq = -(-max_model_len // config.block_size) * bytes_per_block
     useful = 2 * config.max_num_seqs * per_seq

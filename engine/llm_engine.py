@@ -69,9 +69,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, path, model)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.prompt_scores = PromptScoreCache()  # prompt log-probabilities computed, beside the prefix cache
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_model_len
-        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.step_tokens(), self.runner.max_model_len)
         self.eos_token_ids = _eos_token_ids(path, self.tokenizer, self.runner.model.args.eos_token_ids)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         # the model's generation_config.json sampling values: what the API uses for fields a request leaves unset

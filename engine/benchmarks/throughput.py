@@ -50,6 +50,7 @@ from engine.benchmarks.grammar import decode_grammar_cost, sampler_grammar_cost
 from engine.benchmarks.grammar import report_lines as grammar_report_lines
 from engine.benchmarks.sampler import report_lines as sampler_report_lines
 from engine.benchmarks.sampler import sampler_cost
+from engine.config import CPU_STEP_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ def run_engine(eng, reqs: list[BenchRequest]) -> RunResult:
         wall,
         produced,
         list(first.values()),
-        note=f"max_num_seqs={eng.config.max_num_seqs}, max_num_batched_tokens={eng.config.max_num_batched_tokens}",
+        note=f"max_num_seqs={eng.config.max_num_seqs}, max_num_batched_tokens={eng.config.step_tokens()}",
         extra={
             "engine_steps": steps,
             "engine_preemptions": stats["num_preemptions_total"] - stats0["num_preemptions_total"],
@@ -589,7 +590,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--static-batch-size", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine: cap on running requests")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine: token budget of a step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="engine: token budget of a step (default: the engine's)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines (a)-(c)")
     p.add_argument(
         "--hf-cb-default-budget",
@@ -729,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] (c) unavailable: {reason}", flush=True)
             return
         try:
-            budget = None if args.hf_cb_default_budget else args.max_num_batched_tokens
+            budget = None if args.hf_cb_default_budget else (args.max_num_batched_tokens or CPU_STEP_TOKENS)
             runs["hf_continuous"] = hf_continuous(hf["model"], reqs, pad_id, KV_CACHE_BYTES, budget)
         except Exception as e:  # a baseline that does not work here is reported, not fatal
             r["hf_continuous_error"] = f"{type(e).__name__}: {e}"

@@ -107,3 +107,20 @@ def test_cpu_runner_has_no_graphs_and_says_so(engine):
     assert engine.runner.graphs is None
     assert "CUDA graphs off (CPU)" in engine.describe()
     assert engine.model_info()["cuda_graphs"] == "off (CPU)"
+
+
+def test_a_step_s_token_budget_follows_the_device_unless_set():
+    """128 tokens a step on the CPU (prompts in chunks the int8 kernel takes; ``EngineConfig.step_tokens``), 512 on
+    CUDA; a value given wins on either; the scheduler takes the resolved one."""
+    from engine.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS
+
+    assert EngineConfig(device="cpu").step_tokens() == CPU_STEP_TOKENS == 128
+    assert EngineConfig(device="cuda").step_tokens() == CUDA_STEP_TOKENS == 512
+    assert EngineConfig(device="cpu", max_num_batched_tokens=40).step_tokens() == 40
+    assert EngineConfig(device="cuda", max_num_batched_tokens=40).step_tokens() == 40
+    with pytest.raises(ValueError, match="must be positive"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
+def test_the_engine_schedules_with_the_resolved_budget(engine):
+    assert engine.scheduler.max_num_batched_tokens == engine.config.step_tokens()
