@@ -62,8 +62,8 @@ TARGETS = {
     "peer_concurrent8_ttft_ratio": (0.25, False),
     "peer_prefill_ratio": (0.3, False),
 }
-# int8 and int4 run their activations as the app does on this CPU (``engine.config.resolve_dtype("auto")``: bfloat16
-# where the CPU computes it, else float32; emulated bfloat16 made int8 look several times slower than it runs)
+# int8 and int4 are configured as the app configures them (``engine.config.resolve_dtype("auto")``); ``ModelRunner``
+# then runs every quantized model on bfloat16 activations (its int8 x int8 kernel quantizes them per block of 32)
 PRECISIONS = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
