@@ -191,25 +191,6 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Up to MR rows of quantized x against one int8 weight row: each 32-weight block is loaded once
-// for all MR rows. maddubs takes unsigned x signed bytes, so it multiplies |w| by x with w's sign.
-template <int MR>
-inline void rows_dot(const int8_t* wr, const int8_t* qx, const float* dx, int64_t K, int64_t B, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
-    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kQBlock));
-    const __m256i abs_w = _mm256_sign_epi8(qw, qw);
-    for (int i = 0; i < MR; ++i) {
-      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + i * K + b * kQBlock));
-      const __m256i pairs = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(qv, qw));
-      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * B + b]), _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc[i]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) out[i] = hsum8(acc[i]);
-}
-
 // MR rows of quantized x against NR int8 weight rows (a tile): each block of x is loaded and its scale broadcast
 // once for the NR weight rows, each weight block once for the MR rows. out is [MR][NR].
 template <int MR, int NR>
@@ -236,6 +217,34 @@ inline void tile_dot(const int8_t* wr, int64_t w_stride, const int8_t* qx, const
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) out[i * NR + j] = hsum8(acc[i][j]);
+}
+
+// y = the product, NR weight rows at a time (parallel over those groups), against x in blocks of up to 4 rows.
+template <int NR, typename T>
+void tiled_product(const int8_t* w, const T* scale, T* y, const int8_t* qx, const float* dx, int64_t M, int64_t N,
+                   int64_t K, int64_t B, int64_t grain) {
+  at::parallel_for(0, N / NR, grain, [&](int64_t begin, int64_t end) {
+    float out[4 * NR];
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t n = NR * group;
+      const int8_t* wr = w + n * K;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        const int8_t* q = qx + m * K;
+        const float* d = dx + m * B;
+        switch (rows) {
+          case 4: tile_dot<4, NR>(wr, K, q, d, K, B, out); break;
+          case 3: tile_dot<3, NR>(wr, K, q, d, K, B, out); break;
+          case 2: tile_dot<2, NR>(wr, K, q, d, K, B, out); break;
+          default: tile_dot<1, NR>(wr, K, q, d, K, B, out);
+        }
+        for (int j = 0; j < NR; ++j) {
+          const float s = to_f(scale[n + j]);
+          for (int64_t i = 0; i < rows; ++i) y[(m + i) * N + n + j] = static_cast<T>(out[i * NR + j] * s);
+        }
+      }
+    }
+  });
 }
 
 // y[m, n] = scale[n] * sum_b d[m, b] * (qx[m, block b] . w[n, block b]): int8 x int8 dots, 32 per
@@ -269,51 +278,11 @@ void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64
       for (int64_t i = 0; i < kQBlock; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(to_f(src[i]) * inv));
     }
   }
-  if (M >= kTileRows && N % 2 == 0) {  // a prefill: tiles of 4 rows of x by 2 weight rows
-    at::parallel_for(0, N / 2, 8, [&](int64_t begin, int64_t end) {
-      float out[4 * 2];
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t n = 2 * pair;
-        const int8_t* wr = w + n * K;
-        for (int64_t m = 0; m < M; m += 4) {
-          const int64_t rows = std::min<int64_t>(4, M - m);
-          const int8_t* q = qx.data() + m * K;
-          const float* d = dx.data() + m * B;
-          switch (rows) {
-            case 4: tile_dot<4, 2>(wr, K, q, d, K, B, out); break;
-            case 3: tile_dot<3, 2>(wr, K, q, d, K, B, out); break;
-            case 2: tile_dot<2, 2>(wr, K, q, d, K, B, out); break;
-            default: tile_dot<1, 2>(wr, K, q, d, K, B, out);
-          }
-          const float s0 = to_f(scale[n]), s1 = to_f(scale[n + 1]);
-          for (int64_t i = 0; i < rows; ++i) {
-            y[(m + i) * N + n] = static_cast<T>(out[i * 2] * s0);
-            y[(m + i) * N + n + 1] = static_cast<T>(out[i * 2 + 1] * s1);
-          }
-        }
-      }
-    });
-    return;
+  if (M >= kTileRows && N % 2 == 0) {
+    tiled_product<2>(w, scale, y, qx.data(), dx.data(), M, N, K, B, 8);  // a prefill: 4 rows of x by 2 of w
+  } else {
+    tiled_product<1>(w, scale, y, qx.data(), dx.data(), M, N, K, B, 16);  // each weight row read once for all M
   }
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    float out[4];
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* wr = w + n * K;
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t rows = std::min<int64_t>(4, M - m);
-        const int8_t* q = qx.data() + m * K;
-        const float* d = dx.data() + m * B;
-        switch (rows) {
-          case 4: rows_dot<4>(wr, q, d, K, B, out); break;
-          case 3: rows_dot<3>(wr, q, d, K, B, out); break;
-          case 2: rows_dot<2>(wr, q, d, K, B, out); break;
-          default: rows_dot<1>(wr, q, d, K, B, out);
-        }
-        const float s = to_f(scale[n]);
-        for (int64_t i = 0; i < rows; ++i) y[(m + i) * N + n] = static_cast<T>(out[i] * s);
-      }
-    }
-  });
 }
 #endif
 
