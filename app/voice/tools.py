@@ -122,44 +122,42 @@ def next_round(spec: ToolSpec, rounds_done: int, max_rounds: int = MAX_TOOL_ROUN
 
 
 # ---------------------------------------------------------------- what the LLM reads back
-def spoken_results(results: list[Message]) -> str | None:
-    """The words the results say of themselves (each one's ``say``, as the skills give it: a refusal may say why),
-    or None when any result has none: then the LLM writes the answer from them."""
-    says = []
+def _result_objects(results: list[Message]) -> list[dict] | None:
+    """Each result read as a JSON object (what the skills and the runner's failures write), or None when any is not
+    one (a client's or another server's text)."""
+    objects = []
     for message in results:
         try:
             result = json.loads(message.get("content") or "")
         except (TypeError, ValueError):
             return None
-        if not isinstance(result, dict) or not isinstance(result.get("say"), str):
+        if not isinstance(result, dict):
             return None
-        says.append(result["say"].strip())
+        objects.append(result)
+    return objects
+
+
+def spoken_results(results: list[Message]) -> str | None:
+    """The words the results say of themselves (each one's ``say``, as the skills give it: a refusal may say why),
+    or None when any result has none: then the LLM writes the answer from them."""
+    objects = _result_objects(results)
+    if objects is None or not all(isinstance(result.get("say"), str) for result in objects):
+        return None
+    says = [result["say"].strip() for result in objects]
     return " ".join(says) if says and all(says) else None
 
 
 def failed_round(results: list[Message]) -> bool:
     """Every result is a failure (``{"error": ...}``: the tool raised, timed out, or refused its arguments)."""
-    for message in results:
-        try:
-            result = json.loads(message.get("content") or "")
-        except (TypeError, ValueError):
-            return False
-        if not isinstance(result, dict) or "error" not in result:
-            return False
-    return bool(results)
+    objects = _result_objects(results)
+    return bool(objects) and all("error" in result for result in objects)
 
 
 def unasked_round(results: list[Message]) -> bool:
     """Every result says its call was not asked for (``app.skills.base.unasked``): the model reached for a tool on
     words that wanted none, and the reply is written again without tools."""
-    for message in results:
-        try:
-            result = json.loads(message.get("content") or "")
-        except (TypeError, ValueError):
-            return False
-        if not isinstance(result, dict) or result.get("unasked") is not True:
-            return False
-    return bool(results)
+    objects = _result_objects(results)
+    return bool(objects) and all(result.get("unasked") is True for result in objects)
 
 
 def output_text(output: Any, max_chars: int = protocol.MAX_TOOL_OUTPUT_CHARS) -> str:
