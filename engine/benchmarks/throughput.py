@@ -50,7 +50,6 @@ from engine.benchmarks.grammar import decode_grammar_cost, sampler_grammar_cost
 from engine.benchmarks.grammar import report_lines as grammar_report_lines
 from engine.benchmarks.sampler import report_lines as sampler_report_lines
 from engine.benchmarks.sampler import sampler_cost
-from engine.config import CPU_STEP_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -735,7 +734,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] (c) unavailable: {reason}", flush=True)
             return
         try:
-            budget = None if args.hf_cb_default_budget else (args.max_num_batched_tokens or CPU_STEP_TOKENS)
+            from engine.config import EngineConfig
+
+            # the same step budget as the engine's (``_engine`` builds it on the CPU)
+            steps = EngineConfig(device="cpu", max_num_batched_tokens=args.max_num_batched_tokens).step_tokens()
+            budget = None if args.hf_cb_default_budget else steps
             runs["hf_continuous"] = hf_continuous(hf["model"], reqs, pad_id, KV_CACHE_BYTES, budget)
         except Exception as e:  # a baseline that does not work here is reported, not fatal
             r["hf_continuous_error"] = f"{type(e).__name__}: {e}"
