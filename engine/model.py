@@ -141,6 +141,7 @@ class LlamaModel:
             self._dense_lookup if w.vocab is None else w.vocab.lookup
         )
         self.lm_head_linear: Linear = w.lm_head_linear
+        self.vocab = w.vocab
         self.num_packed_linears = w.num_packed_linears
         if quant is not None:
             self.quant_info = quant_summary(
@@ -224,6 +225,8 @@ class LlamaModel:
         total += tensor_nbytes(*plain.values())
         if not isinstance(self.lm_head_linear, DenseLinear):
             total += linear_nbytes(self.lm_head_linear)  # a packed or quantized copy of lm_head
+        if self.vocab is not None and self.vocab is not self.lm_head_linear:
+            total += self.vocab.nbytes()  # an int8 input embedding beside a 16-bit lm_head
         total += self.norm.nbytes()
         for layer in self.layers:
             total += sum(n.nbytes() for n in layer.norms())

@@ -171,6 +171,11 @@ def build_weights(
         vocab = int8_rows(embed_name)
         lm_head_linear = vocab if tied else int8_rows(head_name)
         embed = lm_head = None
+    elif quant is not None and quant.quantize_embedding and not tied:
+        vocab = int8_rows(embed_name)  # looked up a few rows at a time; the output projection stays 16-bit
+        embed = None
+        lm_head = take(head_name)
+        lm_head_linear = dense(lm_head)
     else:
         vocab = None
         embed = take(embed_name)

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import INT8_METHODS
+from engine.int8_rows import Quantized, quantize_per_channel
 from engine.layers.linear import onednn_packing_available
 
 log = logging.getLogger(__name__)
@@ -64,21 +65,6 @@ INT4_GROUP = 32
 INT4PACK_MAX_M = 64  # int4 matmul cost grows with M; above this, dequantize once per call (prefill)
 INT4PACK_MAX_M_EMULATED = 192  # where bf16 is emulated the dense product is fp32: int4pack is as fast up to here
 INT4_TILE_N = 64  # output rows per tile of the CPU int4 pack layout
-
-
-Quantized = tuple[torch.Tensor, torch.Tensor]  # ``quantize_per_channel``'s int8 rows and float32 scale per row
-
-
-def quantize_per_channel(w: torch.Tensor) -> Quantized:
-    """Symmetric per-output-channel int8: w ~= q * scale[:, None] (scale float32).
-
-    The largest magnitude of a row is max(its max, -its min) and the rounding is done in place: no copy of the
-    matrix for ``abs`` or ``round`` (a load quantizes ~0.5 G weights of the default brain)."""
-    w32 = w.float()
-    low, high = torch.aminmax(w32, dim=1)
-    scale = torch.maximum(high, low.neg()).clamp_min(1e-8) / 127.0
-    q = w32 / scale[:, None]
-    return q.round_().clamp_(-127, 127).to(torch.int8).contiguous(), scale
 
 
 @contextlib.contextmanager
@@ -98,6 +84,7 @@ class Int8PackLinear:
     """Weight-only int8 with per-channel scales; activations stay in the model's 16-bit dtype."""
 
     kernel = "int8pack"
+    per_channel_rows = True  # holds quantize_per_channel's (q, scale): engine.quant_cache keeps them
 
     def __init__(
         self,
@@ -425,11 +412,37 @@ def bitsandbytes_version() -> str | None:
 def int8_linear_class(int8_method: str, device: str | torch.device) -> type:
     """The int8 layer-linear kernel for ``EngineConfig.int8_method`` on ``device``.
 
-    ``auto``: bitsandbytes LLM.int8 on CUDA (int8pack, with a warning, when bitsandbytes is
-    missing), int8pack on the CPU. ``bitsandbytes`` forces LLM.int8 on either device. An
-    explicit method the device cannot run is an error, not a silent fallback.
+    ``auto`` on CUDA: the scheme this card's doctor figures chose (``engine.int8_choice``), else W8A8 with the
+    weight-only kernel for decode where Triton is installed (engine/int8_gpu.py), else bitsandbytes LLM.int8
+    (int8pack, with a warning, when that is missing too); int8pack on the CPU. ``bitsandbytes`` forces LLM.int8
+    on either device; ``weight_only`` and ``w8a8`` run on CUDA, and on the CPU only in Triton's interpreter
+    (the tests). An explicit method the device cannot run is an error, not a silent fallback.
     """
     dev = torch.device(device).type
+    if int8_method in ("weight_only", "w8a8"):
+        from engine.int8_gpu import Int8DynamicLinear, Int8WeightOnlyLinear, triton_runs_on
+
+        if not triton_runs_on(dev):
+            raise ValueError(
+                f"int8_method={int8_method!r} needs Triton on CUDA (bundled with torch's CUDA wheels), or on the CPU "
+                "Triton's interpreter (tests only: TRITON_INTERPRET=1)"
+            )
+        return Int8WeightOnlyLinear if int8_method == "weight_only" else Int8DynamicLinear
+    if int8_method in ("torchao_weight_only", "torchao_w8a8"):
+        from engine.int8_gpu import TorchaoDynamicLinear, TorchaoWeightOnlyLinear, torchao_importable
+
+        if not torchao_importable():
+            raise ValueError(f"int8_method={int8_method!r} needs torchao (pip install -e '.[gpu]')")
+        return TorchaoWeightOnlyLinear if int8_method == "torchao_weight_only" else TorchaoDynamicLinear
+    if int8_method == "auto" and dev == "cuda":
+        from engine.int8_choice import cuda_choice
+        from engine.int8_gpu import triton_runs_on
+
+        chosen = cuda_choice().int8_method
+        if chosen != "auto":
+            return int8_linear_class(chosen, device)
+        if triton_runs_on(dev):
+            return int8_linear_class("w8a8", device)
     if int8_method == "int8pack":
         return Int8PackLinear
     if int8_method == "ao":
@@ -461,12 +474,14 @@ class QuantMethod:
 
     int8 on the CPU also stores the embedding / lm_head as int8 rows; int4 and CUDA keep
     lm_head 16-bit (bitsandbytes' recipe, and llama.cpp's 8-bit output layer is no smaller
-    than our packed bf16 one is slower).
+    than our packed bf16 one is slower). The GPU's own schemes store an untied input embedding as int8
+    rows (``quantize_embedding``: a lookup reads a few rows), lm_head 16-bit.
     """
 
     name: str  # "int8" or "int4"
     linear_cls: type
     quantize_vocab: bool
+    quantize_embedding: bool = False  # an untied embedding only (lm_head stays 16-bit)
 
     @property
     def kernel(self) -> str:
@@ -476,7 +491,7 @@ class QuantMethod:
     def per_channel_int8(self) -> bool:
         """The layer linears hold ``quantize_per_channel``'s int8 rows and scales: what ``engine.quant_cache``
         keeps between starts (with the int8 vocabulary, which is always that)."""
-        return self.linear_cls is Int8PackLinear
+        return getattr(self.linear_cls, "per_channel_rows", False)
 
     def linear(
         self,
@@ -510,8 +525,11 @@ def get_quant_method(
     elif quantization == "int8":
         cls = int8_linear_class(int8_method, device)
         # LLM.int8 keeps the embedding and lm_head 16-bit (load_in_8bit's recipe), on either device
-        vocab = torch.device(device).type == "cpu" and cls is not BnbLinear
-        method = QuantMethod("int8", cls, quantize_vocab=vocab)
+        from engine.int8_gpu import Int8WeightOnlyLinear, TorchaoLinear
+
+        gpu_scheme = issubclass(cls, (Int8WeightOnlyLinear, TorchaoLinear))
+        vocab = torch.device(device).type == "cpu" and cls is not BnbLinear and not gpu_scheme
+        method = QuantMethod("int8", cls, quantize_vocab=vocab, quantize_embedding=gpu_scheme)
     else:
         raise ValueError(f"unknown quantization {quantization!r}")
     log.info("%s weights: layer linears run the %s kernel (int8_method=%s)", method.name, method.kernel, int8_method)

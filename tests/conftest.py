@@ -18,7 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import start_server, stop_server
+import torch
+
+if not torch.cuda.is_available():
+    # The GPU's weight-only int8 kernel (engine/triton_int8.py) is tested in Triton's interpreter, which Triton must
+    # know of before it is first imported (transformers and bitsandbytes import it where it is installed).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from harness import start_server, stop_server  # noqa: E402
 
 from app.audio import float_to_pcm16
 from app.bench.launcher import ROOT

@@ -175,6 +175,14 @@ def load_models(settings: Settings, progress: Callable[[str], None] = print) -> 
         ),
     )
     progress(policy_line(settings))
+    if (
+        settings.llm_backend == "engine"
+        and settings.llm_device.startswith("cuda")
+        and settings.llm_quantization == "auto"
+    ):
+        from engine.int8_choice import cuda_choice
+
+        progress(f"llm_quantization auto on CUDA: {cuda_choice().why}")
     llm = timed(f"LLM ({settings.llm_backend}: {settings.llm_url or settings.llm_model})", lambda: make_llm(settings))
     tts = timed(f"TTS ({settings.tts_backend} {settings.tts_voice})", lambda: make_tts(settings))
     turn = timed(f"end of turn ({settings.turn_model})", lambda: make_turn_detector(settings, progress))

@@ -76,6 +76,11 @@ def test_bitsandbytes_greedy_replies_agree_with_fp32(bnb_engine, engine):
 
 
 def test_int8_method_choice(monkeypatch, caplog):
+    import engine.int8_choice as int8_choice
+
+    # a card without the doctor's figures, where Triton does not compile (else W8A8: tests/engine/test_int8_gpu.py)
+    monkeypatch.setattr(int8_choice, "cuda_choice", lambda: int8_choice.Int8Choice(None, "auto", "no figures"))
+    monkeypatch.setattr("engine.int8_gpu.triton_runs_on", lambda dev: False)
     monkeypatch.setattr(quant, "_bitsandbytes_importable", lambda: True)
     assert int8_linear_class("auto", "cpu") is Int8PackLinear
     assert int8_linear_class("auto", "cuda") is BnbLinear

@@ -1,0 +1,158 @@
+"""A Triton kernel for weight-only int8 products: y = x @ (q * scale).T (+ bias), q int8 [N, K], x 16-bit.
+
+Why a kernel of our own: decode at small batch is bound by reading the weights, and an int8 weight is half
+the bytes of a bf16 one only if nothing reads a 16-bit copy. ``q.to(bf16) * scale`` then ``F.linear`` (what
+torch does unfused) writes and reads a 16-bit copy every call: 5 bytes a weight instead of bf16's 2. Here each
+tile of int8 weights is loaded once, widened in registers and fed to ``tl.dot`` with fp32 accumulation; the
+per-channel scale and the bias are applied once per output tile. bitsandbytes' LLM.int8 and torch's int8pack
+were 10-20x slower than bf16 on an H200 (issue 54; ``parley doctor --gpu`` measures all of them).
+
+The block sizes are chosen by ``triton.autotune`` per (row class, N, K) on the GPU, at the first call of each
+shape: the engine's CUDA-graph warm-up runs it outside capture (``engine.cuda.cuda_graph_capture``).
+
+On the CPU the same kernel runs in Triton's interpreter (``InterpretedFunction``: numpy, one program at a
+time, slow), which is how CI tests its indexing, masks and scaling without a GPU. The interpreter has no
+bfloat16 (its values come out as garbage), so a bf16 input is computed there in float32 and cast back: the
+kernel's code is the same, its rounding is float32's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    # No GPU: Triton can only interpret, and it must know before it is imported (triton.language's own
+    # functions are jitted then). Imported lazily (``engine.quant``), so only where the int8 kernel is asked for.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+try:  # optional: the kernel is defined either way and compiled only where it runs
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+log = logging.getLogger(__name__)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): decode-sized rows first (BLOCK_M 16 is tl.dot's least),
+# narrow N tiles so a [N=2048] product still spreads over a hundred-odd SMs; then prefill-sized tiles.
+CONFIGS = (
+    (16, 32, 128, 4, 4),
+    (16, 64, 128, 4, 4),
+    (16, 64, 256, 4, 3),
+    (16, 128, 128, 4, 4),
+    (32, 64, 128, 4, 4),
+    (64, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+)
+INTERPRETED_CONFIG = (16, 32, 32)  # small tiles: the interpreter's cost grows with the tile, not the grid
+
+
+def available() -> bool:
+    """Triton is importable (bundled with torch's CUDA wheels; the ``test`` extra installs it for the CPU)."""
+    return triton is not None
+
+
+def interpreting() -> bool:
+    """Triton runs kernels in its interpreter in this process (the CPU: tests)."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def row_class(m: int) -> int:
+    """The autotuner's key for M: powers of two up to 256, so a prefill's varying lengths tune a few times."""
+    return min(256, 1 << max(0, (m - 1).bit_length()))
+
+
+def _w8a16(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    M_CLASS,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
+        )
+        w = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0)
+        acc += tl.dot(x, w.to(x.dtype))
+    acc = acc * tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@functools.cache
+def _kernels():
+    """The jitted kernel, its autotuned launcher (GPU) and its interpreted twin (CPU); built on first use."""
+    configs = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in CONFIGS
+    ]
+    kernel = triton.jit(_w8a16)  # an interpreted function where TRITON_INTERPRET is set
+    if interpreting():
+        return kernel, kernel
+    return triton.autotune(configs=configs, key=["M_CLASS", "N", "K"])(kernel), kernel
+
+
+def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [M, K] (16-bit or float32) @ (qweight [N, K] int8 * scale [N] float32).T (+ bias [N]) -> [M, N] in x's dtype.
+
+    CUDA: the compiled, autotuned kernel. CPU: the same kernel interpreted (tests; slow)."""
+    if x.dim() != 2 or qweight.dim() != 2 or x.shape[1] != qweight.shape[1]:
+        raise ValueError(f"w8a16_linear: x {tuple(x.shape)} does not fit a weight of {tuple(qweight.shape)}")
+    if triton is None:
+        raise RuntimeError("the weight-only int8 kernel needs Triton (bundled with torch's CUDA wheels)")
+    if (x.device.type == "cpu") != interpreting():
+        raise RuntimeError(
+            f"the weight-only int8 kernel runs on CUDA, or on the CPU in Triton's interpreter (TRITON_INTERPRET=1 "
+            f"before Triton is imported, as on a machine without a GPU); not on {x.device.type} here"
+        )
+    tuned, interpreted = _kernels()
+    cdiv = triton.cdiv
+    M, K = x.shape
+    N = qweight.shape[0]
+    x = x.contiguous()
+    dtype = x.dtype
+    on_cpu = x.device.type == "cpu"
+    if on_cpu and dtype == torch.bfloat16:
+        x = x.float()  # the interpreter's numpy has no bfloat16
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.to(dtype)
+    args = (x, qweight, scale, bias if bias is not None else scale, y, M, N, K, row_class(M))
+    strides = (x.stride(0), qweight.stride(0), y.stride(0))
+    if on_cpu:
+        bm, bn, bk = INTERPRETED_CONFIG
+        grid = (cdiv(M, bm), cdiv(N, bn))
+        interpreted[grid](*args, *strides, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        return y.to(dtype)
+
+    def grid(meta):
+        return (cdiv(M, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"]))
+
+    tuned[grid](*args, *strides, HAS_BIAS=bias is not None)
+    return y
