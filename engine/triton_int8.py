@@ -50,7 +50,8 @@ CONFIGS = (
     (128, 128, 64, 8, 3),
     (128, 256, 64, 8, 3),
 )
-INTERPRETED_CONFIG = (16, 32, 32)  # small tiles: the interpreter's cost grows with the tile, not the grid
+INTERPRETED_CONFIG = (16, 32, 32)
+K_SLICE_MIN = 512  # a split-K slice's least length (a multiple of every BLOCK_K above)  # small tiles: the interpreter's cost grows with the tile, not the grid
 
 
 def available() -> bool:
@@ -78,31 +79,56 @@ def _w8a16(
     N,
     K,
     M_CLASS,
+    K_PER_SPLIT,
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_ys,
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
+            x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < k_end), other=0.0
         )
-        w = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0)
+        w = tl.load(
+            w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < k_end), other=0
+        )
         acc += tl.dot(x, w.to(x.dtype))
-    acc = acc * tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K > 1:  # a float32 partial sum per slice of K; the caller adds them and scales
+        tl.store(y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
+    else:
+        acc = acc * tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def split_k(m: int, n: int, k: int, sms: int | None) -> int:
+    """Slices of K for a decode-sized product, so that enough programs stream weights at once: at most 16 rows
+    there are only N / 64 or so output tiles, fewer than twice the SMs for most layers of a 1B-8B model (a
+    [4096 x 14336] down projection: 64 tiles on 132 SMs). Powers of two up to 8, each slice at least
+    ``K_SLICE_MIN`` long; 1 for prefill-sized products (enough tiles) and where the SM count is unknown."""
+    if sms is None or m > 16:
+        return 1
+    tiles = max(1, -(-n // 64))
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * sms and k // (split * 2) >= K_SLICE_MIN:
+        split *= 2
+    return split
 
 
 @functools.cache
@@ -115,13 +141,20 @@ def _kernels():
     kernel = triton.jit(_w8a16)  # an interpreted function where TRITON_INTERPRET is set
     if interpreting():
         return kernel, kernel
-    return triton.autotune(configs=configs, key=["M_CLASS", "N", "K"])(kernel), kernel
+    return triton.autotune(configs=configs, key=["M_CLASS", "N", "K", "SPLIT_K"])(kernel), kernel
 
 
-def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+def w8a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
     """x [M, K] (16-bit or float32) @ (qweight [N, K] int8 * scale [N] float32).T (+ bias [N]) -> [M, N] in x's dtype.
 
-    CUDA: the compiled, autotuned kernel. CPU: the same kernel interpreted (tests; slow)."""
+    CUDA: the compiled, autotuned kernel, K split in slices for decode-sized products (``split_k``; ``split``
+    overrides it). CPU: the same kernel interpreted (tests; slow)."""
     if x.dim() != 2 or qweight.dim() != 2 or x.shape[1] != qweight.shape[1]:
         raise ValueError(f"w8a16_linear: x {tuple(x.shape)} does not fit a weight of {tuple(qweight.shape)}")
     if triton is None:
@@ -140,19 +173,37 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
     on_cpu = x.device.type == "cpu"
     if on_cpu and dtype == torch.bfloat16:
         x = x.float()  # the interpreter's numpy has no bfloat16
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
-        return y.to(dtype)
-    args = (x, qweight, scale, bias if bias is not None else scale, y, M, N, K, row_class(M))
-    strides = (x.stride(0), qweight.stride(0), y.stride(0))
+        return torch.empty((0, N), dtype=dtype, device=x.device)
+    if split is None:
+        split = split_k(M, N, K, None if on_cpu else _sm_count(x.device))
+    slice_len = -(-K // split)
+    slice_len = -(-slice_len // 256) * 256  # whole blocks of every BLOCK_K
+    split = -(-K // slice_len)
+    if split > 1:
+        out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    args = (x, qweight, scale, bias if bias is not None else scale, out, M, N, K, row_class(M), slice_len)
+    strides = (x.stride(0), qweight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0)
+    flags = {"HAS_BIAS": bias is not None, "SPLIT_K": split}
     if on_cpu:
         bm, bn, bk = INTERPRETED_CONFIG
-        grid = (cdiv(M, bm), cdiv(N, bn))
-        interpreted[grid](*args, *strides, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-        return y.to(dtype)
+        interpreted[(cdiv(M, bm), cdiv(N, bn), split)](*args, *strides, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    else:
 
-    def grid(meta):
-        return (cdiv(M, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"]))
+        def grid(meta):
+            return (cdiv(M, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"]), split)
 
-    tuned[grid](*args, *strides, HAS_BIAS=bias is not None)
-    return y
+        tuned[grid](*args, *strides, **flags)
+    if split > 1:
+        y = out.sum(0).mul_(scale)
+        if bias is not None:
+            y += bias
+        out = y
+    return out.to(dtype)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

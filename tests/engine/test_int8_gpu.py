@@ -52,6 +52,32 @@ def test_weight_only_kernel_matches_the_dequantized_product(m, n, k, dtype, with
         w8a16_linear(x[:, :-1], q, scale)
 
 
+@needs_triton
+def test_weight_only_kernel_split_over_k_adds_its_slices():
+    """Decode-sized products on a GPU split K into slices (more programs streaming weights); the slices' float32
+    partial sums are added, then scaled: the same product. K of 1100 in slices of 512: the last one partial."""
+    from engine.triton_int8 import w8a16_linear
+
+    g = torch.Generator().manual_seed(9)
+    q, scale = quantize_per_channel(torch.randn(40, 1100, generator=g))
+    x, bias = torch.randn(3, 1100, generator=g).half(), torch.randn(40, generator=g).half()
+    ref = reference(x, q, scale, bias)
+    for split in (1, 3):
+        y = w8a16_linear(x, q, scale, bias, split=split)
+        assert y.dtype == torch.float16 and (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max(), split
+
+
+def test_split_k_only_for_decode_sized_products_that_leave_sms_idle():
+    from engine.triton_int8 import split_k
+
+    assert split_k(1, 4096, 14336, 132) == 4  # an 8B down projection: 64 tiles of 64 on 132 SMs
+    assert split_k(1, 28672, 4096, 132) == 1  # the 8B gate/up: 448 tiles already
+    assert split_k(8, 2048, 8192, 132) == 8  # a 1B down projection: 32 tiles, 256 programs
+    assert split_k(32, 4096, 14336, 132) == 1  # prefill-sized: enough tiles over rows
+    assert split_k(1, 4096, 14336, None) == 1  # no SM count (the interpreter)
+    assert split_k(1, 64, 1024, 132) == 2  # a slice is never shorter than 512
+
+
 def test_per_token_quantization_round_trips_within_half_a_step():
     from engine.int8_rows import quantize_rows
 
