@@ -299,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
     rep.data["supported_architectures"] = list(SUPPORTED_ARCHITECTURES)
     rep.line(f"model families: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
+    if args.int8_only:
+        return int8_only(rep, args, env)
     devices = ["cpu"] + (["cuda"] if env["cuda_available"] else [])
     root = Path(tempfile.mkdtemp(prefix="parley-doctor-"))
     exact: dict[str, bool] = {}
@@ -398,6 +400,39 @@ def run(args: argparse.Namespace) -> int:
     rep.data["decode_tokens_per_s"] = speeds
     rep.data["hf_decode_tokens_per_s"] = hf_speeds
     rep.data["size"] = args.size
+    return finish(rep, args)
+
+
+def int8_only(rep: Report, args: argparse.Namespace, env: dict) -> int:
+    """Only the INT8-vs-bf16 comparison on CUDA (``--int8-only``): for a time-boxed GPU session, where the
+    self-tests and the other speed figures would take most of it."""
+    if not env["cuda_available"]:
+        print("parley doctor --int8-only: CUDA is not available to torch here", file=sys.stderr)
+        return 2
+    import torch
+
+    from engine.doctor_int8 import run_section
+    from engine.model import LlamaModel
+    from engine.model_runner import perplexity
+
+    root = Path(tempfile.mkdtemp(prefix="parley-doctor-"))
+    try:
+        src_path, src_ids, src_name = perplexity_source(root, args.ppl_tokens)
+        rep.data["perplexity_source"] = src_name
+
+        def ref_ppl():
+            p = perplexity(LlamaModel(src_path, torch.float32, "cuda"), src_ids)
+            return math.isfinite(p), f"{p:.3f} on {len(src_ids)} tokens of the {src_name}", p
+
+        fp32 = rep.test("fp32 perplexity (the INT8 reference)", "cuda", ref_ppl)
+        rep.data["int8_vs_bf16"] = run_section(rep, root, args, env, (src_path, src_ids), fp32)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return finish(rep, args)
+
+
+def finish(rep: Report, args: argparse.Namespace) -> int:
+    """The verdict line and the JSON; exit status 0 when every self-test passed."""
     rep.data["all_passed"] = all(t["ok"] for t in rep.data["self_tests"])
     failed = [f"{t['device']} {t['name']}" for t in rep.data["self_tests"] if not t["ok"]]
     rep.line("all self-tests passed" if not failed else f"FAILED: {'; '.join(failed)}")
@@ -468,6 +503,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="parley doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", action="store_true", help="require CUDA; the CPU runs its correctness tests only")
     p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    p.add_argument(
+        "--int8-only",
+        action="store_true",
+        help="CUDA: only bf16 against each INT8 scheme (--int8-sizes), kept for llm_quantization=auto",
+    )
     p.add_argument("--size", choices=sorted(SIZES), default="135m", help="the random-weight model of the speed test")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per request in the speed test")
     p.add_argument(

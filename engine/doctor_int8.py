@@ -90,7 +90,7 @@ def int8_speeds(rep, root: Path, device: str, sizes, schemes, new_tokens: int) -
     memory: dict = {}
     for size in sizes:
         started = time.perf_counter()
-        path = build_model(root, size, dtype="bfloat16")
+        path = build_model(root, size, dtype="bfloat16", device=device)
         rep.line(f"  built a random-weight {size} model in {time.perf_counter() - started:.0f} s")
         for precision in ("bf16", *schemes):
             holder: dict = {}

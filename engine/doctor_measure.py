@@ -22,8 +22,9 @@ SIZES = {
 BATCH_SIZES = (1, 8, 32)
 
 
-def build_model(root: Path, size: str, dtype: str = "float32", seed: int = 0) -> Path:
-    """A random-weight Llama of ``size`` with a byte-level tokenizer (engine/tiny_models.py), saved in ``root``."""
+def build_model(root: Path, size: str, dtype: str = "float32", seed: int = 0, device: str = "cpu") -> Path:
+    """A random-weight Llama of ``size`` with a byte-level tokenizer (engine/tiny_models.py), saved in ``root``
+    (``device``: where its weights are drawn; a GPU draws an 8B model's in seconds, a CPU in minutes)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -49,8 +50,8 @@ def build_model(root: Path, size: str, dtype: str = "float32", seed: int = 0) ->
         eos_token_id=None,
         pad_token_id=None,
     )
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype)).to("cpu")
     model.generation_config.pad_token_id = 0
     model.save_pretrained(path, safe_serialization=True)
     del model

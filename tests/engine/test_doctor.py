@@ -99,6 +99,8 @@ def test_doctor_gpu_flag_needs_cuda(capsys):
         pytest.skip("a GPU is here")
     assert main(["--gpu"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+    assert main(["--int8-only"]) == 2  # the INT8 comparison alone (a time-boxed GPU session) needs CUDA too
+    assert "parley doctor --int8-only: CUDA is not available" in capsys.readouterr().err
 
 
 def test_parley_cli_dispatches_doctor(monkeypatch):
