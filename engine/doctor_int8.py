@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,11 +60,11 @@ def int8_quality(path: Path, ids: list[int], device: str, schemes, fp32_ppl: flo
     del fp32
     out = {}
     for scheme in schemes:
-        eng = LLMEngine(
-            EngineConfig(
-                model=str(path), dtype="bfloat16", quantization="int8", int8_method=scheme, device=device, num_blocks=64
-            )
+        config = EngineConfig(
+            model=str(path), dtype="bfloat16", quantization="int8", int8_method=scheme, device=device, num_blocks=64
         )
+        with tempfile.TemporaryDirectory(prefix="parley-doctor-") as tmp, scratch_cache(Path(tmp)):
+            eng = LLMEngine(config)
         out[scheme] = {
             "kernel": eng.linear_kernel,
             "perplexity_ratio": eng.perplexity(ids) / fp32_ppl,
@@ -82,6 +84,21 @@ def _free(device: str) -> None:
             torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def scratch_cache(root: Path):
+    """``PARLEY_CACHE_DIR`` in the doctor's own folder while it loads random-weight models: the int8 matrices
+    the engine keeps between starts (7.5 GB for the 8B shape) are of a checkpoint drawn anew each run."""
+    before = os.environ.get("PARLEY_CACHE_DIR")
+    os.environ["PARLEY_CACHE_DIR"] = str(root / "cache")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PARLEY_CACHE_DIR", None)
+        else:
+            os.environ["PARLEY_CACHE_DIR"] = before
+
+
 def int8_speeds(rep, root: Path, device: str, sizes, schemes, new_tokens: int) -> tuple[dict, dict]:
     """tokens/s ``speeds[size][precision][batch]`` and weight bytes ``memory[size][precision]``."""
     from engine.doctor_measure import BATCH_SIZES, build_model, decode_speed, speed_engine
@@ -97,9 +114,10 @@ def int8_speeds(rep, root: Path, device: str, sizes, schemes, new_tokens: int) -
 
             def load(precision=precision, holder=holder, path=path, size=size):
                 method = None if precision == "bf16" else precision
-                holder["engine"] = eng = speed_engine(
-                    path, device, "int8" if method else "bf16", new_tokens, True, method
-                )
+                with scratch_cache(root):
+                    holder["engine"] = eng = speed_engine(
+                        path, device, "int8" if method else "bf16", new_tokens, True, method
+                    )
                 memory.setdefault(size, {})[precision] = eng.model.weight_bytes()
                 return True, eng.describe(), None
 

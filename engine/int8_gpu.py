@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.int8_rows import quantize_per_channel, quantize_rows
+from engine.int8_rows import quantize_per_channel
 
 W8A8_MIN_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows
 
@@ -91,12 +91,13 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
         return self.w8a8(x)
 
     def w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token quantization, the int8 GEMM, the scaling: three kernels (the first and last Triton's, one
+        pass each, instead of ten-odd torch ops over fp32 copies of x and of the int32 result)."""
+        from engine.triton_int8 import quantize_rows, scale_int32
+
         xq, x_scale = quantize_rows(x)
         acc = torch._int_mm(xq, self.qweight_t)
-        y = acc.float().mul_(x_scale[:, None]).mul_(self.scale[None, :])
-        if self.bias is not None:
-            y += self.bias
-        return y.to(x.dtype)
+        return scale_int32(acc, x_scale, self.scale, self.bias, x.dtype)
 
 
 class TorchaoLinear:

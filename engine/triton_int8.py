@@ -85,6 +85,7 @@ def _w8a16(
     stride_ym,
     stride_ys,
     HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -106,8 +107,12 @@ def _w8a16(
         w = tl.load(
             w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < k_end), other=0
         )
-        acc += tl.dot(x, w.to(x.dtype))
+        if IEEE:  # float32 input: full-precision products, not TF32's 10-bit mantissa
+            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
     mask = (rm[:, None] < M) & (rn[None, :] < N)
+    rm = rm.to(tl.int64)  # M x N outputs may pass 2**31 in a long prefill
     if SPLIT_K > 1:  # a float32 partial sum per slice of K; the caller adds them and scales
         tl.store(y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
     else:
@@ -115,6 +120,50 @@ def _w8a16(
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _quantize_rows(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    """One row per program: its absmax, then the row as int8 (x / scale, rounded half away from zero)."""
+    row = tl.program_id(0).to(tl.int64)
+    peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, tl.abs(x))
+    scale = tl.maximum(tl.max(peak, axis=0), 1e-10) / 127.0
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        y = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32) / scale
+        y = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -127.0), 127.0)
+        tl.store(q_ptr + row * stride_qm + rk, y.to(tl.int8), mask=rk < K)
+    tl.store(scale_ptr + row, scale)
+
+
+def _scale_int32(
+    acc_ptr,
+    x_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    stride_am,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """W8A8's epilogue in one pass: int32 products x the row's and the channel's scales (+ bias), in y's dtype."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    rows = rm.to(tl.int64)
+    acc = tl.load(acc_ptr + rows[:, None] * stride_am + rn[None, :], mask=mask, other=0).to(tl.float32)
+    acc = acc * tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)[:, None]
+    acc = acc * tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def split_k(m: int, n: int, k: int, sms: int | None) -> int:
@@ -138,10 +187,71 @@ def _kernels():
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in CONFIGS
     ]
-    kernel = triton.jit(_w8a16)  # an interpreted function where TRITON_INTERPRET is set
+    # an interpreted function where TRITON_INTERPRET is set. M and M_CLASS vary with every prefill: not specialized
+    # on (each specialization is a compile of its own, seconds on first use)
+    kernel = triton.jit(_w8a16, do_not_specialize=["M", "M_CLASS"])
     if interpreting():
         return kernel, kernel
-    return triton.autotune(configs=configs, key=["M_CLASS", "N", "K", "SPLIT_K"])(kernel), kernel
+    tuned = triton.autotune(
+        configs=configs,
+        key=["M_CLASS", "N", "K", "SPLIT_K"],
+        prune_configs_by={"early_config_prune": _fitting_configs},
+        cache_results=True,  # the choice kept on disk (Triton's cache): a restart does not benchmark again
+    )(kernel)
+    return tuned, kernel
+
+
+@functools.cache
+def _w8a8_kernels():
+    """W8A8's two small kernels around ``torch._int_mm``: per-token quantization and the scaling epilogue."""
+    return triton.jit(_quantize_rows), triton.jit(_scale_int32)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], float32 scale [M]) in one kernel (``engine.int8_rows.quantize_rows``'s math;
+    halves are rounded away from zero, not to even)."""
+    _check(x)
+    quantize, _ = _w8a8_kernels()
+    x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M:
+        xin = x.float() if x.device.type == "cpu" and x.dtype == torch.bfloat16 else x
+        quantize[(M,)](xin, q, scale, K, xin.stride(0), q.stride(0), BLOCK_K=1024 if K >= 1024 else 128)
+    return q, scale
+
+
+def scale_int32(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """int32 [M, N] * x_scale [M, None] * w_scale [None, N] (+ bias) -> dtype, in one kernel."""
+    _check(acc)
+    _, epilogue = _w8a8_kernels()
+    M, N = acc.shape
+    out_dtype = torch.float32 if acc.device.type == "cpu" and dtype == torch.bfloat16 else dtype
+    y = torch.empty((M, N), dtype=out_dtype, device=acc.device)
+    if M:
+        grid = (triton.cdiv(M, 32), triton.cdiv(N, 128))
+        b = bias if bias is not None else w_scale
+        epilogue[grid](acc, x_scale, w_scale, b, y, M, N, acc.stride(0), y.stride(0), bias is not None, 32, 128)
+    return y.to(dtype)
+
+
+def _check(x: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError("the int8 kernels need Triton (bundled with torch's CUDA wheels)")
+    if (x.device.type == "cpu") != interpreting():
+        raise RuntimeError(
+            f"the int8 kernels run on CUDA, or on the CPU in Triton's interpreter (TRITON_INTERPRET=1 "
+            f"before Triton is imported, as on a machine without a GPU); not on {x.device.type} here"
+        )
+
+
+def _fitting_configs(configs, named_args, **kwargs):
+    """Tiles no taller than the rows' class (a decode step does not benchmark 128-row tiles)."""
+    rows = max(16, named_args["M_CLASS"])
+    return [c for c in configs if c.kwargs["BLOCK_M"] <= rows] or configs[:1]
 
 
 def w8a16_linear(
@@ -157,13 +267,7 @@ def w8a16_linear(
     overrides it). CPU: the same kernel interpreted (tests; slow)."""
     if x.dim() != 2 or qweight.dim() != 2 or x.shape[1] != qweight.shape[1]:
         raise ValueError(f"w8a16_linear: x {tuple(x.shape)} does not fit a weight of {tuple(qweight.shape)}")
-    if triton is None:
-        raise RuntimeError("the weight-only int8 kernel needs Triton (bundled with torch's CUDA wheels)")
-    if (x.device.type == "cpu") != interpreting():
-        raise RuntimeError(
-            f"the weight-only int8 kernel runs on CUDA, or on the CPU in Triton's interpreter (TRITON_INTERPRET=1 "
-            f"before Triton is imported, as on a machine without a GPU); not on {x.device.type} here"
-        )
+    _check(x)
     tuned, interpreted = _kernels()
     cdiv = triton.cdiv
     M, K = x.shape
@@ -186,7 +290,7 @@ def w8a16_linear(
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     args = (x, qweight, scale, bias if bias is not None else scale, out, M, N, K, row_class(M), slice_len)
     strides = (x.stride(0), qweight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0)
-    flags = {"HAS_BIAS": bias is not None, "SPLIT_K": split}
+    flags = {"HAS_BIAS": bias is not None, "IEEE": x.dtype == torch.float32, "SPLIT_K": split}
     if on_cpu:
         bm, bn, bk = INTERPRETED_CONFIG
         interpreted[(cdiv(M, bm), cdiv(N, bn), split)](*args, *strides, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)

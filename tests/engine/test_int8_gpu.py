@@ -78,16 +78,40 @@ def test_split_k_only_for_decode_sized_products_that_leave_sms_idle():
     assert split_k(1, 64, 1024, 132) == 2  # a slice is never shorter than 512
 
 
-def test_per_token_quantization_round_trips_within_half_a_step():
-    from engine.int8_rows import quantize_rows
+@pytest.mark.parametrize("where", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_per_token_quantization_round_trips_within_half_a_step(where):
+    if where == "triton":  # W8A8's kernel, one row per program
+        from engine.triton_int8 import quantize_rows
+    else:  # the reference math
+        from engine.int8_rows import quantize_rows
 
-    x = torch.randn(6, 64) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0, 1.0])[:, None]
+    x = torch.randn(6, 1100) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0, 1.0])[:, None]
     x[3] = 0.0  # an all-zero row: no division by zero
     q, scale = quantize_rows(x.bfloat16())
     assert q.dtype == torch.int8 and scale.shape == (6,)
     assert q.abs().max() == 127 and q[3].abs().max() == 0
     err = (q.float() * scale[:, None] - x.bfloat16().float()).abs()
     assert (err <= scale[:, None] / 2 + 1e-6).all()
+    if where == "triton":
+        from engine.int8_rows import quantize_rows as reference_rows
+
+        ref_q, ref_scale = reference_rows(x.bfloat16())
+        assert torch.allclose(scale, ref_scale) and (q.int() - ref_q.int()).abs().max() <= 1  # (halves: away from 0)
+
+
+@needs_triton
+def test_w8a8_epilogue_scales_rows_and_channels_in_one_pass():
+    from engine.triton_int8 import scale_int32
+
+    g = torch.Generator().manual_seed(4)
+    acc = torch.randint(-(2**20), 2**20, (37, 200), generator=g, dtype=torch.int32)  # a K of thousands of int8s
+    acc[0, 0] = 2**31 - 1  # the largest int32 a product may reach
+    xs, ws = torch.rand(37, generator=g) / 2**10, torch.rand(200, generator=g) / 2**10  # scales: absmax / 127
+    bias = torch.randn(200, generator=g).half()
+    y = scale_int32(acc, xs, ws, bias, torch.float16)
+    ref = acc.double() * xs.double()[:, None] * ws.double()[None, :] + bias.double()
+    assert y.dtype == torch.float16 and ((y.double() - ref).abs() <= 1e-3 * ref.abs() + 1e-2).all()
+    assert torch.equal(scale_int32(acc, xs, ws, None, torch.float32), (acc.float() * xs[:, None]) * ws[None, :])
 
 
 @needs_triton
@@ -320,4 +344,5 @@ def test_the_doctors_int8_section_runs_end_to_end_on_the_cpu(tmp_path, monkeypat
         assert out["quality"][scheme]["perplexity_ratio"] == pytest.approx(1.0, abs=0.03)
         assert 0.0 <= out["quality"][scheme]["greedy_agreement"] <= 1.0
     assert load_record("Test GPU")["speeds"]["tiny"]["w8a8"] == speeds["w8a8"]
+    assert not (tmp_path / "cache" / "quantized").exists()  # a random checkpoint's int8 matrices are not kept
     assert "Test GPU" in out["choice"]["why"]
