@@ -219,6 +219,12 @@ def known_model_file(model: str) -> Path | None:
     return mirrored.path if mirrored is not None and mirrored.is_fetched() else None
 
 
+def is_local_model_name(model: str | None) -> bool:
+    """``model`` names one of this install's models (``auto``, ``bundled``, a mirrored GGUF), which a remote
+    server serves under its own id: the remote backend then asks the server for that id instead of sending it."""
+    return model in (AUTO_MODEL, BUNDLED_MODEL, *MIRRORED_MODELS)
+
+
 def resolve_model(model: str | os.PathLike[str] = BUNDLED_MODEL, *, float32_weights: bool = False) -> Path:
     """Return a local HF-layout directory (config.json + tokenizer + weights) for ``model``.
 

@@ -158,8 +158,12 @@ class Topology:
 
     def _voice_child(self, i: int) -> Child:
         port = free_port()
+        o = self.options
         argv = [sys.executable, "-m", "app.cli", "serve", "--llm-backend", "openai", "--llm-url", self.llm_url]
-        argv += [*self.options.serve_args, "--host", "127.0.0.1", "--port", str(port)]
+        if o.llm_url is None and "--llm-model" not in o.serve_args:
+            # the model the started LLM server serves: the voice servers' conversation policy is that model's row
+            argv += ["--llm-model", o.llm_model]
+        argv += [*o.serve_args, "--host", "127.0.0.1", "--port", str(port)]
         return Child(f"voice-{i}", argv, self.run_dir / f"voice-{i}.log", url=f"http://127.0.0.1:{port}")
 
     def _start_and_wait(self, children: list[Child]) -> None:

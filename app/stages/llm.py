@@ -22,6 +22,7 @@ from app.stages.base import ChatLLM, GenerationSettings, Message, ReplyFeature, 
 from app.stages.code_fence import Unfence
 from app.stages.control_tokens import neutralize_messages, neutralize_tools
 from app.stages.llm_engine import EngineChatLLM, is_json
+from engine.weights import is_local_model_name
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ class OpenAIChatLLM:
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
-        self.model = model if model and model != "bundled" else None
+        # "auto", "bundled" or a mirrored name mean this install's model: the server's id is asked (``_model_name``)
+        self.model = model if model and not is_local_model_name(model) else None
         self.context_tokens: int | None = None  # the server's own; llm_context_tokens sets a bound
         self._health: tuple[float, tuple[bool, str]] | None = None
         self._extensions_refused = False

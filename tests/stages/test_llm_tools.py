@@ -444,6 +444,25 @@ async def test_the_remote_backend_takes_the_servers_context_length():
     assert silent.context_tokens is None
 
 
+async def test_this_installs_model_names_are_not_sent_to_a_remote_server():
+    """``auto`` (the default ``llm_model``), ``bundled`` or a mirrored name mean this install's model; vLLM serves
+    it as ``--served-model-name parley``: the backend asks ``/models`` and sends that id. (`parley scale up` with
+    vLLM and the defaults failed to start: vLLM answered 404 to the model ``auto``.)"""
+    sent = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "parley", "max_model_len": 2048}]})
+        sent.append(json.loads(request.content)["model"])
+        return httpx.Response(200, content=sse(delta(content="Hi.")), headers={"content-type": "text/event-stream"})
+
+    for name in ("auto", "bundled", "qwen2.5-coder-0.5b", None):
+        llm = OpenAIChatLLM("http://llm.test", model=name)
+        llm._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        assert await collect(llm.stream(ReplyRequest([{"role": "user", "content": "Hello"}], "r1"))) == ["Hi."]
+    assert sent == ["parley"] * 4
+
+
 async def test_a_server_that_went_away_is_asked_afresh():
     """What the backend learnt of a server (its refusal of tool_choice auto, its context) is dropped once it cannot
     be reached: vLLM restarted with --enable-auto-tool-choice gets tools again without restarting the voice

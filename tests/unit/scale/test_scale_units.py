@@ -99,3 +99,18 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{port} is not free"):
             topology.up()
     assert topology.llm is None and not topology.voices
+
+
+def test_voice_servers_are_told_the_model_the_started_llm_server_serves(tmp_path):
+    """Their conversation policy is that model's row (SmolLM2's without tools, the default brain's with them)."""
+
+    def voice_argv(**options) -> list[str]:
+        topology = Topology(ScaleOptions(run_dir=tmp_path, **options))
+        topology.llm_url = "http://127.0.0.1:9/v1"
+        return topology._voice_child(1).argv
+
+    argv = voice_argv(llm_model="bundled")
+    assert argv[argv.index("--llm-model") + 1] == "bundled"
+    argv = voice_argv(llm_model="bundled", serve_args=["--llm-model", "qwen2.5-coder-0.5b"])
+    assert argv.count("--llm-model") == 1 and argv[argv.index("--llm-model") + 1] == "qwen2.5-coder-0.5b"
+    assert "--llm-model" not in voice_argv(llm_url="http://elsewhere:8001/v1")  # a server of the user's: theirs
