@@ -150,7 +150,8 @@ class LlamaModel:
 
     @property
     def linear_kernel(self) -> str:
-        """The kernel the layer linears run: dense, onednn-packed, int8pack, ao, bitsandbytes or int4pack."""
+        """The kernel the layer linears run: dense, onednn-packed, int8pack, ao, bitsandbytes, int4pack, or on the
+        GPU weight-only-triton, w8a8-int-mm, torchao-weight-only, torchao-w8a8."""
         return getattr(self.layers[0].qkv, "kernel", "dense") if self.layers else "dense"
 
     def graph_safe(self) -> bool:
