@@ -516,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=["1b", "8b"],
         help="random-weight shapes of the CUDA INT8-vs-bf16 comparison (comma-separated; '' skips it)",
     )
+    p.add_argument(
+        "--int8-schemes",
+        type=lambda v: [s for s in v.split(",") if s],
+        default=None,
+        help="the INT8 schemes it compares (default: weight_only,w8a8,torchao_weight_only,torchao_w8a8,bitsandbytes)",
+    )
     p.add_argument("--ppl-tokens", type=int, default=256, help="tokens of text for the INT8 perplexity check")
     p.add_argument("--max-ppl-ratio", type=float, default=1.03, help="INT8 perplexity / fp32 perplexity allowed")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

@@ -195,7 +195,8 @@ def run_section(
     from engine.int8_choice import choose, save_record
     from engine.int8_gpu import torchao_importable, triton_runs_on
 
-    schemes = [s for s in SCHEMES if s != "bitsandbytes" or env.get("bitsandbytes_version")]
+    asked = getattr(args, "int8_schemes", None) or SCHEMES
+    schemes = [s for s in SCHEMES if s in asked and (s != "bitsandbytes" or env.get("bitsandbytes_version"))]
     if not torchao_importable():
         rep.line(f"  [SKIP] {device} torchao's schemes: torchao is not installed (the gpu extra installs it)")
         schemes = [s for s in schemes if not s.startswith("torchao")]
