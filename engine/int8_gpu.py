@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from engine.int8_rows import quantize_per_channel
+from engine.layers.linear import tensor_nbytes
 
 W8A8_MIN_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows
 
@@ -68,8 +69,7 @@ class Int8WeightOnlyLinear:
         return self.weight_only(x)
 
     def nbytes(self) -> int:
-        b = self.qweight.numel() + self.scale.numel() * 4
-        return b + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        return tensor_nbytes(self.qweight, self.scale, self.bias)
 
 
 class Int8DynamicLinear(Int8WeightOnlyLinear):
@@ -127,8 +127,7 @@ class TorchaoLinear:
         w = self.module.weight
         names = w.__tensor_flatten__()[0] if hasattr(w, "__tensor_flatten__") else []
         parts = [getattr(w, n) for n in names] or [w]
-        b = sum(t.numel() * t.element_size() for t in parts)
-        return b + (self.module.bias.numel() * self.module.bias.element_size() if self.module.bias is not None else 0)
+        return tensor_nbytes(*parts, self.module.bias)
 
 
 class TorchaoWeightOnlyLinear(TorchaoLinear):
