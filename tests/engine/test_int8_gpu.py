@@ -85,13 +85,17 @@ def test_per_token_quantization_round_trips_within_half_a_step(where):
     else:  # the reference math
         from engine.int8_rows import quantize_rows
 
-    x = torch.randn(6, 1100) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0, 1.0])[:, None]
+    x = (
+        torch.randn(6, 1100, generator=torch.Generator().manual_seed(6))
+        * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0, 1.0])[:, None]
+    )
     x[3] = 0.0  # an all-zero row: no division by zero
     q, scale = quantize_rows(x.bfloat16())
     assert q.dtype == torch.int8 and scale.shape == (6,)
     assert q.abs().max() == 127 and q[3].abs().max() == 0
     err = (q.float() * scale[:, None] - x.bfloat16().float()).abs()
-    assert (err <= scale[:, None] / 2 + 1e-6).all()
+    # half a step, up to float32 rounding of x / scale (relative: a row of scale ~1 errs by ~1e-5 absolute)
+    assert (err <= scale[:, None] / 2 * (1 + 1e-4)).all()
     if where == "triton":
         from engine.int8_rows import quantize_rows as reference_rows
 
