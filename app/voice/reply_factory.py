@@ -231,6 +231,19 @@ class ReplyFactory:
         tools = self.tool_spec()
         return scheduling.warm if tools is None else functools.partial(scheduling.warm, tools=tools)
 
+    def retry_warm_prefix(self) -> WarmPrefix | None:
+        """The prefill of the prompt a reply is written again from without tools, where one can be: a skill refuses
+        a call the user's words did not ask for (``app.skills.base.unasked``) and the reply is written again without
+        tools (``ToolRounds.make``). That prompt's system turn has no tools, so without this warm-up the whole
+        conversation missed the prefix cache: 5.8 s before the first word of one such turn with the default brain
+        (app/bench/results/default_brain.md, 2026-12-07). None where no call can be refused so (no skills: the
+        client's tools, or none) or where the LLM has no prefix cache."""
+        scheduling = scheduling_of(self._models.llm)
+        tools = self.session_tools()
+        if scheduling is None or tools.client or not tools.server:
+            return None
+        return scheduling.warm
+
     def tool_spec(self) -> ToolSpec | None:
         """The tools the next reply's request has (None: the plain text path)."""
         return self.session_tools().spec(self._history.messages)

@@ -61,6 +61,10 @@ class Prompts(Protocol):
         """The LLM's prefill, looked up at each warm-up (the LLM may be replaced; None: no prefix cache)."""
         ...
 
+    def retry_warm_prefix(self) -> WarmPrefix | None:
+        """The prefill of the prompt a reply is written again from without tools (None: no reply can be)."""
+        ...
+
     def upcoming_prefix(self) -> list[Message]:
         """What the next turn's prompt starts with (the history)."""
         ...
@@ -98,7 +102,11 @@ class PrefixWarmup:
         self._heard, self._words_warmed = None, None  # a new conversation to weigh words after
         if self._task is not None:
             self._task.cancel()
-        self._task = asyncio.create_task(self._run(warm, [upcoming]), name="llm-warm")
+        warms = [(warm, upcoming)]
+        retry = self._prompts.retry_warm_prefix()
+        if retry is not None:  # second: the next reply's own prompt is the likelier one
+            warms.append((retry, upcoming))
+        self._task = asyncio.create_task(self._run(warms), name="llm-warm")
 
     def words_so_far(self, text: str) -> None:
         """Prefill the prompt with the words heard so far, while the user is still speaking.
@@ -123,7 +131,7 @@ class PrefixWarmup:
         self._words_warmed = text
         alone = self._prompts.alone_prompt(text, fitted.messages)
         if alone is None:
-            self._task = asyncio.create_task(self._run(warm, [fitted.messages]), name="llm-warm-words")
+            self._task = asyncio.create_task(self._run([(warm, fitted.messages)]), name="llm-warm-words")
         else:
             self._task = asyncio.create_task(self._weigh(warm, fitted.messages, alone, text), name="llm-warm-words")
 
@@ -167,9 +175,9 @@ class PrefixWarmup:
             self._heard = HeardWeighed(related[:-1], heard, scores[0] - scores[1])
 
     @staticmethod
-    async def _run(warm: WarmPrefix, prompts: list[list[Message]]) -> None:
+    async def _run(warms: list[tuple[WarmPrefix, list[Message]]]) -> None:
         try:
-            for messages in prompts:
+            for warm, messages in warms:
                 await warm(messages)
         except asyncio.CancelledError:
             raise

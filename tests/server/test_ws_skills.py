@@ -94,7 +94,13 @@ def test_a_call_the_user_did_not_ask_for_is_taken_back_and_the_reply_written_wit
         done = next(e for e in events if e["type"] == "tool_done")
         assert "not asked" in done["output"] and events[-1]["text"] == "Nice to meet you, Maya."
         assert len(llm.specs) == 1 and llm.calls[-1][-1] == {"role": "user", "content": "My name is Maya."}
+        retried = llm.calls[-1]
         ws.send_text(json.dumps({"type": "text", "text": "What time is it?"}))
         events_until(ws, "turn_done")
     history = llm.calls[-1]
     assert not any(m.get("tool_calls") or m["role"] == "tool" for m in history)  # the call taken back left no trace
+    # the prompt written again without tools had its start prefilled without them (not a cold prompt), and so
+    # had the next turn's: after each conversation's change, the prompt with the tools first, then without
+    untooled = [m for m, tools in zip(llm.warmed, llm.warmed_tools, strict=True) if tools is None]
+    assert retried[:-1] in untooled and history[:-1] in untooled
+    assert [tools is None for tools in llm.warmed_tools[-2:]] == [False, True]

@@ -32,10 +32,19 @@ class Scene:
         self.scored: list[bool] = []
         self.alone: list[dict] | None = None  # what alone_prompt says (None: the words are not weighed)
         self.related_score, self.alone_score = -1.0, -2.5
+        self.retries = False  # whether a reply can be written again without tools (the session has skills)
+        self.retry_warmed: list[list[dict]] = []
         self.warmup = PrefixWarmup(self, lambda: self.llm_needed)
 
     def warm_prefix(self):
         return self._warm if self.warms else None
+
+    def retry_warm_prefix(self):
+        return self._retry_warm if self.warms and self.retries else None
+
+    async def _retry_warm(self, messages) -> None:
+        self.retry_warmed.append(messages)
+        await self._warm(messages)
 
     def upcoming_prefix(self) -> list[dict]:
         return HISTORY
@@ -78,6 +87,29 @@ async def test_the_next_prompt_s_start_is_warmed_and_a_newer_one_replaces_a_runn
     scene.gate.set()
     await scene.settle()
     assert scene.warmed == [HISTORY, HISTORY] and scene.finished == [HISTORY]
+
+
+async def test_the_prompt_a_refused_call_s_reply_is_written_from_is_warmed_second():
+    """With skills, a reply whose call was refused as not asked is written again without tools: that prompt (the
+    same conversation, no tools in its system turn) is warmed too, after the one the next reply will most likely
+    use; a newer conversation replaces both."""
+    scene = Scene()
+    scene.retries = True
+    scene.gate = asyncio.Event()
+    scene.warmup.next_prompt()
+    await scene.settle()
+    assert scene.warmed == [HISTORY] and scene.retry_warmed == []  # the reply's own prompt first
+    scene.gate.set()
+    await scene.settle()
+    assert scene.retry_warmed == [HISTORY] and scene.finished == [HISTORY, HISTORY]
+    scene.gate.clear()
+    scene.warmup.next_prompt()
+    await scene.settle()
+    scene.warmup.next_prompt()  # the first one is cancelled before it reaches the prompt without tools
+    await scene.settle()
+    scene.gate.set()
+    await scene.settle()
+    assert scene.retry_warmed == [HISTORY, HISTORY] and len(scene.finished) == 4
 
 
 async def test_no_history_warm_up_when_no_history_is_sent():
