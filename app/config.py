@@ -163,6 +163,13 @@ class _Models(BaseModel):
     llm_dry_multiplier: float = Field(
         0.0, ge=0.0, le=5.0, description="DRY repeat penalty (engine backend), 0: off " + POLICY_DEFAULT
     )
+    llm_seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**31 - 1,
+        description="sampling seed of every reply (with llm_temperature > 0: a conversation's replies reproducible, "
+        "as `parley bench quality --seeds` runs them); empty: each reply draws its own",
+    )
 
     # TTS
     tts_backend: Literal["piper", "coqui"] = Field("piper", description="coqui needs the [coqui] extra (GPU image)")

@@ -18,6 +18,10 @@ Scored (``app.bench.quality_score``):
 * after a cancelled reply, whether the next reply says it again;
 * how often each reply guard cut a reply (``protocol.GUARD_FIELDS``, summed from ``turn_done``).
 
+Then the how-to requests (``app.bench.quality_howto``: answered, without a page's markup, their length), each in a
+fresh conversation. Greedy by default; ``--seeds 0,1,2`` samples (``--temperature``) and runs the whole set once
+per seed on a server started with that seed (``llm_seed``), reporting each run and the spread of every figure.
+
 ``--spoken-actions`` says the requests to act on aloud instead (the bundled voice, ``--snr-db`` of background
 noise), each in a conversation of its own, so an action is shown from speech to skill; ``--conversations 0``
 leaves the conversations out.
@@ -29,6 +33,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +51,7 @@ from app.bench.quality_actions import (
     summarize_actions,
     with_home,
 )
+from app.bench.quality_howto import HOW_TOS, HowTo, HowToRecord, describe_how_to, print_how_tos, summarize_how_tos
 from app.bench.quality_score import TurnRecord, describe, print_table, score_in_conversation, score_turn, summarize
 from app.bench.quality_set import CONVERSATIONS, Ask, alone_questions
 from app.clients.core import Connection, open_connection
@@ -160,15 +166,27 @@ async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) 
     )
 
 
+@dataclass
+class QualityRun:
+    """One run's records: the conversations' turns, the questions alone, the requests to act on, the how-tos."""
+
+    conversations: list[list[TurnRecord]] = field(default_factory=list)
+    alone: list[TurnRecord] = field(default_factory=list)
+    actions: list[ActionRecord] = field(default_factory=list)
+    how_tos: list[HowToRecord] = field(default_factory=list)
+
+
 async def run(
     url: str,
     conversations: tuple[tuple[Ask, ...], ...],
     seed: int,
     say: Callable[[str], None] = print,
     actions: tuple[ActionAsk, ...] = ACTIONS,
-) -> tuple[list[list[TurnRecord]], list[TurnRecord], list[ActionRecord]]:
+    how_tos: tuple[HowTo, ...] = HOW_TOS,
+) -> QualityRun:
     """Every conversation, then its questions alone (in an order ``seed`` shuffles), then the requests to act on
-    (``app.bench.quality_actions``), each in a fresh conversation, on one connection."""
+    (``app.bench.quality_actions``) and the how-tos (``app.bench.quality_howto``), each in a fresh conversation, on
+    one connection."""
     connection = await open_connection(url)
     user = TypedUser(connection)
     try:
@@ -199,9 +217,16 @@ async def run(
             guards = {n: getattr(answer.metrics, n) or 0 for n in protocol.GUARD_FIELDS} if answer.metrics else {}
             acts.append(ActionRecord(request, answer.reply, answer.calls, guards, answer.error))
             say(describe_action(acts[-1]))
+        answered = []
+        for how_to in how_tos:
+            await user.reset()
+            answer = await user.ask(how_to.text)
+            guards = {n: getattr(answer.metrics, n) or 0 for n in protocol.GUARD_FIELDS} if answer.metrics else {}
+            answered.append(HowToRecord(how_to, answer.reply, answer.calls, guards, answer.error))
+            say(describe_how_to(answered[-1]))
     finally:
         await connection.close()
-    return talks, alone, acts
+    return QualityRun(talks, alone, acts, answered)
 
 
 async def speak_actions(
@@ -251,11 +276,18 @@ def speech_seconds(replies: list[str]) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parley bench quality", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="ws://HOST:PORT/ws of a running server (default: start one)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra `parley serve` flag (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="the order of the questions asked alone")
+    parser.add_argument(
+        "--seeds",
+        help="sample instead of decoding greedily, and run the whole set once per seed (comma-separated: 0,1,2), "
+        "each on a server of its own started with --llm-seed SEED --llm-temperature T; each run's figures and "
+        "their spread are reported",
+    )
+    parser.add_argument("--temperature", type=float, default=0.7, help="with --seeds: the sampling temperature")
     parser.add_argument(
         "--conversations", type=int, default=len(CONVERSATIONS), help="how many of the conversations (a smoke run: 1)"
     )
@@ -265,66 +297,127 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spoken-actions", action="store_true", help="say the requests to act on aloud")
     parser.add_argument("--snr-db", type=float, help="with --spoken-actions: noise this many dB under the speech")
     parser.add_argument(
+        "--how-tos", action=argparse.BooleanOptionalAction, default=True, help="also the how-to requests"
+    )
+    parser.add_argument(
         "--home", action="store_true", help="connect a stand-in home MCP server (app.bench.home_mcp): lights to switch"
     )
     parser.add_argument("--out", default="bench-output", help="folder for the server log")
     parser.add_argument("--json", dest="json_path", help="write the summary and every turn here")
+    return parser
+
+
+def seeds_of(text: str | None) -> list[int | None]:
+    """``--seeds``' list (None: one greedy run)."""
+    if not text:
+        return [None]
+    seeds = [int(part) for part in text.split(",") if part.strip()]
+    if not seeds or any(seed < 0 for seed in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: distinct whole numbers >= 0, comma-separated (got {text!r})")
+    return seeds
+
+
+def spread(summaries: list[dict]) -> dict[str, dict[str, float]]:
+    """Each figure the runs all have, as numbers: its min, median and max over the runs."""
+    keys = [k for k, v in summaries[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    figures = {}
+    for key in keys:
+        values = sorted(s[key] for s in summaries if isinstance(s.get(key), int | float))
+        if len(values) == len(summaries):
+            figures[key] = {"min": values[0], "median": statistics.median(values), "max": values[-1]}
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if not 0 <= args.conversations <= len(CONVERSATIONS):
         parser.error(f"--conversations: 0 to {len(CONVERSATIONS)}")
     if args.spoken_actions and not args.actions:
         parser.error("--spoken-actions needs the actions (not --no-actions)")
-    chosen = CONVERSATIONS[: args.conversations]
+    if args.home and args.url is not None:
+        parser.error("--home starts the server (it connects the home's MCP server): leave out --url")
+    try:
+        seeds = seeds_of(args.seeds)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.seeds and args.url is not None:
+        parser.error("--seeds starts a server for each seed: leave out --url")
+    if args.seeds and not 0 < args.temperature <= 2:
+        parser.error("--temperature: above 0 (sampling) and at most 2")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for seed in seeds:
+        sampling = [] if seed is None else ["--llm-seed", str(seed), "--llm-temperature", str(args.temperature)]
+        if seed is not None:
+            print(f"\n=== seed {seed} (temperature {args.temperature}) ===", flush=True)
+        reports.append(_run_once(args, [*args.server_arg, *sampling], out) | {"sampling_seed": seed})
+    if len(reports) > 1:
+        figures = spread([report["summary"] for report in reports])
+        print(f"\nover {len(reports)} seeds (min / median / max):")
+        for key, values in figures.items():
+            print(f"  {key:<48}{values['min']:>8g}{values['median']:>8g}{values['max']:>8g}")
+    if args.json_path:
+        whole = reports[0] if len(reports) == 1 else {"runs": reports, "spread": figures}
+        Path(args.json_path).write_text(json.dumps(whole, indent=2))
+    return 0
 
+
+def _run_once(args: argparse.Namespace, server_args: list[str], out: Path) -> dict:
+    """One run of the whole set (on a server started with ``server_args``, unless ``--url``): printed, and its
+    report (the summary and every record) returned."""
+    chosen = CONVERSATIONS[: args.conversations]
     server, url = None, args.url
     action_set = with_home(ACTIONS) if args.home else ACTIONS
-    if args.home and url is not None:
-        parser.error("--home starts the server (it connects the home's MCP server): leave out --url")
     home_state = (out / "home-state.json").resolve()
     if args.home:
+        home_state.unlink(missing_ok=True)  # (each run's home starts with every light off)
         home = {"name": "home", "command": [sys.executable, "-m", "app.bench.home_mcp", "--state", str(home_state)]}
-        args.server_arg += ["--mcp-servers", json.dumps([home])]
+        server_args = [*server_args, "--mcp-servers", json.dumps([home])]
     if url is None:
         print("starting parley serve ...", flush=True)
         # answers are scored, not speed: the latency breaker must not refuse the spoken requests' connections
         breaker_off = ["--breaker-voice-to-voice-ms", "600000", "--breaker-llm-ttft-ms", "600000"]
-        server = ServerProcess(["serve", *breaker_off, *args.server_arg], out / "quality-server.log")
+        server = ServerProcess(["serve", *breaker_off, *server_args], out / "quality-server.log")
         url = server.base_url.replace("http://", "ws://") + "/ws"
     try:
         print(f"typing {sum(map(len, chosen))} conversation turns, then their questions alone, to {url} ...")
         actions = action_set if args.actions and not args.spoken_actions else ()
+        how_tos = HOW_TOS if args.how_tos else ()
         say = lambda line: print(line, flush=True)  # noqa: E731
-        conversations, alone, acts = asyncio.run(run(url, chosen, args.seed, say=say, actions=actions))
+        done = asyncio.run(run(url, chosen, args.seed, say=say, actions=actions, how_tos=how_tos))
         if args.spoken_actions:
             print(f"saying {len(action_set)} requests to act on (noise: {args.snr_db} dB SNR) ...", flush=True)
-            acts = asyncio.run(speak_actions(url, action_set, args.snr_db, say=say))
+            done.actions = asyncio.run(speak_actions(url, action_set, args.snr_db, say=say))
     finally:
         if server is not None:
             server.stop()
+    conversations, alone, acts = done.conversations, done.alone, done.actions
     summary = (summarize(conversations, alone) if conversations else {}) | (summarize_actions(acts) if acts else {})
-    summary |= speech_seconds([r.reply for c in conversations for r in c] + [r.reply for r in alone + acts])
+    summary |= summarize_how_tos(done.how_tos) if done.how_tos else {}
+    replies = [r.reply for c in conversations for r in c] + [r.reply for r in alone + acts + done.how_tos]
+    summary |= speech_seconds(replies)
     if conversations:
         print_table(summary)
     if acts:
         print_actions(summary)
+    if done.how_tos:
+        print_how_tos(summary)
     if "speech_s_per_reply_p50" in summary:
         print(
             f"seconds of speech per reply (from its length): p50 {summary['speech_s_per_reply_p50']}, "
             f"p90 {summary['speech_s_per_reply_p90']}; over 20 s: {summary['replies_over_20_s']}"
         )
-    if args.json_path:
-        report = {
-            "summary": summary,
-            "seed": args.seed,
-            "spoken_actions": args.spoken_actions,
-            "snr_db": args.snr_db,
-            "home": json.loads(home_state.read_text()) if args.home and home_state.exists() else None,
-            "server_args": args.server_arg,
-            "conversations": [[record.to_json() for record in records] for records in conversations],
-            "alone": [record.to_json() for record in alone],
-            "actions": [record.to_json() for record in acts],
-        }
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-    return 0
+    return {
+        "summary": summary,
+        "seed": args.seed,
+        "spoken_actions": args.spoken_actions,
+        "snr_db": args.snr_db,
+        "home": json.loads(home_state.read_text()) if args.home and home_state.exists() else None,
+        "server_args": server_args,
+        "conversations": [[record.to_json() for record in records] for records in conversations],
+        "alone": [record.to_json() for record in alone],
+        "actions": [record.to_json() for record in acts],
+        "how_tos": [record.to_json() for record in done.how_tos],
+    }

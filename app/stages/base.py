@@ -121,6 +121,7 @@ class GenerationSettings:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     dry_multiplier: float = 0.0
+    seed: int | None = None  # (None: each reply draws its own; only sampling, temperature > 0, reads it)
 
     @classmethod
     def from_settings(cls, settings: Any) -> GenerationSettings:
@@ -130,10 +131,12 @@ class GenerationSettings:
     def sampling(self) -> dict[str, float]:
         """The request's sampling fields: temperature and top_p always, the others only where they do something
         (a server that lacks one, DRY say, is not sent it)."""
-        chosen = {"temperature": self.temperature, "top_p": self.top_p}
+        chosen: dict[str, float] = {"temperature": self.temperature, "top_p": self.top_p}
         for each in fields(self):
             if each.name not in (*chosen, "max_tokens") and getattr(self, each.name) != each.default:
                 chosen[each.name] = getattr(self, each.name)
+        if not self.temperature:
+            chosen.pop("seed", None)  # greedy: nothing to seed
         return chosen
 
 

@@ -128,7 +128,7 @@ class TransformersChatLLM:
 
 # OpenAI's own sampling fields; the others a policy may set (min_p, repetition_penalty, DRY) are extensions that vLLM,
 # llama.cpp's server and ``parley engine serve`` take and a strict server (``transformers serve``) refuses
-OPENAI_SAMPLING_FIELDS = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty"})
+OPENAI_SAMPLING_FIELDS = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "seed"})
 
 
 class OpenAIChatLLM:

@@ -352,8 +352,9 @@ async def test_a_run_resets_before_each_conversation_and_question_and_sums_the_g
         return connection
 
     monkeypatch.setattr(quality, "open_connection", connect)
-    conversations, alone, acts = await quality.run("ws://test/ws", (talk,), seed=0, say=lambda line: None, actions=())
-    assert acts == []
+    done = await quality.run("ws://test/ws", (talk,), seed=0, say=lambda line: None, actions=(), how_tos=())
+    conversations, alone = done.conversations, done.alone
+    assert done.actions == [] and done.how_tos == []
     resets = sum(isinstance(message, protocol.Reset) for message in connection.sent)
     assert resets == 1 + 2 and connection.closed  # one conversation, two facts alone
     # replies come as text only, but for the cancelled one: spoken, so that it is cut where it was heard
@@ -404,3 +405,47 @@ def test_the_action_set_has_two_halves_and_each_tool_of_the_default_skills():
         mine = [a for a in ACTIONS if a.half == half]
         assert {a.tool for a in mine} >= {"set_timer", "set_reminder", "get_time", "calculate", "convert_units", None}
     assert len({a.text for a in ACTIONS}) == len(ACTIONS)
+
+
+def test_a_how_to_is_answered_when_it_names_what_any_answer_would_and_is_for_the_ear_without_markup():
+    from app.bench.quality_howto import HOW_TOS, HowTo, HowToRecord, summarize_how_tos
+
+    eggs = HowTo("How do I boil an egg?", ("water", "minutes", "boil"))
+    spoken = HowToRecord(eggs, "Put the egg in boiling water for about nine minutes, then cool it.")
+    listed = HowToRecord(eggs, "Here's how:\n1. Boil water.\n2. Add the egg.", guards={"guard_length": 1})
+    bold = HowToRecord(eggs, "**Step one:** put it in water.")
+    declined = HowToRecord(eggs, "Sorry, I can't help with that.")
+    assert spoken.on_topic and not spoken.markup
+    assert listed.on_topic and listed.markup and bold.markup
+    assert not declined.on_topic and not declined.markup
+    assert not HowToRecord(eggs, "Pasta takes 10 minutes or so.").markup  # a number is not a list
+    summary = summarize_how_tos([spoken, listed, bold, declined])
+    assert summary["how_tos_on_topic"] == 3 and summary["how_tos_asked"] == 4
+    assert summary["how_tos_with_markup"] == 2 and summary["how_tos_ended_by_length_guard"] == 1
+    assert len({h.text for h in HOW_TOS}) == len(HOW_TOS) >= 10 and all(h.expect for h in HOW_TOS)
+
+
+async def test_a_run_asks_each_how_to_in_a_fresh_conversation(monkeypatch):
+    from app.bench.quality_howto import HowTo
+
+    connection = ScriptedConnection({"How do I cook rice?": "Simmer one cup of rice in two cups of water."})
+
+    async def connect(url):
+        return connection
+
+    monkeypatch.setattr(quality, "open_connection", connect)
+    rice = HowTo("How do I cook rice?", ("water", "simmer"))
+    done = await quality.run("ws://test/ws", (), seed=0, say=lambda line: None, actions=(), how_tos=(rice,))
+    assert [r.reply for r in done.how_tos] == ["Simmer one cup of rice in two cups of water."]
+    assert done.how_tos[0].on_topic and isinstance(connection.sent[-2], protocol.Reset)
+
+
+def test_several_seeds_are_distinct_and_their_spread_is_each_figure_s_min_median_max():
+    assert quality.seeds_of(None) == [None] and quality.seeds_of("0,1, 2") == [0, 1, 2]
+    for bad in ("1,1", "-1", ",", "a"):
+        with pytest.raises(ValueError):
+            quality.seeds_of(bad)
+    runs = [{"facts": 30, "p50": 1.7, "half": "tune", "flag": True}, {"facts": 28, "p50": 1.9}, {"facts": 31}]
+    assert quality.spread(runs) == {"facts": {"min": 28, "median": 30, "max": 31}}
+    with pytest.raises(SystemExit):
+        quality.main(["--seeds", "0,1", "--url", "ws://127.0.0.1:1/ws"])  # a seed needs its own server

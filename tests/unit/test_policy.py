@@ -102,8 +102,9 @@ def test_every_sampling_field_is_the_setting_of_the_same_name_and_is_always_fill
     sampling = GenerationSettings.from_settings(settings)
     for field in dataclasses.fields(GenerationSettings):
         value = getattr(settings, f"llm_{field.name}")
-        assert value is not None and getattr(sampling, field.name) == value
+        assert (value is not None or field.name == "seed") and getattr(sampling, field.name) == value
     assert sampling.temperature == 0.7 and sampling.min_p == 0.05 and sampling.dry_multiplier == 0.8
+    assert sampling.seed is None and GenerationSettings.from_settings(Settings(llm_seed=3)).seed == 3
 
 
 def test_a_request_carries_only_the_sampling_fields_that_do_something():
@@ -117,6 +118,8 @@ def test_a_request_carries_only_the_sampling_fields_that_do_something():
         "presence_penalty": 0.4,
         "dry_multiplier": 0.8,
     }
+    assert GenerationSettings(temperature=0.7, seed=3).sampling() == {"temperature": 0.7, "top_p": 1.0, "seed": 3}
+    assert GenerationSettings(seed=3).sampling() == {"temperature": 0.0, "top_p": 1.0}  # greedy: no seed to send
 
 
 _NO_LLM = UnsizedLLM()
