@@ -76,6 +76,11 @@ class Answer:
     done: bool = False
     calls: list[protocol.ToolDone] = field(default_factory=list)
 
+    @property
+    def guards(self) -> dict[str, int]:
+        """How often each reply guard cut the reply (``protocol.GUARD_FIELDS``; empty without a ``turn_done``)."""
+        return {name: getattr(self.metrics, name) or 0 for name in protocol.GUARD_FIELDS} if self.metrics else {}
+
 
 class TypedUser:
     """Types turns on one ``/ws`` connection and reads the events of each until its ``turn_done``."""
@@ -148,9 +153,7 @@ async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) 
         await user.configure(reply_audio=False)
     else:
         answer = await user.ask(ask.text)
-    guards = {}
-    if answer.metrics is not None:
-        guards = {name: getattr(answer.metrics, name) or 0 for name in protocol.GUARD_FIELDS}
+    guards = answer.guards
     return TurnRecord(
         conversation,
         turn,
@@ -210,19 +213,16 @@ async def run(
             score_turn(record)
             alone.append(record)
             say(describe(record))
-        acts = []
+        acts, answered = [], []
         for request in actions:
             await user.reset()
             answer = await user.ask(request.text)
-            guards = {n: getattr(answer.metrics, n) or 0 for n in protocol.GUARD_FIELDS} if answer.metrics else {}
-            acts.append(ActionRecord(request, answer.reply, answer.calls, guards, answer.error))
+            acts.append(ActionRecord(request, answer.reply, answer.calls, answer.guards, answer.error))
             say(describe_action(acts[-1]))
-        answered = []
         for how_to in how_tos:
             await user.reset()
             answer = await user.ask(how_to.text)
-            guards = {n: getattr(answer.metrics, n) or 0 for n in protocol.GUARD_FIELDS} if answer.metrics else {}
-            answered.append(HowToRecord(how_to, answer.reply, answer.calls, guards, answer.error))
+            answered.append(HowToRecord(how_to, answer.reply, answer.calls, answer.guards, answer.error))
             say(describe_how_to(answered[-1]))
     finally:
         await connection.close()
