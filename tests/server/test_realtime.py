@@ -855,3 +855,41 @@ async def test_openai_sdk_gets_a_valid_function_call_and_then_the_answer(live_se
         assert words(message.content[0].transcript)
         reply = b"".join(base64.b64decode(e.delta) for e in received if e.type == "response.output_audio.delta")
         assert len(reply) / 2 / REALTIME_SAMPLE_RATE > 0.3
+
+
+def test_the_server_skills_act_here_too_and_their_news_is_a_response_of_the_server_s_own(tmp_path):
+    """A Realtime client that declares no tools gets the server's skills, as ``/ws`` does: a timer set by a call
+    (the skill's words are the response's), and when it rings, its words said as a response nobody asked for:
+    ``response.created`` with no user item before it, then the message item, audio and ``response.done``."""
+    from fakes import FakeStages as ScriptedStages
+    from fakes import ScriptedASR as QuietASR
+
+    set_it = ToolCall("call_1", "set_timer", json.dumps({"duration": "one second", "label": "tea"}))
+    llm = ToolScriptedLLM([[set_it], ["Your tea timer is set."]])
+    app = create_app(Settings(max_sessions=4, data_dir=str(tmp_path)), models=ScriptedStages(QuietASR(), llm))
+    with (
+        TestClient(app, base_url="http://127.0.0.1:8000") as client,
+        client.websocket_connect("ws://127.0.0.1:8000/v1/realtime") as ws,
+    ):
+        assert json.loads(ws.receive_text())["type"] == "session.created"
+
+        def until_done() -> list[dict]:
+            events = []
+            while not events or events[-1]["type"] != "response.done":
+                events.append(json.loads(ws.receive_text()))
+                check_ga(events[-1])
+            return events
+
+        ws.send_text(json.dumps({"type": "conversation.item.create", "item": user_text("Set a tea timer for 1 s.")}))
+        ws.send_text(json.dumps({"type": "response.create"}))
+        asked = until_done()
+        said = asked[-1]["response"]["output"][0]["content"][0]["transcript"]
+        assert said == "Your tea timer is set for 1 second." and asked[-1]["response"]["status"] == "completed"
+        rang = until_done()  # nothing sent by the client: the timer's news
+        kinds = [e["type"] for e in rang if e["type"] != "response.output_audio.delta"]
+        assert kinds[0] == "response.created" and "conversation.item.added" in kinds
+        assert not [e for e in rang if e["type"] == "conversation.item.added" and e["item"]["role"] == "user"]
+        news = rang[-1]["response"]
+        assert news["status"] == "completed" and "tea" in news["output"][0]["content"][0]["transcript"]
+        assert any(e["type"] == "response.output_audio.delta" for e in rang)
+    assert {t["function"]["name"] for t in llm.specs[0].tools} >= {"set_timer", "get_time"}

@@ -80,7 +80,9 @@ The conversation -> server events
                                  conversation.item.added, function_call_arguments.delta and .done,
                                  output_item.done, conversation.item.done (the response ends at its calls:
                                  the client adds each function_call_output, then response.create);
-                                 calls of the server's own tools (tool_entry_point) stay in the reply
+                                 calls of the server's own tools (its skills, tool_entry_point) stay in
+                                 the reply; a skill's news (a timer rang) is a response of the server's
+                                 own: response.created with no user item before it, then as any reply
   turn_done                      response.output_audio.done, ...transcript.done, content_part.done,
                                  output_item.done, conversation.item.done, [the function calls],
                                  response.done (+ parley.turn_metrics when included)
@@ -154,7 +156,12 @@ async def serve_realtime(websocket: WebSocket, state: State, settings: Settings)
     # an item of the conversation, so Parley's continued turns (``turn_continued``) stay off here.
     session_settings = settings.model_copy(update={"continuation_ms": 0})
     adapter = RealtimeAdapter(
-        send, session_settings, state.models, model=model, on_rate_limited=state.metrics.rate_limited.inc
+        send,
+        session_settings,
+        state.models,
+        model=model,
+        on_rate_limited=state.metrics.rate_limited.inc,
+        skills=state.skills,
     )
     session = adapter.open_session()
 

@@ -9,6 +9,7 @@ from app.server.realtime.core import SendEvent
 from app.server.realtime.inbound import Inbound
 from app.server.realtime.outbound import Outbound
 from app.server.realtime.state import RealtimeState
+from app.skills.base import SessionSkills
 from app.voice.session import VoiceSession
 
 
@@ -27,8 +28,11 @@ class RealtimeAdapter:
         *,
         model: str = "parley",
         on_rate_limited: Callable[[float], None] | None = None,
+        skills: SessionSkills | None = None,
     ) -> None:
-        self._settings, self._models = settings, models
+        """``skills``: the server's (their tools, where the client declares none, and their news said as responses
+        of the server's own)."""
+        self._settings, self._models, self._skills = settings, models, skills
         self.state = RealtimeState.new(settings, models, model)
         self.outbound = Outbound(self.state, send)
         self.inbound = Inbound(self.state, self.outbound, settings, models, on_rate_limited=on_rate_limited)
@@ -45,6 +49,7 @@ class RealtimeAdapter:
             self.on_parley_audio,
             client_tool_results="next_response",  # function_call items end the response; response.create answers
             withdraw_unheard=False,  # a cancelled response leaves the client's items as they are
+            skills=self._skills,
         )
         self.inbound.session = self.outbound.session = session
         return session

@@ -90,8 +90,10 @@ class Outbound:
             case protocol.Transcript():
                 await self._on_final(message)
             case protocol.AssistantText():
+                await self._open_if_own(message.turn_id)
                 await self.responses.assistant_text(message)
             case protocol.AudioStart():
+                await self._open_if_own(message.turn_id)
                 await self._on_audio_start(message)
             case protocol.Interrupt():
                 await self._on_interrupt(message)
@@ -204,6 +206,16 @@ class Outbound:
         await self.open_response(message.turn_id, ResponseParams())  # Parley answers every spoken turn
 
     # ------------------------------------------------------------------ the reply
+    async def _open_if_own(self, turn_id: int) -> None:
+        """A reply to a turn no response was opened for, newer than every one that was: a turn of the assistant's
+        own (a skill's news: a timer rang, a reminder is due; ``app.voice.announcements``), said when nobody speaks
+        or listens. It gets a response of its own, as a server-initiated one: ``response.created`` with no user item
+        before it. (A user's turn opens its response at its transcript, before any of its reply; a cancelled
+        response's late events are of an older turn.)"""
+        state = self.state
+        if state.response is None and state.typed is None and state.speech is None and turn_id > state.last_turn_id:
+            await self.open_response(turn_id, ResponseParams())
+
     async def _on_audio_start(self, message: protocol.AudioStart) -> None:
         response = self.responses.audio_start(message)
         if response is not None and response.modality == "text" and self.session is not None:

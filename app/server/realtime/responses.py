@@ -51,6 +51,7 @@ class ResponseEvents:
     async def open(self, turn_id: int, params: ResponseParams) -> None:
         """``response.created`` for Parley's turn ``turn_id``; the response is the open one until it finishes."""
         response = self.state.response = self._new(turn_id, params)
+        self.state.last_turn_id = max(self.state.last_turn_id, turn_id)
         await self.sender.emit({"type": "response.created", "response": response.payload("in_progress")})
 
     async def fail(self, params: ResponseParams, error: dict[str, Any]) -> None:

@@ -207,6 +207,7 @@ class RealtimeState:
     last_item_id: str | None = None
     speech: Speech | None = None  # the utterance in progress (server VAD)
     response: Response | None = None  # the response open now
+    last_turn_id: int = 0  # the newest Parley turn a response was opened for
     typed: ResponseParams | None = None  # a typed turn sent to the session, response not opened yet
     input: StreamResampler = field(default_factory=_input_resampler)  # 24 kHz -> the session's 16 kHz
     input_ms: float = 0.0  # audio appended so far (the clock of audio_start_ms / audio_end_ms)
