@@ -143,6 +143,11 @@ class AsyncLLMEngine:
                 for rid in ids:
                     self._streams.pop(rid, None)
 
+    def requests_in_flight(self) -> int:
+        """Requests added and not yet finished with (their outputs still streaming), from any thread."""
+        with self._cond:
+            return len(self._streams)
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step runs."""
         with self._cond:

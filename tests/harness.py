@@ -44,6 +44,7 @@ class ScriptedLLM:
         self.pauses: list[tuple[str, str]] = []  # ("pause" | "resume", request id), in order
         self.yields: list[tuple[str, float]] = []  # (request id, max seconds), in order
         self.cores_lent = 0  # how many core_lent() blocks are open now
+        self.idle_now = True  # what idle() says: no other conversation's request in the LLM
         self.text_turn_probability = None  # what end_of_turn_probability says (None: no text signal; or raises it)
         self.turn_end_asked: list[tuple[list[dict], str]] = []  # (conversation, words) of each end-of-turn ask
         self.text_turn_gate: asyncio.Event | None = None  # (if set) the end-of-turn verdict waits for it
@@ -128,6 +129,9 @@ class ScriptedLLM:
 
     def set_urgent_first_tokens(self, n):
         pass
+
+    def idle(self) -> bool:
+        return self.idle_now
 
     @contextlib.contextmanager
     def core_lent(self):

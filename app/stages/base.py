@@ -324,6 +324,11 @@ class LocalScheduling(Protocol):
         """While open, another model (the end-of-turn model) runs on one core: the LLM steps on the others."""
         ...
 
+    def idle(self) -> bool:
+        """No request of any conversation is in the LLM now: work that may turn out unneeded (a warm-up for a
+        prompt that only some replies use) takes no cores from anyone."""
+        ...
+
     async def warm(
         self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False
     ) -> float | None:

@@ -413,6 +413,9 @@ class EngineChatLLM:
     def core_lent(self) -> AbstractContextManager[None]:
         return self.engine.core_lent()
 
+    def idle(self) -> bool:
+        return self.engine.requests_in_flight() == 0
+
     async def warm(
         self, messages: list[Message], tools: ToolSpec | None = None, *, score_words: bool = False
     ) -> float | None:

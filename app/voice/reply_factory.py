@@ -236,13 +236,18 @@ class ReplyFactory:
         a call the user's words did not ask for (``app.skills.base.unasked``) and the reply is written again without
         tools (``ToolRounds.make``). That prompt's system turn has no tools, so without this warm-up the whole
         conversation missed the prefix cache: 5.8 s before the first word of one such turn with the default brain
-        (app/bench/results/default_brain.md, 2026-12-07). None where no call can be refused so (no skills: the
-        client's tools, or none) or where the LLM has no prefix cache."""
+        (app/bench/results/default_brain.md, 2026-12-07). Only on idle cores: most replies never need it, and with
+        other conversations' requests in the LLM it would slow theirs. None where no call can be refused so (no
+        skills: the client's tools, or none) or where the LLM has no prefix cache."""
         scheduling = scheduling_of(self._models.llm)
         tools = self.session_tools()
         if scheduling is None or tools.client or not tools.server:
             return None
-        return scheduling.warm
+
+        async def warm_when_idle(messages: list[Message]) -> float | None:
+            return await scheduling.warm(messages) if scheduling.idle() else None
+
+        return warm_when_idle
 
     def tool_spec(self) -> ToolSpec | None:
         """The tools the next reply's request has (None: the plain text path)."""

@@ -104,3 +104,20 @@ def test_a_call_the_user_did_not_ask_for_is_taken_back_and_the_reply_written_wit
     untooled = [m for m, tools in zip(llm.warmed, llm.warmed_tools, strict=True) if tools is None]
     assert retried[:-1] in untooled and history[:-1] in untooled
     assert [tools is None for tools in llm.warmed_tools[-2:]] == [False, True]
+
+
+def test_the_prompt_without_tools_is_prefilled_only_while_no_other_conversation_uses_the_llm(tmp_path):
+    """That warm-up serves only a reply whose call was refused: with other conversations' requests in the LLM it
+    would slow theirs, so it waits for idle cores and is skipped otherwise (the prompt with the tools is not)."""
+    llm = ToolScriptedLLM([["Hello!"]])
+    llm.idle_now = False  # another conversation's request is in the LLM
+    with (
+        TestClient(app_with(llm, data_dir=str(tmp_path)), base_url="http://127.0.0.1:8000") as client,
+        client.websocket_connect(URL) as ws,
+    ):
+        assert json.loads(ws.receive_text())["type"] == "ready"
+        ws.send_text(json.dumps({"type": "text", "text": "Hi there."}))
+        events_until(ws, "turn_done")
+        ws.send_text(json.dumps({"type": "text", "text": "How are you?"}))
+        events_until(ws, "turn_done")
+    assert llm.warmed_tools and None not in llm.warmed_tools

@@ -34,9 +34,11 @@ async def test_warm_prefix_is_a_prefix_of_the_next_prompt_and_is_reused(llm):
     assert next_ids[: len(warm_ids)] == warm_ids  # the template only appends: the cache can match
 
     await llm.warm(HISTORY)
+    assert llm.idle()  # the warm-up is done with: no request in the LLM
     hits_before = engine.kv.prefix_hit_tokens
     async for _ in llm.stream(ReplyRequest(nxt, "after-warm", GenerationSettings(max_tokens=3))):
-        pass
+        assert not llm.idle()  # (a reply streaming)
+    assert llm.idle()
     full_blocks = len(warm_ids) // engine.config.block_size * engine.config.block_size
     assert engine.kv.prefix_hit_tokens - hits_before >= full_blocks
     assert engine.stats()["kv_blocks_used"] == 0  # neither request holds blocks afterwards
