@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import date
 from typing import Literal
 
-from engine.model_traits import ModelTraits, traits_of
+from engine.model_traits import ModelTraits, served_traits, traits_of
 
 HistoryReplies = Literal["all", "last", "none"]
 FollowUps = Literal["as_said", "in_full", "in_full_alone"]
@@ -101,10 +101,12 @@ MODEL_POLICIES: tuple[PolicyRule, ...] = (
 
 
 def model_traits(llm_model: str, llm_backend: str) -> ModelTraits | None:
-    """What the LLM is, read from its files; None for a remote server's model (not known here) or one not found."""
-    if llm_backend == "openai":
-        return None
-    return traits_of(llm_model)
+    """What the LLM is, read from its files; None for one not found, or a remote server's model left at ``auto``
+    (the server may serve anything). A remote server's model named otherwise (``bundled``, the default brain's
+    name, a folder: what `parley scale up` tells its voice servers) is read from this machine's copy: the
+    conversation policy is then its row, as in process (it was ``default`` for every remote model: the default
+    brain behind `parley scale up` had another system prompt and history than in process)."""
+    return served_traits(llm_model) if llm_backend == "openai" else traits_of(llm_model)
 
 
 def policy_for(name: str, llm_model: str, llm_backend: str) -> str:

@@ -318,7 +318,7 @@ class TurnMetrics(BaseModel):
     guard_loop: int | None = Field(None, description="times the reply was cut at a few words said again and again")
     guard_runaway: int | None = Field(
         None,
-        description="times the reply was cut where its text stopped being speech (no spaces, counting, repetition)",
+        description="times the reply was cut where its text stopped being speech (no spaces, counting, repetition, data)",
     )
     guard_length: int | None = Field(
         None, description="times the reply ended at a sentence once its speech budget was spent"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from engine.gguf.index import has_index, index_parameters
-from engine.weights import BUNDLED_MODEL, known_model_file
+from engine.weights import AUTO_MODEL, BUNDLED_MODEL, known_model_file
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types (gguf/constants.py GGUFValueType): fixed sizes, 8 = string, 9 = array
@@ -56,6 +56,12 @@ def traits_of(model: str) -> ModelTraits | None:
         return _cached_traits(str(path), stat.st_size, stat.st_mtime_ns)
     except (OSError, ValueError, struct.error, UnicodeDecodeError):
         return None
+
+
+def served_traits(model: str) -> ModelTraits | None:
+    """The traits of the model a remote server serves, as ``llm_model`` names it: None at ``auto`` (the server may
+    serve anything), else read from this machine's copy (``traits_of``)."""
+    return None if model == AUTO_MODEL else traits_of(model)
 
 
 @functools.lru_cache(maxsize=16)

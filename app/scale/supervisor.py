@@ -161,8 +161,11 @@ class Topology:
         o = self.options
         argv = [sys.executable, "-m", "app.cli", "serve", "--llm-backend", "openai", "--llm-url", self.llm_url]
         if o.llm_url is None and "--llm-model" not in o.serve_args:
-            # the model the started LLM server serves: the voice servers' conversation policy is that model's row
-            argv += ["--llm-model", o.llm_model]
+            # the model the started LLM server serves, by its own name (``auto`` there means "whatever the server
+            # serves"): the voice servers' conversation policy is that model's row (``app.policy.model_traits``)
+            from engine.weights import chosen_model
+
+            argv += ["--llm-model", chosen_model(o.llm_model)]
         argv += [*o.serve_args, "--host", "127.0.0.1", "--port", str(port)]
         return Child(f"voice-{i}", argv, self.run_dir / f"voice-{i}.log", url=f"http://127.0.0.1:{port}")
 

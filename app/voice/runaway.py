@@ -11,9 +11,13 @@ list (they hold in any language):
 * counting: more than ``MAX_NUMBER_RUN`` numbers in a row with no word between them ("count to ten" is ten);
 * repetition that is not word for word: the text compresses like Whisper's own hallucination test
   (``zlib`` ratio above ``MAX_COMPRESSION_RATIO`` once ``COMPRESSION_MIN_CHARS`` long; 2.4 is faster-whisper's
-  ``compression_ratio_threshold``).
+  ``compression_ratio_threshold``);
+* data: a JSON object's key opening (``{"name":``), which no sentence holds. The default brain, served by vLLM,
+  wrote a call then the next tool's schema (``, {"name": "set_timer", "arguments": {"type": "object", ...``), and
+  the schema had spaces, few numbers and no repetition: it was read aloud.
 
-Each gives where the speakable text should end (``runaway_at``): before the run or past the tenth number.
+Each gives where the speakable text should end (``runaway_at``): before the run or data, or past the tenth
+number.
 
 The length budget (``SpeechBudget``): a voice reply past about 15 s loses its listener (a pancake recipe took 30 s,
 simple questions 15-24 s with the bundled model), so a reply ends at the first sentence end after the budget, or
@@ -44,6 +48,7 @@ _LONG_REQUEST_EN = re.compile(
 )
 
 _UNBROKEN = re.compile(rf"\S{{{MAX_UNBROKEN_CHARS + 1},}}")
+_DATA = re.compile(r'[{\[]\s*"[^"\n]{1,64}"\s*:')  # a JSON object's first key: {"name":
 # a number, and what may sit between two numbers of a run: separators, not words
 _NUMBER = re.compile(r"\d+(?:[.,:]\d+)*")
 _BETWEEN_NUMBERS = re.compile(r"[\s,;:/\-–—+=.()]*")
@@ -55,18 +60,23 @@ class Runaway:
     """Where the speakable text ends (``at``, a character offset of the text checked) and which shape ran away."""
 
     at: int
-    shape: str  # "unbroken", "counting" or "repetitive"
+    shape: str  # "unbroken", "counting", "repetitive" or "data"
 
 
 def runaway_at(text: str) -> Runaway | None:
     """The first runaway in ``text`` (a reply's text so far), or None while it is still speech."""
-    found = [r for r in (_unbroken(text), _counting(text), _repetitive(text)) if r is not None]
+    found = [r for r in (_unbroken(text), _counting(text), _repetitive(text), _data(text)) if r is not None]
     return min(found, key=lambda r: r.at) if found else None
 
 
 def _unbroken(text: str) -> Runaway | None:
     match = _UNBROKEN.search(text)
     return Runaway(match.start(), "unbroken") if match else None
+
+
+def _data(text: str) -> Runaway | None:
+    match = _DATA.search(text)
+    return Runaway(match.start(), "data") if match else None
 
 
 def _counting(text: str) -> Runaway | None:

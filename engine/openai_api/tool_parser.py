@@ -185,6 +185,7 @@ class ToolCallParser:
         self.num_calls = 0
         self.call: _Call | None = None
         self.malformed = False
+        self.bare = False  # the calls opened the reply as bare JSON (no marker): "," may join them
 
     # --- public ---------------------------------------------------------------------------
     def feed(self, text: str) -> ParsedDelta:
@@ -222,6 +223,7 @@ class ToolCallParser:
             self.started = True
             if opens:
                 self.buf = stripped
+                self.bare = True
                 self._begin_object()
                 return True
         at = self.buf.find(fmt.open) if fmt.open else -1
@@ -239,7 +241,9 @@ class ToolCallParser:
         fmt = self.fmt
         while self.buf:
             c = self.buf[0]
-            if c.isspace() or c in fmt.separator or (fmt.array and c == "["):
+            # bare calls joined by "," as a JSON list's items are: the default brain wrote `{call}, {the next
+            # tool's schema}` through vLLM, and the rest after the first call was spoken as content
+            if c.isspace() or c in fmt.separator or (fmt.array and c == "[") or (self.bare and c == ","):
                 self.buf = self.buf[1:]
             elif fmt.array and c == "]":
                 self.buf, self.mode = self.buf[1:], "text"

@@ -34,6 +34,14 @@ RECORDED = [
     # Qwen2.5-Coder-0.5B (the default brain) writes its calls bare, without the tags: still a call
     (HERMES, '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}', None, [TIME]),
     (HERMES, '{"answer": "Paris"} is JSON, not a call', '{"answer": "Paris"} is JSON, not a call', []),
+    (  # bare calls joined as a list's items (the default brain through vLLM): each a call, none of it content
+        HERMES,
+        '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}, {"name": "get_weather", "arguments": '
+        '{"city": "Paris", "days": [1, 2], "unit": {"c": true}}}, then words',
+        "then words",
+        [TIME, WEATHER],
+    ),
+    (HERMES, "Paris, then Rome.", "Paris, then Rome.", []),  # a comma in text is text
     (  # text after a call is content too
         HERMES,
         'Done.<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>\nBye.',

@@ -52,7 +52,10 @@ def test_the_policy_follows_what_the_model_is_not_its_file_s_name(tmp_path):
     big = _gguf(tmp_path / "SmolLM2-135M-Instruct.gguf", "qwen2", 7_615_616_512, "{% if tools %}<tool_call>{% endif %}")
     assert traits_of(big).tool_template and policy_for("auto", big, "engine") == "default"
     assert policy_for("auto", str(tmp_path / "missing.gguf"), "engine") == "default"  # not here: not known
-    assert policy_for("auto", smol_like, "openai") == "default"  # whatever the remote server serves
+    # a remote server's model: unknown at ``auto`` (it may serve anything); named (a copy here, as `parley scale up`
+    # names the model it started the server with), its row
+    assert policy_for("auto", "auto", "openai") == "default"
+    assert policy_for("auto", smol_like, "openai") == "smollm2-135m"
 
 
 @pytest.mark.models

@@ -13,6 +13,7 @@ import pytest
 
 from app.scale import nginx
 from app.scale.supervisor import Child, ScaleOptions, Topology, run_down, run_status
+from engine.weights import chosen_model
 
 
 def test_the_conf_is_the_docker_one_with_fixed_upstreams(tmp_path):
@@ -111,6 +112,8 @@ def test_voice_servers_are_told_the_model_the_started_llm_server_serves(tmp_path
 
     argv = voice_argv(llm_model="bundled")
     assert argv[argv.index("--llm-model") + 1] == "bundled"
+    argv = voice_argv(llm_model="auto")  # by the name of what it stands for here (``auto`` would be unknown there)
+    assert argv[argv.index("--llm-model") + 1] == chosen_model("auto") != "auto"
     argv = voice_argv(llm_model="bundled", serve_args=["--llm-model", "qwen2.5-coder-0.5b"])
     assert argv.count("--llm-model") == 1 and argv[argv.index("--llm-model") + 1] == "qwen2.5-coder-0.5b"
     assert "--llm-model" not in voice_argv(llm_url="http://elsewhere:8001/v1")  # a server of the user's: theirs

@@ -62,6 +62,11 @@ def test_the_32_second_chain_of_numbers_is_cut_before_it_is_said():
             "Sure: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12",
         ),
         ("Here you go: " + "a1b2c3d4" * 8, "unbroken", "Here you go:"),
+        (  # the next tool's schema after a call, as the default brain wrote it through vLLM
+            'Okay, {"name": "set_timer", "arguments": {"type": "object", "properties": {"duration": {"type": "string"',
+            "data",
+            "Okay,",
+        ),
         (
             " ".join(
                 f"I am here to help you with that {w}." for w in "one two three four five six seven eight".split()
@@ -86,6 +91,7 @@ def test_a_runaway_of_any_shape_is_found(text, shape, kept):
         "The water cycle moves water between the oceans, the air and the land. Water evaporates, rises, cools into "
         "clouds and falls again as rain or snow, then flows back to the sea through rivers and the ground.",
         "Anticonstitutionnellement and Donaudampfschifffahrtsgesellschaft are long words.",
+        'She said "wait": then left. The set {1, 2} has two items; [see page 3] for "more".',
     ],
 )
 def test_speech_is_not_a_runaway(speech):
