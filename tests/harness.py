@@ -17,6 +17,7 @@ from app.bench.launcher import ServerProcess
 from app.config import Settings
 from app.stages.registry import Models
 from app.voice.session import VoiceSession
+from app.voice.text import words
 
 
 class ScriptedLLM:
@@ -360,3 +361,10 @@ class ScriptedServer:
     def received(self) -> list[list]:
         """What each connection sent, in order (one list per connection)."""
         return self.inboxes
+
+
+def assert_spoken_or_json_held_back(done, audio: int) -> None:
+    """The answer after a tool's result: words, heard; or, from a model without tools in its template (SmolLM2
+    echoes a call's JSON as its answer), nothing read aloud of the JSON (the runaway guard's ``data`` cut it)."""
+    assert "{" not in done.text, done.text
+    assert (words(done.text) and audio > 0) or done.metrics.guard_runaway == 1, done
