@@ -84,6 +84,7 @@ class PrefixWarmup:
         """``llm_needed``: a tail transcription or a reply needs the cores now (no words are prefilled)."""
         self._prompts, self._llm_needed = prompts, llm_needed
         self._task: asyncio.Task | None = None
+        self._retry: asyncio.Task | None = None  # the prompt without tools, after ``_task``: optional, cancelled first
         self._closed = False
         self._heard: HeardWeighed | None = None  # the last words so far both prompts scored
         self._words_warmed: str | None = None  # the last words so far prefilled
@@ -100,13 +101,13 @@ class PrefixWarmup:
             return
         upcoming = self._prompts.upcoming_prefix()
         self._heard, self._words_warmed = None, None  # a new conversation to weigh words after
-        if self._task is not None:
-            self._task.cancel()
-        warms = [(warm, upcoming)]
+        for task in (self._task, self._retry):
+            if task is not None:
+                task.cancel()
+        self._task = asyncio.create_task(self._run([(warm, upcoming)]), name="llm-warm")
         retry = self._prompts.retry_warm_prefix()
-        if retry is not None:  # second: the next reply's own prompt is the likelier one
-            warms.append((retry, upcoming))
-        self._task = asyncio.create_task(self._run(warms), name="llm-warm")
+        # after it (the next reply's own prompt is the likelier one), and given up for the user's words
+        self._retry = None if retry is None else asyncio.create_task(self._after(self._task, retry, upcoming))
 
     def words_so_far(self, text: str) -> None:
         """Prefill the prompt with the words heard so far, while the user is still speaking.
@@ -129,6 +130,8 @@ class PrefixWarmup:
         if fitted.truncated_chars:
             return
         self._words_warmed = text
+        if self._retry is not None:
+            self._retry.cancel()  # the words heard come first: that warm-up serves only a refused call's reply
         alone = self._prompts.alone_prompt(text, fitted.messages)
         if alone is None:
             self._task = asyncio.create_task(self._run([(warm, fitted.messages)]), name="llm-warm-words")
@@ -157,8 +160,9 @@ class PrefixWarmup:
     async def close(self) -> None:
         """No more warm-ups (the client is gone); the one running is cancelled."""
         self._closed = True
-        if self._task is not None:
-            await cancel_task(self._task)
+        for task in (self._task, self._retry):
+            if task is not None:
+                await cancel_task(task)
 
     async def _weigh(self, warm: WarmPrefix, related: list[Message], alone: list[Message], text: str) -> None:
         """Prefill both prompts of the words so far with the words scored (the reply that weighs them finds the
@@ -173,6 +177,12 @@ class PrefixWarmup:
         heard = tuple(words_of(text))
         if scores[0] is not None and scores[1] is not None and heard:
             self._heard = HeardWeighed(related[:-1], heard, scores[0] - scores[1])
+
+    @classmethod
+    async def _after(cls, first: asyncio.Task, warm: WarmPrefix, messages: list[Message]) -> None:
+        """``messages`` warmed once ``first`` has ended (however it ended)."""
+        await asyncio.wait([first])
+        await cls._run([(warm, messages)])
 
     @staticmethod
     async def _run(warms: list[tuple[WarmPrefix, list[Message]]]) -> None:

@@ -34,6 +34,7 @@ class Scene:
         self.related_score, self.alone_score = -1.0, -2.5
         self.retries = False  # whether a reply can be written again without tools (the session has skills)
         self.retry_warmed: list[list[dict]] = []
+        self.retry_gate: asyncio.Event | None = None  # (if set) the warm-up without tools waits for it
         self.warmup = PrefixWarmup(self, lambda: self.llm_needed)
 
     def warm_prefix(self):
@@ -44,6 +45,8 @@ class Scene:
 
     async def _retry_warm(self, messages) -> None:
         self.retry_warmed.append(messages)
+        if self.retry_gate is not None:
+            await self.retry_gate.wait()
         await self._warm(messages)
 
     def upcoming_prefix(self) -> list[dict]:
@@ -110,6 +113,20 @@ async def test_the_prompt_a_refused_call_s_reply_is_written_from_is_warmed_secon
     scene.gate.set()
     await scene.settle()
     assert scene.retry_warmed == [HISTORY, HISTORY] and len(scene.finished) == 4
+
+
+async def test_the_words_heard_are_warmed_at_once_and_the_prompt_without_tools_is_given_up_for_them():
+    scene = Scene()
+    scene.retries = True
+    scene.retry_gate = asyncio.Event()
+    scene.warmup.next_prompt()
+    await scene.settle()
+    assert scene.finished == [HISTORY] and scene.retry_warmed == [HISTORY]  # the one without tools under way
+    scene.warmup.words_so_far("What is")  # the user speaks: not skipped for it, and it is cancelled
+    await scene.settle()
+    scene.retry_gate.set()
+    await scene.settle()
+    assert scene.warmed == scene.finished == [HISTORY, said("What is")]
 
 
 async def test_no_history_warm_up_when_no_history_is_sent():
