@@ -78,8 +78,12 @@ class Answer:
 
     @property
     def guards(self) -> dict[str, int]:
-        """How often each reply guard cut the reply (``protocol.GUARD_FIELDS``; empty without a ``turn_done``)."""
-        return {name: getattr(self.metrics, name) or 0 for name in protocol.GUARD_FIELDS} if self.metrics else {}
+        return guard_counts(self.metrics)
+
+
+def guard_counts(metrics: protocol.TurnMetrics | None) -> dict[str, int]:
+    """How often each reply guard cut a reply (``protocol.GUARD_FIELDS``; empty without its ``turn_done``)."""
+    return {name: getattr(metrics, name) or 0 for name in protocol.GUARD_FIELDS} if metrics is not None else {}
 
 
 class TypedUser:
@@ -153,7 +157,6 @@ async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) 
         await user.configure(reply_audio=False)
     else:
         answer = await user.ask(ask.text)
-    guards = answer.guards
     return TurnRecord(
         conversation,
         turn,
@@ -161,7 +164,7 @@ async def _turn(user: TypedUser, conversation: int | None, turn: int, ask: Ask) 
         reply=answer.reply,
         written="".join(answer.written).strip(),
         interrupted=answer.interrupted,
-        guards=guards,
+        guards=answer.guards,
         error=answer.error,
         history_left_out=answer.metrics is not None and answer.metrics.history_left_out,
         history_gain_nats=None if answer.metrics is None else answer.metrics.history_gain_nats,
@@ -245,7 +248,7 @@ async def speak_actions(
             result = await client.ask(clip, timeout_s=TURN_TIMEOUT_S)
         done = result.event(protocol.TurnDone)
         error = next((event.message for event in result.all(protocol.Error)), None)
-        guards = {name: getattr(done.metrics, name) or 0 for name in protocol.GUARD_FIELDS} if done else {}
+        guards = guard_counts(done.metrics if done else None)
         audio_s = len(result.reply_audio) / 2 / result.output_sample_rate if result.output_sample_rate else 0.0
         record = ActionRecord(
             request,

@@ -104,7 +104,7 @@ class PrefixWarmup:
         for task in (self._task, self._retry):
             if task is not None:
                 task.cancel()
-        self._task = asyncio.create_task(self._run([(warm, upcoming)]), name="llm-warm")
+        self._task = asyncio.create_task(self._run(warm, upcoming), name="llm-warm")
         retry = self._prompts.retry_warm_prefix()
         # after it (the next reply's own prompt is the likelier one), and given up for the user's words
         self._retry = None if retry is None else asyncio.create_task(self._after(self._task, retry, upcoming))
@@ -134,7 +134,7 @@ class PrefixWarmup:
             self._retry.cancel()  # the words heard come first: that warm-up serves only a refused call's reply
         alone = self._prompts.alone_prompt(text, fitted.messages)
         if alone is None:
-            self._task = asyncio.create_task(self._run([(warm, fitted.messages)]), name="llm-warm-words")
+            self._task = asyncio.create_task(self._run(warm, fitted.messages), name="llm-warm-words")
         else:
             self._task = asyncio.create_task(self._weigh(warm, fitted.messages, alone, text), name="llm-warm-words")
 
@@ -182,13 +182,12 @@ class PrefixWarmup:
     async def _after(cls, first: asyncio.Task, warm: WarmPrefix, messages: list[Message]) -> None:
         """``messages`` warmed once ``first`` has ended (however it ended)."""
         await asyncio.wait([first])
-        await cls._run([(warm, messages)])
+        await cls._run(warm, messages)
 
     @staticmethod
-    async def _run(warms: list[tuple[WarmPrefix, list[Message]]]) -> None:
+    async def _run(warm: WarmPrefix, messages: list[Message]) -> None:
         try:
-            for warm, messages in warms:
-                await warm(messages)
+            await warm(messages)
         except asyncio.CancelledError:
             raise
         except Exception:  # only an optimisation: the next turn computes it anyway
