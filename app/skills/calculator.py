@@ -204,6 +204,8 @@ def calculate(expression: Any) -> dict[str, Any]:
     except OverflowError:
         return {"error": "the result is too large"}
     except CalculationError as error:
+        if _quantity(expression) is not None:  # "5 miles" for "How many kilometers is 5 miles?"
+            return {"error": f"'{expression}' is a quantity with a unit: convert_units converts it to the unit asked"}
         return {"error": str(error)}
     return {"result": value, "say": f"{spoken(text)} is {say_number(value)}"}
 
@@ -252,9 +254,7 @@ def convert_units(quantity: Any, to: Any) -> dict[str, Any]:
         return {"error": "I need a quantity and a unit, like '5 miles' to 'km'"}
     if len(quantity) > MAX_UNIT_CHARS or len(to) > MAX_UNIT_CHARS:
         return {"error": "the quantity or unit is too long"}
-    number = alpha2digit(" ".join(quantity.split()), "en", threshold=0)
-    number = re.sub(r"^(?:an?)\s+", "1 ", number.replace(",", ""))
-    match = re.fullmatch(r"([-+]?\d+(?:\.\d+)?)\s*(.+)", number)
+    match = _number_and_rest(quantity)
     if match is None:
         return {"error": f"I could not understand the quantity '{quantity}' (say it like '5 miles')"}
     try:
@@ -273,6 +273,26 @@ def convert_units(quantity: Any, to: Any) -> dict[str, Any]:
         "unit": to.strip(),
         "say": f"{match[1]} {match[2]} is {say_number(converted)} {to.strip()}",
     }
+
+
+def _number_and_rest(quantity: str) -> re.Match[str] | None:
+    """"five miles" -> ("5", "miles"): a number (in words or digits), then the rest."""
+    number = alpha2digit(" ".join(quantity.split()), "en", threshold=0)
+    number = re.sub(r"^(?:an?)\s+", "1 ", number.replace(",", ""))
+    return re.fullmatch(r"([-+]?\d+(?:\.\d+)?)\s*(.+)", number)
+
+
+def _quantity(text: str) -> tuple[float, pint.Unit] | None:
+    """``text`` is a number and a unit pint knows ("5 miles"), or None."""
+    match = _number_and_rest(text) if len(text) <= MAX_UNIT_CHARS else None
+    if match is None:
+        return None
+    try:
+        with _registry_lock:
+            unit = _unit(match[2])
+        return (float(match[1]), unit) if not unit.dimensionless else None
+    except CalculationError:
+        return None
 
 
 def _numbers(text: str) -> set[float]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.protocol import TurnMetrics
+
 
 @dataclass
 class ReplyPlayback:
@@ -57,6 +59,14 @@ class ReplyPlayback:
         if self.started_at is None:
             return 0.0
         return max(0.0, min(self.sent_s, now - self._clock_origin))
+
+    def figures(self, metrics: TurnMetrics, spent_s: float) -> TurnMetrics:
+        """``metrics`` with the playback's figures: audio sent, RTF over ``spent_s`` (the reply's production time),
+        underruns."""
+        update: dict = {"underruns": self.underruns, "underrun_s": self.underrun_s if self.sent_s else None}
+        if self.sent_s:
+            update.update(reply_audio_s=self.sent_s, rtf=self.sent_s / max(1e-6, spent_s))
+        return metrics.model_copy(update=update)
 
     def runs_dry_at(self, now: float) -> float:
         """When the client has played everything sent so far (``now`` before anything was sent)."""

@@ -45,6 +45,7 @@ from app.voice.reply_text import ReplyText
 from app.voice.runaway import SpeechBudget
 from app.voice.text import FIRST_PHRASE_MAX_WORDS
 from app.voice.tool_rounds import ReplyTools, ToolRounds
+from app.voice.tool_talk import tool_talk_pattern
 
 log = logging.getLogger(__name__)
 
@@ -234,16 +235,9 @@ class Reply:
             turn_end.set(None)
 
     def final_metrics(self) -> protocol.TurnMetrics:
-        metrics = self.metrics.model_copy()
-        playback = self.playback
-        if playback.sent_s:
-            # RTF from the turn commit (or, for a speculation, from when its production began)
-            began = min(self.commit, self._produce_started) if self.commit else self._produce_started
-            spent = (self._produced_at or self._clock.now()) - began
-            metrics.reply_audio_s = playback.sent_s
-            metrics.rtf = playback.sent_s / max(1e-6, spent)
-        metrics.underruns = playback.underruns
-        metrics.underrun_s = playback.underrun_s if playback.sent_s else None
+        # RTF from the turn commit (or, for a speculation, from when its production began)
+        began = min(self.commit, self._produce_started) if self.commit else self._produce_started
+        metrics = self.playback.figures(self.metrics, (self._produced_at or self._clock.now()) - began)
         self._wiring.listener.turn_metrics(metrics)
         return metrics
 
@@ -286,10 +280,12 @@ class Reply:
         rounds = ToolRounds(self, self._tools, pieces, said, budget)
         try:
             while True:
-                first = rounds.made == 0  # (only the first round weighs the words alone)
+                first = rounds.begin()  # (only the first request weighs the words alone)
                 calls, stop = await self._write(
-                    messages, rounds.spec, pieces, said, budget, answer=not first, alone=alone if first else None
+                    messages, rounds, pieces, said, budget, answer=rounds.made > 0, alone=alone if first else None
                 )
+                if stop == "tool_talk" and rounds.without_tools():
+                    continue
                 calls = rounds.to_make(calls)
                 if not calls or stop or not rounds.can_call:
                     break
@@ -352,7 +348,7 @@ class Reply:
     async def _write(
         self,
         messages: list[Message],
-        spec: ToolSpec | None,
+        rounds: ToolRounds,
         pieces: asyncio.Queue,
         said: list[str],
         budget: SpeechBudget,
@@ -362,12 +358,14 @@ class Reply:
     ) -> tuple[list[ToolCall], Guard | None]:
         """One LLM request: its text spoken piece by piece, its calls returned; and the guard that cut it, if one did
         (``app.voice.pieces``)."""
-        options = self.options
+        options, spec = self.options, rounds.spec
         cutter = PieceCutter(
             said,
             first_clause_chars=options.first_clause_chars,
             first_piece_words=options.first_piece_words,
             budget=budget,
+            tools=tool_talk_pattern(spec),
+            opening=rounds.take_opening(),
         )
         if options.script is not None:
             stream = _said(options.script)
@@ -395,7 +393,7 @@ class Reply:
             await events.aclose()
             await stream.aclose()  # aborts the LLM request if we stopped early
         self._queue(cutter, cutter.flush(), pieces, answer)
-        return calls, cutter.stop
+        return calls, cutter.ended(called=bool(calls))
 
     def _queue(self, cutter: PieceCutter, cut: list[str], pieces: asyncio.Queue, answer: bool) -> None:
         """The pieces cut, to be spoken; the first one (or a guard) is when the LLM's first piece came."""
@@ -420,7 +418,7 @@ class Reply:
 
 def count_guard(metrics: protocol.TurnMetrics, guard: Guard) -> None:
     """Which guard cut the reply, as per-turn counts (``TurnMetrics.guard_*``): how often the LLM needed one."""
-    field = f"guard_{guard}"
+    field = f"guard_{'runaway' if guard == 'tool_talk' else guard}"  # (talk about a tool is no longer speech)
     setattr(metrics, field, (getattr(metrics, field) or 0) + 1)
 
 

@@ -79,6 +79,20 @@ class ToolRounds:
         self._budget = budget
         self.spec = tools.spec if tools is not None else None
         self.made = 0
+        self._rewritten = False  # a round was written again without tools (``without_tools``)
+        self._round_parts = self._round_said = 0  # where the round being written began: the reply's parts, ``said``
+        self._opening: list[str] = []  # what a round written again was said to open with
+
+    def begin(self) -> bool:
+        """A request is about to be written; whether it is the reply's first (only that one weighs the user's words
+        alone)."""
+        self._round_parts, self._round_said = len(self._reply.written.parts), len(self._said)
+        return self.made == 0 and not self._rewritten
+
+    def take_opening(self) -> list[str]:
+        """The pieces a round written again without tools already said: not said twice if it opens with them."""
+        opening, self._opening = self._opening, []
+        return opening
 
     @property
     def can_call(self) -> bool:
@@ -114,9 +128,24 @@ class ToolRounds:
         self._next_request()
         return answered
 
-    def _next_request(self) -> None:
+    def without_tools(self) -> bool:
+        """The round talked about its tools instead of calling one or answering (``app.voice.tool_talk``): where
+        tools were offered and nothing was said before the round, it is written again without them (its text is
+        dropped; what it said, its first words, is not said again if the new text opens with it) and True; False
+        where the reply ends as it is."""
+        if self.spec is None or self._round_said > 0:
+            return False
+        del self._reply.written.parts[self._round_parts :]
+        self._opening = self._said[self._round_said :]
+        if not self._opening:
+            self._reply.metrics.llm_first_piece_ms = None  # (the cut was no piece)
+        self.spec, self._rewritten = None, True
+        self._next_request("w")
+        return True
+
+    def _next_request(self, kind: str = "") -> None:
         reply = self._reply
-        reply.request_id = f"{reply.request_id.split('~')[0]}~{self.made}"
+        reply.request_id = f"{reply.request_id.split('~')[0]}~{self.made}{kind}"
 
     async def _call(self, messages: list[Message], calls: list[ToolCall]) -> list[Message] | None:
         """Run a round's calls; the conversation to write the answer from, or None when the reply ends at them."""

@@ -126,3 +126,15 @@ def test_the_tools() -> None:
     assert tools["convert_units"].run({"quantity": "5 miles", "to": "km"})["result"] == 8.047
     assert "error" in tools["calculate"].run({})
     assert "error" in tools["convert_units"].run({"quantity": 5, "to": "km"})
+
+
+@pytest.mark.parametrize("expression", ["5 miles", "five kilograms", "100 fahrenheit"])
+def test_a_quantity_given_to_the_calculator_is_pointed_to_the_conversion(expression: str) -> None:
+    """The default brain called ``calculate("5 miles")`` for "How many kilometers is 5 miles?": the error names the
+    tool that converts it, so the next round can call it."""
+    assert "convert_units" in calculate(expression)["error"]
+
+
+@pytest.mark.parametrize("expression", ["3 apples", "2 + x", "12 people"])
+def test_words_that_are_no_unit_are_not_called_a_quantity(expression: str) -> None:
+    assert "convert_units" not in calculate(expression)["error"]
