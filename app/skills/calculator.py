@@ -276,7 +276,7 @@ def convert_units(quantity: Any, to: Any) -> dict[str, Any]:
 
 
 def _number_and_rest(quantity: str) -> re.Match[str] | None:
-    """"five miles" -> ("5", "miles"): a number (in words or digits), then the rest."""
+    """ "five miles" -> ("5", "miles"): a number (in words or digits), then the rest."""
     number = alpha2digit(" ".join(quantity.split()), "en", threshold=0)
     number = re.sub(r"^(?:an?)\s+", "1 ", number.replace(",", ""))
     return re.fullmatch(r"([-+]?\d+(?:\.\d+)?)\s*(.+)", number)
