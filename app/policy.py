@@ -47,6 +47,11 @@ def dated(system_prompt: str, day: date) -> str:
     )
 
 
+def instructed(system_prompt: str, instructions: str) -> str:
+    """``system_prompt`` followed by what the server's skills add to it (an MCP server's prompt; "" for none)."""
+    return f"{system_prompt}\n\n{instructions}" if instructions else system_prompt
+
+
 # Each row names settings (``app.config.Settings``, by their own names) and the value the row gives them; a setting
 # a row leaves out keeps its default there, and one the user sets wins over the row.
 POLICIES: dict[str, dict[str, object]] = {

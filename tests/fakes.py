@@ -222,6 +222,7 @@ class Conversation:
         llm_scheduling: bool = True,
         llm: ScriptedLLM | None = None,
         client_tool_results: str = "wait",
+        skills=None,
         **settings,
     ) -> None:
         self.clock = ManualClock()
@@ -243,6 +244,7 @@ class Conversation:
             clock=self.clock,
             run_blocking=run_inline,
             client_tool_results=client_tool_results,
+            skills=skills,
         )
         self.session.on_turn_metrics = self.metrics.append
 

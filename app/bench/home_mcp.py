@@ -7,6 +7,11 @@ those parameters on a few made-up lights, matches them as loosely as Home Assist
 any case, "lights" for "light"), fails a request that matches nothing, and writes every light's state to
 ``--state`` after each call, so the benchmark reads what really happened, not what the reply says.
 
+Like Home Assistant's, it offers a prompt named ``Assist`` (for ``McpServerSpec.prompt``): how to pass a device to
+the tools, and the home's devices with their domain and area, as Home Assistant lists its exposed entities (a YAML
+list of names, domain, areas). Without it the default brain guessed arguments that matched nothing
+(``domain=['kitchen']``).
+
 Not Home Assistant: no live home was at hand; its tools' names and parameters are copied, its matching is not.
 Like Home Assistant (whose intent slots pass through ``cv.ensure_list``), ``domain`` and ``device_class`` take a
 list or one string: the default brain writes ``"domain": "light"``, which a stricter stand-in refused.
@@ -90,8 +95,23 @@ def make_server(state_path: Path) -> MCPServer:
     ) -> str:
         return switch("off", name, area, domain)
 
+    @server.prompt(name="Assist", description="How to control this home, and its devices")
+    def assist() -> str:
+        return home_prompt()
+
     state_path.write_text(json.dumps(state))
     return server
+
+
+def home_prompt() -> str:
+    """What the ``Assist`` prompt says: the tools' use, then each light as Home Assistant lists an exposed entity."""
+    devices = "\n".join(
+        f"- names: {light['name']}\n  domain: light\n  areas: {light['area'].title()}" for light in LIGHTS.values()
+    )
+    return (
+        "To control the home, call its tools. For a device, pass its name and its domain; for a whole area, pass "
+        f"the area's name and the domain.\nThe devices of this home and their areas:\n{devices}"
+    )
 
 
 def main() -> None:

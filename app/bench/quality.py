@@ -376,7 +376,11 @@ def _run_once(args: argparse.Namespace, server_args: list[str], out: Path) -> di
     home_state = (out / "home-state.json").resolve()
     if args.home:
         home_state.unlink(missing_ok=True)  # (each run's home starts with every light off)
-        home = {"name": "home", "command": [sys.executable, "-m", "app.bench.home_mcp", "--state", str(home_state)]}
+        home = {
+            "name": "home",
+            "command": [sys.executable, "-m", "app.bench.home_mcp", "--state", str(home_state)],
+            "prompt": "Assist",
+        }
         server_args = [*server_args, "--mcp-servers", json.dumps([home])]
     if url is None:
         print("starting parley serve ...", flush=True)

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from app.config import Settings
-from app.policy import dated
+from app.policy import dated, instructed
 from app.skills.base import SkillOwner, SystemWallClock
 from app.skills.builtin import SkillSet, builtin_skills
 from app.skills.mcp import McpHub, parse_mcp_servers
@@ -61,7 +61,8 @@ class ServerSkills:
             return
         owner = SkillOwner("warm-up", lambda kind, text: None)
         tools = SessionTools((), load_server_tools(settings.tool_entry_point) + self.skills.tools(owner))
-        system = {"role": "system", "content": dated(settings.system_prompt, datetime.date.today())}
+        prompt = instructed(dated(settings.system_prompt, datetime.date.today()), self.skills.instructions())
+        system = {"role": "system", "content": prompt}
         try:
             await warm([system], tools=tools.spec([]))
         except Exception:  # a warm-up that fails costs only its own time

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,11 @@ class ServerTool:
     run: Callable[[dict[str, Any]], Any]
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+CANNOT_DO = "Sorry, I can't do that."
+"""What the user hears where a request cannot be done (no tool for it, or its calls failed and the model said
+nothing): one honest sentence, never a claimed action."""
 
 
 def unasked(why: str) -> dict[str, Any]:
@@ -84,11 +89,21 @@ class Skill(Protocol):
     def close(self, owner: SkillOwner) -> None: ...
 
 
+@runtime_checkable
+class Instructs(Protocol):
+    """A skill with words for the system prompt (an MCP server's prompt: Home Assistant's names the home's devices)."""
+
+    def instructions(self) -> str: ...
+
+
 class SessionSkills(Protocol):
-    """What a session uses of the server's skills (``app.skills.builtin.SkillSet``): the tools its replies may call,
-    and that its conversation opened (it may now be spoken to) and ended."""
+    """What a session uses of the server's skills (``app.skills.builtin.SkillSet``): the tools its replies may call
+    and the words their system prompt adds (``instructions``), and that its conversation opened (it may now be
+    spoken to) and ended."""
 
     def tools(self, owner: SkillOwner) -> tuple[ServerTool, ...]: ...
+
+    def instructions(self) -> str: ...
 
     def opened(self, owner: SkillOwner) -> None: ...
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from app.skills.base import ServerTool, Skill, SkillOwner, WallClock
+from app.skills.base import Instructs, ServerTool, Skill, SkillOwner, WallClock
 from app.skills.calculator import CalculatorSkill
 from app.skills.clock import ClockSkill
 from app.skills.reminders import ReminderSkill
@@ -78,6 +78,12 @@ class SkillSet:
         if len(set(names)) != len(names):
             raise ValueError(f"two skills' tools share a name: {names}")
         return tools
+
+    def instructions(self) -> str:
+        """What the skills add to a system prompt (``Instructs``; "" for none)."""
+        return "\n\n".join(
+            text for skill in self.skills if isinstance(skill, Instructs) and (text := skill.instructions())
+        )
 
     def opened(self, owner: SkillOwner) -> None:
         """``owner``'s conversation started and may be spoken to. On the event loop."""

@@ -55,6 +55,9 @@ MAX_DESCRIPTION_CHARS = 300
 MAX_SCHEMA_CHARS = 6_000  # a tool's parameters as JSON; Home Assistant's largest (area and floor names) fit
 MAX_RESULT_CHARS = protocol.MAX_TOOL_OUTPUT_CHARS
 MAX_ERROR_CHARS = 1_000
+# A server's prompt added to the system prompt (``McpServerSpec.prompt``): Home Assistant's names each exposed device
+# and area in a line or two, so a home of ~50 devices fits; a longer one is cut (and says so in the log).
+MAX_PROMPT_CHARS = 6_000
 STOP_GRACE_S = 10.0  # for a connection to close itself (a stdio server gets 2 s, then SIGTERM, then SIGKILL)
 _TOOL_NAME = re.compile(protocol.TOOL_NAME_PATTERN)
 _NOT_IN_A_TOOL_NAME = re.compile(r"[^A-Za-z0-9_-]")
@@ -66,7 +69,9 @@ class McpServerSpec(BaseModel):
     """One MCP server as the settings name it: ``command`` (a stdio server: the program and its arguments, run with
     PATH, HOME and the like plus ``env``) or ``url`` (streamable HTTP, sent ``headers``: an Authorization bearer
     token, say); ``tools``: the only tools of it the LLM may call (None: all); ``timeout_s``: for one call;
-    ``connect_timeout_s``: for starting and listing its tools."""
+    ``connect_timeout_s``: for starting and listing its tools; ``prompt``: the name of a prompt the server offers to
+    add to the system prompt (Home Assistant's is ``Assist``: how to control the home, and its devices and areas by
+    name, which its tools' arguments must name)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -78,6 +83,7 @@ class McpServerSpec(BaseModel):
     tools: tuple[str, ...] | None = None
     timeout_s: float = Field(default=8.0, gt=0, le=600)  # under the reply's tool_timeout_s (10): this names the server
     connect_timeout_s: float = Field(default=15.0, gt=0, le=600)
+    prompt: str | None = Field(default=None, min_length=1, max_length=128)
 
     @field_validator("name")
     @classmethod
@@ -283,6 +289,7 @@ class _Connection:
         self._reconnecting: asyncio.Task[str | None] | None = None
         self._tool_names: frozenset[str] = frozenset()
         self._closed = False
+        self.instructions = ""  # the server's prompt named by ``spec.prompt``, as read at the first connection
 
     async def connect(self) -> tuple[types.Tool, ...]:
         """Start the server (or reach it), within ``connect_timeout_s``, and list its tools; McpStartError says why
@@ -341,6 +348,8 @@ class _Connection:
         try:
             async with self._client(link.http_status) as client:
                 tools = await _list_tools(client)
+                if self.spec.prompt is not None and not self.instructions:
+                    self.instructions = await _prompt_text(client, self.spec)
                 if ready.done():
                     return  # the connect timed out meanwhile
                 ready.set_result(tools)
@@ -510,6 +519,22 @@ async def _list_tools(client: Client) -> tuple[types.Tool, ...]:
     return tuple(tools[:MAX_TOOLS_LISTED])
 
 
+async def _prompt_text(client: Client, spec: McpServerSpec) -> str:
+    """The text of the server's prompt ``spec.prompt`` (its messages' text, joined), at most ``MAX_PROMPT_CHARS``;
+    "" with a line in the log when the server has no such prompt or fails to give it (its tools still serve)."""
+    assert spec.prompt is not None
+    try:
+        result = await client.get_prompt(spec.prompt)
+    except (MCPError, ValidationError) as exc:
+        log.warning("MCP server %r: its prompt %r was not read: %s", spec.name, spec.prompt, _describe(exc))
+        return ""
+    texts = [message.content.text for message in result.messages if isinstance(message.content, types.TextContent)]
+    text = "\n".join(texts).strip()
+    if len(text) > MAX_PROMPT_CHARS:
+        log.warning("MCP server %r: its prompt is cut to %d of %d characters", spec.name, MAX_PROMPT_CHARS, len(text))
+    return _cut(text, MAX_PROMPT_CHARS)
+
+
 # ---------------------------------------------------------------- the tools the LLM sees
 @dataclass(frozen=True)
 class _RemoteTool:
@@ -631,6 +656,11 @@ class McpHub:
     def tools(self) -> tuple[ServerTool, ...]:
         return self._tools
 
+    @property
+    def instructions(self) -> str:
+        """The servers' prompts named in the settings (``McpServerSpec.prompt``), for the system prompt."""
+        return "\n\n".join(c.instructions for c in self._connections if c.instructions)
+
     async def start(self) -> None:
         """Connect to every server at once and gather their tools; returns when each has connected or failed."""
         listed = await asyncio.gather(*(self._start(connection) for connection in self._connections))
@@ -676,6 +706,9 @@ class McpSkill:
 
     def tools(self, owner: SkillOwner) -> tuple[ServerTool, ...]:
         return self._hub.tools
+
+    def instructions(self) -> str:
+        return self._hub.instructions
 
     def close(self, owner: SkillOwner) -> None:
         """Nothing to end with a conversation: the connections are the hub's, closed with it."""

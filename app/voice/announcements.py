@@ -104,6 +104,9 @@ class ConversationSkills:
     def tools(self) -> tuple[ServerTool, ...]:
         return self._skills.tools(self._owner) if self._skills is not None else ()
 
+    def instructions(self) -> str:
+        return self._skills.instructions() if self._skills is not None else ""
+
     def opened(self) -> None:
         if self._skills is not None:
             self._skills.opened(self._owner)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from app import protocol
 from app.config import Settings
-from app.policy import dated
+from app.policy import dated, instructed
 from app.skills.base import ServerTool
 from app.stages.base import GenerationSettings, Message, ToolSpec, TurnEndVerdict, VoiceStages, scheduling_of
 from app.voice.context import Fitted
@@ -68,11 +68,13 @@ class ToolSetup:
     """How a session's replies come by their tools, fixed at its start: ``server_tools``, the operator's and the
     skills' (which a session that declares none may call); ``pending_calls``: where the client's tool results are
     awaited; ``client_results``: whether a reply waits for them ("wait") or ends at its calls ("next_response": the
-    Realtime API's way). Together because the factory only hands them on, to each reply's ``ToolRunner``."""
+    Realtime API's way); ``instructions``: what the skills add to the system prompt while their tools are the ones
+    offered (an MCP server's prompt). Together because the factory only hands them on."""
 
     server_tools: tuple[ServerTool, ...] = ()
     pending_calls: PendingCalls = field(default_factory=PendingCalls)
     client_results: ClientResults = "wait"
+    instructions: str = ""
 
 
 class ReplyFactory:
@@ -99,6 +101,7 @@ class ReplyFactory:
         self._request_ids = itertools.count(1)  # unique per LLM request, even for a re-speculation
         self._pending_calls = tools.pending_calls
         self._client_results: ClientResults = tools.client_results
+        self._instructions = tools.instructions
 
     @property
     def settings(self) -> Settings:
@@ -129,8 +132,11 @@ class ReplyFactory:
 
     def system_prompt(self) -> str:
         """The session's system prompt, with today's date where it says ``{date}`` (``app.policy``): the date, not the
-        time, so the prompt the prefix cache holds changes once a day, not once a minute (the time is a tool's)."""
-        return dated(self._prefs.current.system_prompt, self._today())
+        time, so the prompt the prefix cache holds changes once a day, not once a minute (the time is a tool's); and
+        what the skills add to it where theirs are the tools offered (the client declared none)."""
+        prefs = self._prefs.current
+        own_tools = bool(prefs.tools) or not self._server_tools
+        return instructed(dated(prefs.system_prompt, self._today()), "" if own_tools else self._instructions)
 
     def alone_prompt(self, user_text: str, related: list[Message]) -> list[Message] | None:
         """``user_text`` without the conversation (but what the system prompt recalls of it), for the reply to be

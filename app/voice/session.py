@@ -87,7 +87,7 @@ class VoiceSession:
         )
         self._pending_calls = PendingCalls()
         wiring = ReplyWiring(models, send_json, send_bytes, self._clock, self._run, listener=self)
-        tools = ToolSetup(server_tools, self._pending_calls, client_tool_results)
+        tools = ToolSetup(server_tools, self._pending_calls, client_tool_results, self._skills.instructions())
         self._replies = ReplyFactory(
             models, self._state, self._history, self._prefs, wiring, session_id=self.session_id, tools=tools
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from app.bench.home_mcp import matching
+from app.bench.home_mcp import home_prompt, matching
 from app.bench.quality_actions import ACTIONS, HOME_ACTIONS, with_home
 from app.skills.mcp import McpHub, parse_mcp_servers
 
@@ -44,3 +44,15 @@ def test_with_a_home_the_lights_request_is_to_be_acted_on():
     lights = next(a for a in asked if a.text == "Turn on the kitchen lights.")
     assert lights.tool == "HassTurnOn" and len(asked) == len(ACTIONS) + len(HOME_ACTIONS) - 1
     assert [a.text for a in asked][: len(ACTIONS)] == [a.text for a in ACTIONS]
+
+
+async def test_the_home_s_prompt_is_read_for_the_system_prompt_and_a_missing_one_is_only_logged(tmp_path, caplog):
+    command = [sys.executable, "-m", "app.bench.home_mcp", "--state", str(tmp_path / "home.json")]
+    specs = [{"name": "home", "command": command, "prompt": "Assist"}]
+    async with McpHub(parse_mcp_servers(specs)) as hub:
+        assert hub.instructions == home_prompt()
+        assert "- names: Kitchen light\n  domain: light\n  areas: Kitchen" in hub.instructions
+    specs = [{"name": "home", "command": command, "prompt": "Nothing"}]
+    async with McpHub(parse_mcp_servers(specs)) as hub:
+        assert hub.instructions == "" and {tool.name for tool in hub.tools} == {"HassTurnOn", "HassTurnOff"}
+    assert "its prompt 'Nothing' was not read" in caplog.text

@@ -8,9 +8,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from fakes import Conversation, ToolScriptedLLM
 from skill_fakes import NOW, FakeClock, conversation
 
-from app.skills.base import SkillOwner, SystemWallClock
+from app import protocol
+from app.skills.base import ServerTool, SkillOwner, SystemWallClock
 from app.skills.builtin import BUILTIN_SKILLS, SkillSet, builtin_skills
 from app.skills.clock import ClockSkill, DueLoop, describe_now
 from app.skills.reminders import ReminderSkill
@@ -151,3 +153,32 @@ async def test_the_due_loop_wakes_when_deadlines_change() -> None:
         assert len(fired) == 1
     finally:
         await loop.stop()
+
+
+class _Home:
+    """A skill with words for the system prompt, as an MCP server's prompt gives them (``Instructs``)."""
+
+    name = "home"
+
+    def tools(self, owner):
+        return (ServerTool("HassTurnOn", lambda arguments: "done", "Turns on a device"),)
+
+    def instructions(self) -> str:
+        return "The devices of this home: Kitchen light (light, in the Kitchen)."
+
+    def close(self, owner) -> None:
+        pass
+
+
+async def test_the_skills_words_join_the_system_prompt_while_their_tools_are_the_ones_offered(tmp_path: Path) -> None:
+    skills = SkillSet([ClockSkill(FakeClock()), _Home()])
+    assert skills.instructions() == _Home().instructions()
+    conv = Conversation(llm=ToolScriptedLLM([["It is on."]]), skills=skills)
+    await conv.type("Turn on the kitchen light.")
+    system = conv.llm.calls[-1][0]
+    assert system["role"] == "system" and system["content"].endswith("\n\n" + _Home().instructions())
+    # a client that declares its own tools gets its own prompt: the home's words are not in it
+    await conv.session.handle(protocol.SessionConfig(tools=[protocol.FunctionTool(name="get_weather")]))
+    await conv.settle()
+    await conv.type("Is it raining?")
+    assert _Home().instructions() not in conv.llm.calls[-1][0]["content"]
