@@ -24,6 +24,7 @@ from app.skills.base import ServerTool, SkillOwner, unasked
 
 MAX_EXPRESSION_CHARS = 200
 MAX_UNIT_CHARS = 60
+MAX_WORDS_SEARCHED = 40  # of the user's words, for the unit a quantity is converted to (``unit_named``)
 MAX_EXPONENT = 1000
 MAX_RESULT_BITS = 4096  # an integer power larger than this is computed as a float (and may overflow)
 MAX_FACTORIAL = 170  # the largest whose value a float holds
@@ -193,7 +194,9 @@ def say_number(value: float | int) -> str:
     return text if short == value else f"about {text}"
 
 
-def calculate(expression: Any) -> dict[str, Any]:
+def calculate(expression: Any, heard: str = "") -> dict[str, Any]:
+    """``expression`` worked out; a quantity with a unit ("5 miles", which the default brain passes for "How many
+    kilometers is 5 miles?") is converted to the one other unit of its kind the user's words name (``heard``)."""
     if not isinstance(expression, str) or not expression.strip():
         return {"error": "I need an expression, like '12 times 4'"}
     if len(expression) > MAX_EXPRESSION_CHARS:
@@ -204,7 +207,10 @@ def calculate(expression: Any) -> dict[str, Any]:
     except OverflowError:
         return {"error": "the result is too large"}
     except CalculationError as error:
-        if _quantity(expression) is not None:  # "5 miles" for "How many kilometers is 5 miles?"
+        if (quantity := _quantity(expression)) is not None:
+            target = unit_named(heard, quantity[1])
+            if target is not None:
+                return convert_units(expression, target)
             return {"error": f"'{expression}' is a quantity with a unit: convert_units converts it to the unit asked"}
         return {"error": str(error)}
     return {"result": value, "say": f"{spoken(text)} is {say_number(value)}"}
@@ -279,7 +285,30 @@ def _number_and_rest(quantity: str) -> re.Match[str] | None:
     """ "five miles" -> ("5", "miles"): a number (in words or digits), then the rest."""
     number = alpha2digit(" ".join(quantity.split()), "en", threshold=0)
     number = re.sub(r"^(?:an?)\s+", "1 ", number.replace(",", ""))
-    return re.fullmatch(r"([-+]?\d+(?:\.\d+)?)\s*(.+)", number)
+    return re.fullmatch(r"([-+]?\d+(?:\.\d+)?)\s*([^\d\s.,].*)", number)
+
+
+def unit_named(words: str, source: pint.Unit) -> str | None:
+    """The one unit of ``source``'s kind, other than it, that ``words`` name (a word or two: "kilometers",
+    "fluid ounces"), as said; None where they name none or several (of several, those of three letters or more are
+    preferred: "in" is an inch to pint). Unit names are pint's, so English ones."""
+    spoken = re.findall(r"[^\W\d_]+", words)[:MAX_WORDS_SEARCHED]
+    found: dict[pint.Unit, str] = {}
+    for size in (2, 1):
+        for start in range(len(spoken) - size + 1):
+            span = " ".join(spoken[start : start + size])
+            try:
+                with _registry_lock:
+                    unit = _unit(span)
+                    named = not re.search(r"[*/]", str(unit))  # one unit, not a product pint read ("are in")
+                    same_kind = named and unit.dimensionality == source.dimensionality and unit != source
+            except CalculationError:
+                continue
+            if same_kind and not any(span in earlier.split() for earlier in found.values()):
+                found.setdefault(unit, span)
+    if len(found) > 1:
+        found = {unit: span for unit, span in found.items() if len(span) >= 3}
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def _quantity(text: str) -> tuple[float, pint.Unit] | None:
@@ -325,7 +354,9 @@ class CalculatorSkill:
         return (
             ServerTool(
                 "calculate",
-                lambda arguments: grounded(arguments.get("expression"), lambda: calculate(arguments.get("expression"))),
+                lambda arguments: grounded(
+                    arguments.get("expression"), lambda: calculate(arguments.get("expression"), owner.heard())
+                ),
                 "Do arithmetic, e.g. '15% of 80', '(3+4)*2', 'sqrt(2)', '12 times 4'.",
                 {
                     "type": "object",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from app.skills.base import ServerTool, SkillOwner, WallClock
+from app.skills.base import CANNOT_DO, ServerTool, SkillOwner, WallClock
 from app.skills.clock import DueLoop
 from app.skills.spoken_time import (
     SpokenTimeError,
@@ -133,7 +133,7 @@ class TimerSkill:
         heard = owner.heard()
         if heard and seconds not in said_durations(heard):
             # (said as is: read back by a small model, an instruction to it was heard as one)
-            return {"error": "the user did not say how long", "say": "Sorry, I can't do that."}
+            return {"error": "the user did not say how long", "say": CANNOT_DO}
         if (heard and label and not words_heard(label, heard)) or duration_seconds(label) is not None:
             label = ""  # a label the user did not say ("Kitchen lights are on."), or the duration again, is left out
         now = self._clock.now()

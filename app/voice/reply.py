@@ -292,6 +292,7 @@ class Reply:
                 messages = await rounds.make(messages, calls)
                 if messages is None:
                     break
+            await rounds.finish()
             if stop:
                 self.written.keep_said(said)
                 count_guard(self.metrics, stop)

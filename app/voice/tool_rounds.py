@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from app import protocol
+from app.skills.base import CANNOT_DO
 from app.stages.base import Message, ToolCall, ToolSpec
 from app.voice.pieces import Piece
 from app.voice.reply_text import ReplyText
@@ -82,6 +83,7 @@ class ToolRounds:
         self._rewritten = False  # a round was written again without tools (``without_tools``)
         self._round_parts = self._round_said = 0  # where the round being written began: the reply's parts, ``said``
         self._opening: list[str] = []  # what a round written again was said to open with
+        self._failed = False  # a round's calls all failed
 
     def begin(self) -> bool:
         """A request is about to be written; whether it is the reply's first (only that one weighs the user's words
@@ -123,6 +125,7 @@ class ToolRounds:
         if await self._say_results(results):
             return None  # the skills said what they did: no LLM round to write it again
         if failed_round(results):
+            self._failed = True
             self._budget.tighten(FAILED_CALLS_SPEECH_S)
         self.spec = next_round(self.spec, self.made, self._tools.rounds)
         self._next_request()
@@ -164,14 +167,24 @@ class ToolRounds:
             return None
         return [*messages, called, *result.messages]
 
+    async def finish(self) -> None:
+        """The reply's rounds are over: one whose calls failed and that then said nothing says it could not do it
+        (the 0.5B default brain wrote nothing after a conversion's error, and the user heard silence)."""
+        if self._failed and not self._said:
+            await self._speak_answer(CANNOT_DO)
+
+    async def _speak_answer(self, words: str) -> None:
+        """``words`` written and said as the reply's answer."""
+        await self._reply.write(words, len(self._reply.written.parts))
+        self._said.append(words)
+        self._pieces.put_nowait(Piece(words, answer=True))
+
     async def _say_results(self, results: list[Message]) -> bool:
         """Speak the results' own words when every call said what it did (a skill's ``say``: "Timer set for 10
         minutes."), as the reply's answer; False (nothing done) when any did not (an error, another server's tool)."""
         words = spoken_results(results)
         if words is None:
             return False
-        await self._reply.write(words, len(self._reply.written.parts))
-        self._said.append(words)
-        self._pieces.put_nowait(Piece(words, answer=True))
+        await self._speak_answer(words)
         self._reply.written.answered_by_tools = True
         return True

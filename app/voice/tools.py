@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from app import protocol
-from app.skills.base import ServerTool
+from app.skills.base import CANNOT_DO, ServerTool
 from app.stages.base import Message, ToolCall, ToolSpec
 from app.voice.clock import Clock, RunBlocking
 from app.voice.context import TRUNCATION_MARK, cut_at_word
@@ -296,7 +296,7 @@ class ToolRunner:
         if tool is None:  # a model that made a tool up: the user hears it cannot do that (said as is: the 0.5B model
             # read an instruction to it out, or wrote its own JSON answer)
             why = f"there is no tool named {call.name!r}"
-            return "failed", json.dumps({"error": why, "say": "Sorry, I can't do that."})
+            return "failed", json.dumps({"error": why, "say": CANNOT_DO})
         try:
             arguments = json.loads(call.arguments or "{}")
             if inspect.iscoroutinefunction(tool.run):

@@ -128,13 +128,34 @@ def test_the_tools() -> None:
     assert "error" in tools["convert_units"].run({"quantity": 5, "to": "km"})
 
 
-@pytest.mark.parametrize("expression", ["5 miles", "five kilograms", "100 fahrenheit"])
-def test_a_quantity_given_to_the_calculator_is_pointed_to_the_conversion(expression: str) -> None:
-    """The default brain called ``calculate("5 miles")`` for "How many kilometers is 5 miles?": the error names the
-    tool that converts it, so the next round can call it."""
-    assert "convert_units" in calculate(expression)["error"]
+@pytest.mark.parametrize(
+    ("expression", "heard", "say"),
+    [
+        ("5 miles", "How many kilometers is five miles?", "5 miles is about 8.047 kilometers"),
+        ("3 kg", "How many pounds is 3 kilograms?", "3 kg is about 6.614 pounds"),
+        ("1 mile", "How many feet in a mile?", "1 mile is 5280 feet"),  # "in" is an inch to pint: not chosen
+        ("2 cups", "How many fluid ounces are in 2 cups?", "2 cups is 16 fluid ounces"),  # not "are in" (are x inch)
+        ("100 fahrenheit", "Convert 100 Fahrenheit to Celsius.", "100 fahrenheit is about 37.78 Celsius"),
+    ],
+)
+def test_a_quantity_given_to_the_calculator_is_converted_to_the_unit_the_user_named(expression, heard, say) -> None:
+    """The default brain called ``calculate("5 miles")`` for "How many kilometers is 5 miles?"."""
+    assert calculate(expression, heard)["say"] == say
+
+
+@pytest.mark.parametrize(
+    ("expression", "heard"),
+    [("5 miles", "How far is 5 miles?"), ("5 miles", ""), ("5 miles", "5 miles in kilometers or in meters?")],
+)
+def test_a_quantity_without_one_unit_named_to_convert_to_points_to_the_conversion(expression, heard) -> None:
+    assert "convert_units" in calculate(expression, heard)["error"]
 
 
 @pytest.mark.parametrize("expression", ["3 apples", "2 + x", "12 people"])
 def test_words_that_are_no_unit_are_not_called_a_quantity(expression: str) -> None:
-    assert "convert_units" not in calculate(expression)["error"]
+    assert "convert_units" not in calculate(expression, "How many pears is 3 apples?")["error"]
+
+
+def test_a_quantity_without_a_unit_is_not_read_as_digits_and_a_unit() -> None:
+    """ "100" was read as 10 of a unit named "0" (the default brain passed "100" for "Convert 100 Fahrenheit")."""
+    assert "could not understand the quantity '100'" in convert_units("100", "celsius")["error"]

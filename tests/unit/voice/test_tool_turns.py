@@ -14,6 +14,7 @@ import pytest
 from fakes import Conversation, ToolScriptedLLM
 
 from app import protocol
+from app.skills.base import CANNOT_DO
 from app.stages.base import ToolCall
 from app.voice.context import TRUNCATION_MARK
 
@@ -199,6 +200,16 @@ async def test_a_failing_server_tool_is_read_as_a_failure_and_the_reply_goes_on(
     [settled] = conv.of(protocol.ToolDone)
     assert settled.status == "failed" and "sensor is offline" in settled.output
     assert done(conv)[0].text == "I could not find out."
+
+
+async def test_calls_that_failed_and_then_no_words_are_told_as_not_done_not_left_silent():
+    llm = ToolScriptedLLM([[ToolCall("call_h", "get_humidity", "{}")], []])
+    conv = Conversation(llm=llm, tool_entry_point="fakes:server_tools")
+    await conv.type("How humid is it?")
+    await until(conv, lambda: done(conv))
+    assert done(conv)[0].text == CANNOT_DO
+    assert conv.session.models.tts.spoken[-1][1] == CANNOT_DO
+    assert conv.session.history[-1] == {"role": "assistant", "content": CANNOT_DO}
 
 
 async def test_the_client_s_tools_replace_the_server_s():
