@@ -41,14 +41,17 @@ class ActionAsk:
     tool: str | None  # None: nothing the assistant has can do it
     expect: tuple[str, ...] = ()  # words the completed call's result must hold (any one)
     half: Half = "held_out"
+    also: tuple[str, ...] = ()  # other tools that do it as well (``calculate`` converts a quantity it is given)
 
+
+CONVERTS = ("calculate",)  # given "5 miles", it converts to the unit the user named (since 2026-12-07)
 
 ACTIONS: tuple[ActionAsk, ...] = (
     # tried while writing the prompt and the skills' descriptions
     ActionAsk("Set a timer for 10 minutes.", "set_timer", ("10 minutes",), "tune"),
     ActionAsk("Remind me to call my mother tomorrow at nine.", "set_reminder", ("tomorrow at 09:00",), "tune"),
     ActionAsk("What time is it?", "get_time", ("time",), "tune"),
-    ActionAsk("How many kilometers is 5 miles?", "convert_units", ("8.04", "8.05"), "tune"),
+    ActionAsk("How many kilometers is 5 miles?", "convert_units", ("8.04", "8.05"), "tune", CONVERTS),
     ActionAsk("What is 15 percent of 80?", "calculate", ("12",), "tune"),
     ActionAsk("Set a timer for half an hour for the pasta.", "set_timer", ("30 minutes",), "tune"),
     ActionAsk("Remind me to water the plants at 6 pm.", "set_reminder", ("18:00",), "tune"),
@@ -61,8 +64,8 @@ ACTIONS: tuple[ActionAsk, ...] = (
     ActionAsk("Remind me in two hours to check the oven.", "set_reminder", ("oven",)),
     ActionAsk("What's the date today?", "get_time", ("date",)),
     ActionAsk("What is 12 times 7?", "calculate", ("84",)),
-    ActionAsk("Convert 100 fahrenheit to celsius.", "convert_units", ("37.7", "37.8")),
-    ActionAsk("How many pounds is 3 kilograms?", "convert_units", ("6.6",)),
+    ActionAsk("Convert 100 fahrenheit to celsius.", "convert_units", ("37.7", "37.8"), also=CONVERTS),
+    ActionAsk("How many pounds is 3 kilograms?", "convert_units", ("6.6",), also=CONVERTS),
     ActionAsk("Call my sister.", None),
     ActionAsk("Order me a pizza.", None),
     ActionAsk("Put on some jazz.", None),
@@ -109,7 +112,7 @@ class ActionRecord:
         if self.ask.tool is None:
             return not self.acted and not self.claims
         return any(
-            c.name == self.ask.tool
+            c.name in (self.ask.tool, *self.ask.also)
             and c.status == "completed"
             and '"error"' not in c.output
             and any(word.lower() in c.output.lower() for word in self.ask.expect)

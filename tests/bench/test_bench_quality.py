@@ -396,6 +396,10 @@ def test_an_action_is_right_only_when_its_tool_completed_with_what_was_asked_and
     summary = summarize_actions(spoken)
     assert summary["action_audio_s_max"] == 21.5 and summary["action_replies_over_20_s_of_audio"] == 1
     assert spoken[0].to_json()["heard"] == "Set a timer for 10 minutes." and "heard" not in set_right.to_json()
+    km = ActionAsk("How many kilometers is 5 miles?", "convert_units", ("8.04",), also=("calculate",))
+    assert ActionRecord(km, "", [done("calculate", '{"result": 8.047, "say": "5 miles is about 8.047 km"}')]).right
+    assert not ActionRecord(km, "", [done("calculate", '{"result": 8}')]).right
+    assert not ActionRecord(timer, "", [done("calculate", '{"set": "a timer for 10 minutes"}')]).right
 
 
 def test_the_action_set_has_two_halves_and_each_tool_of_the_default_skills():
