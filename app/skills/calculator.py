@@ -255,11 +255,14 @@ def _unit(text: str) -> pint.Unit:
     raise CalculationError(f"I do not know the unit '{text}'")
 
 
-def convert_units(quantity: Any, to: Any) -> dict[str, Any]:
+def convert_units(quantity: Any, to: Any, heard: str = "") -> dict[str, Any]:
+    """``quantity`` ("5 miles") in the unit ``to``; a bare number takes the unit the user said after it (``heard``:
+    the default brain passed "100" for "Convert 100 Fahrenheit to Celsius")."""
     if not isinstance(quantity, str) or not isinstance(to, str) or not quantity.strip() or not to.strip():
         return {"error": "I need a quantity and a unit, like '5 miles' to 'km'"}
     if len(quantity) > MAX_UNIT_CHARS or len(to) > MAX_UNIT_CHARS:
         return {"error": "the quantity or unit is too long"}
+    quantity = unit_said_after(quantity, heard) or quantity
     match = _number_and_rest(quantity)
     if match is None:
         return {"error": f"I could not understand the quantity '{quantity}' (say it like '5 miles')"}
@@ -286,6 +289,26 @@ def _number_and_rest(quantity: str) -> re.Match[str] | None:
     number = alpha2digit(" ".join(quantity.split()), "en", threshold=0)
     number = re.sub(r"^(?:an?)\s+", "1 ", number.replace(",", ""))
     return re.fullmatch(r"([-+]?\d+(?:\.\d+)?)\s*([^\d\s.,].*)", number)
+
+
+def unit_said_after(number: str, words: str) -> str | None:
+    """``number`` ("100") with the unit ``words`` say right after it ("100 Fahrenheit"), or None where it is not a
+    bare number or they say none."""
+    if re.fullmatch(r"[-+]?\d+(?:\.\d+)?", number.strip()) is None:
+        return None
+    said = alpha2digit(" ".join(words.split()), "en", threshold=0).replace(",", "")
+    for match in re.finditer(rf"(?<![\d.]){re.escape(number.strip())}\s*([^\W\d_]+)(?:\s+([^\W\d_]+))?", said):
+        for span in (f"{match[1]} {match[2]}" if match[2] else None, match[1]):
+            if span is None:
+                continue
+            try:
+                with _registry_lock:
+                    unit = _unit(span)
+            except CalculationError:
+                continue
+            if not re.search(r"[*/]", str(unit)) and not unit.dimensionless:
+                return f"{number.strip()} {span}"
+    return None
 
 
 def unit_named(words: str, source: pint.Unit) -> str | None:
@@ -367,7 +390,8 @@ class CalculatorSkill:
             ServerTool(
                 "convert_units",
                 lambda arguments: grounded(
-                    arguments.get("quantity"), lambda: convert_units(arguments.get("quantity"), arguments.get("to"))
+                    arguments.get("quantity"),
+                    lambda: convert_units(arguments.get("quantity"), arguments.get("to"), owner.heard()),
                 ),
                 "Convert a quantity to another unit, e.g. '5 miles' to 'km'.",
                 {

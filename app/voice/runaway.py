@@ -12,9 +12,10 @@ list (they hold in any language):
 * repetition that is not word for word: the text compresses like Whisper's own hallucination test
   (``zlib`` ratio above ``MAX_COMPRESSION_RATIO`` once ``COMPRESSION_MIN_CHARS`` long; 2.4 is faster-whisper's
   ``compression_ratio_threshold``);
-* data: a JSON object's key opening (``{"name":``), which no sentence holds. The default brain, served by vLLM,
-  wrote a call then the next tool's schema (``, {"name": "set_timer", "arguments": {"type": "object", ...``), and
-  the schema had spaces, few numbers and no repetition: it was read aloud.
+* data: a JSON object's key opening (``{"name":``), an array's first string (``["error",``) or a code fence
+  (```` ``` ````), which no sentence holds. The default brain, served by vLLM, wrote a call then the next tool's
+  schema (``, {"name": "set_timer", "arguments": {"type": "object", ...``), and the schema had spaces, few numbers
+  and no repetition: it was read aloud; after a failed conversion it wrote its error back as a fenced JSON list.
 
 Each gives where the speakable text should end (``runaway_at``): before the run or data, or past the tenth
 number.
@@ -48,7 +49,8 @@ _LONG_REQUEST_EN = re.compile(
 )
 
 _UNBROKEN = re.compile(rf"\S{{{MAX_UNBROKEN_CHARS + 1},}}")
-_DATA = re.compile(r'[{\[]\s*"[^"\n]{1,64}"\s*:')  # a JSON object's first key: {"name":
+# a JSON object's first key ({"name":), an array's first string (["error",), or a code fence (```json)
+_DATA = re.compile(r'[{\[]\s*"[^"\n]{1,64}"\s*[:,]|```')
 # a number, and what may sit between two numbers of a run: separators, not words
 _NUMBER = re.compile(r"\d+(?:[.,:]\d+)*")
 _BETWEEN_NUMBERS = re.compile(r"[\s,;:/\-–—+=.()]*")

@@ -159,3 +159,25 @@ def test_words_that_are_no_unit_are_not_called_a_quantity(expression: str) -> No
 def test_a_quantity_without_a_unit_is_not_read_as_digits_and_a_unit() -> None:
     """ "100" was read as 10 of a unit named "0" (the default brain passed "100" for "Convert 100 Fahrenheit")."""
     assert "could not understand the quantity '100'" in convert_units("100", "celsius")["error"]
+
+
+@pytest.mark.parametrize(
+    ("quantity", "to", "heard", "say"),
+    [
+        ("100", "celsius", "Convert 100 Fahrenheit to Celsius.", "100 Fahrenheit is about 37.78 celsius"),
+        (
+            "100",
+            "celsius",
+            "convert one hundred degrees fahrenheit to celsius",
+            "100 degrees fahrenheit is about 37.78 celsius",
+        ),
+        ("2", "fluid ounces", "how many fluid ounces in 2 cups", "2 cups is 16 fluid ounces"),
+    ],
+)
+def test_a_bare_number_to_convert_takes_the_unit_the_user_said_after_it(quantity, to, heard, say) -> None:
+    assert convert_units(quantity, to, heard)["say"] == say
+
+
+def test_a_bare_number_with_no_unit_after_it_in_the_words_is_refused() -> None:
+    assert "could not understand" in convert_units("5", "km", "What is 5 plus 3?")["error"]
+    assert "could not understand" in convert_units("5", "km", "")["error"]

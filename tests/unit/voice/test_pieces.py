@@ -67,6 +67,12 @@ def test_the_32_second_chain_of_numbers_is_cut_before_it_is_said():
             "data",
             "Okay,",
         ),
+        (  # after a failed conversion's error, as the default brain wrote it (5 s of speech)
+            'I see. ```json\n["error", "I could not understand the quantity \'100\'"]',
+            "data",
+            "I see.",
+        ),
+        ('Done. ["error", "no such unit"]', "data", "Done."),
         (
             " ".join(
                 f"I am here to help you with that {w}." for w in "one two three four five six seven eight".split()
@@ -92,6 +98,8 @@ def test_a_runaway_of_any_shape_is_found(text, shape, kept):
         "clouds and falls again as rain or snow, then flows back to the sea through rivers and the ground.",
         "Anticonstitutionnellement and Donaudampfschifffahrtsgesellschaft are long words.",
         'She said "wait": then left. The set {1, 2} has two items; [see page 3] for "more".',
+        'The words ["yes" and "no"] are short; so is {"ok"}.',
+        "Use two backticks `` or one ` in text.",
     ],
 )
 def test_speech_is_not_a_runaway(speech):
