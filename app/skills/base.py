@@ -76,6 +76,7 @@ class SkillOwner:
     conversation_id: str
     announce: Announce
     heard: Callable[[], str] = lambda: ""
+    language: Callable[[], str | None] = lambda: None  # of the user's last words, when known ("en")
 
 
 class Skill(Protocol):

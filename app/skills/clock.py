@@ -44,7 +44,7 @@ class ClockSkill:
     def tools(self, owner: SkillOwner) -> tuple[ServerTool, ...]:
         def get_time(arguments: dict) -> dict:
             heard = owner.heard()
-            if heard and not asks_about_time_en(heard):
+            if heard and not asks_about_time_en(heard, owner.language()):
                 return unasked("the user did not ask about the date or the time")
             return self.get_time()
 
@@ -65,20 +65,59 @@ class ClockSkill:
         }
 
 
-# English words a question about the date or the time holds: a word list, so English only and named so; words that
-# are not English (no common English word among them) are never refused by it.
-_TIME_WORDS_EN = re.compile(
-    r"\b(time|times|date|day|days|today|tonight|tomorrow|yesterday|clock|o'clock|hour|hours|minute|week|weekday|"
-    r"month|year|morning|evening|afternoon|now|late|early|when)\b",
+# Whether English words ask for the current local date or time. Sentence shapes, not single words: the word list
+# before it ("day", "hour", "morning", ...) let a 0.5B model's misfires through ("How many days are in a week?",
+# "Good morning!", "What colour is the sky on a clear day?" were answered with the time). English only, and named
+# so; words that are not English are never refused by it. Written on 200 sentences (100 asking for the date or
+# time, 100 holding time words without asking: durations, timers, greetings, history, other cities, schedules),
+# tuned on half, then on all; scored once on 155 others written afterwards and never tuned on: 66/76 time questions
+# kept and 78/79 others refused, against the word list's 63/76 and 18/79 (67/76 and 78/79 after two later fixes
+# made on the tune set: the exclusions' case, "remind me what year"). The sets and the test: tests/unit/skills/data/,
+# test_skill_grounding.py. Applied where the words are known to be English (Whisper's language, or a common English
+# word in them where no language is known).
+_NUM_EN = r"(?:\d{1,2}(?::\d\d)?|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve)"
+_MONTH_EN = r"(?:january|february|march|april|may|june|july|august|september|october|november|december)"
+_WEEKDAY_EN = r"(?:mon|tues|wednes|thurs|fri|satur|sun)day"
+_PART_EN = (
+    r"(?:(?:the\s+)?(?:noon|midday|midnight|morning|afternoon|evening|night|nighttime|daytime|weekend)|dark|late|early"
+    rf"|(?:lunch|dinner|supper|bed|tea|breakfast)\s*time|half\s+past|(?:a\s+)?quarter\s+(?:past|to)"
+    rf"|a\s+weekday|(?:a\s+)?{_WEEKDAY_EN}|{_MONTH_EN}|\d{{4}}|the\s+\w+(?:st|nd|rd|th)(?:\s+of\s+the\s+month)?)"
+)
+_UNIT_EN = r"(?:date|day|year|month|weekday|hour)"
+_IS_NOW_EN = r"(?:is\s+(?:it|today)|are\s+we)"
+_NOW_EN = re.compile(
+    r"\bwhat(?:'s|s|\s+is)?\s+(?:the\s+)?(?:current\s+|exact\s+|local\s+)?time\b"
+    r"(?!\s+(?:is|was|does|do|did|will|should|are)\s+(?!it\b|you\s+have\b))(?!\s+of\s+(?:day|year)\b(?!\s+is\s+it\b))"
+    r"|\btime\s+is\s+it\b"
+    r"|\b(?:the|current)\s+(?:time|date)\b(?!\s+(?:of|to|when|on|zone|difference|signature|complexity|dilation)\b|\s+for\s+(?!me\b|us\b))"
+    rf"|\bwhat(?:'s|s|\s+is)?\s+(?:the\s+|today'?s\s+)?(?:current\s+)?{_UNIT_EN}\b(?!\s+(?:for|on)\b|\s+of\s+(?!the\s+(?:week|month|year)\b))"
+    r"(?!\s+(?:\w+\s+)?(?:was|were|did|does|do|has|comes?|is\s+(?!it\b|today\b)))"
+    r"|\bwhat(?:'s|s|\s+is)\s+today\b"
+    rf"|\btoday'?s\s+date\b|\bwhich\s+{_UNIT_EN}\s+(?:{_IS_NOW_EN}|today|of\s+the\s+(?:week|month)\s+{_IS_NOW_EN})\b"
+    r"|\bhow\s+(?:late|early)\s+is\s+it\b"
+    rf"|\b{_IS_NOW_EN}\s+(?:already\s+|still\s+|past\s+|after\s+|before\s+|nearly\s+|almost\s+|about\s+|in\s+)*(?:{_PART_EN}|{_NUM_EN})\b"
+    rf"|\b{_IS_NOW_EN}\s+(?:already|still|past|after|before)\b|\b(?:{_NUM_EN}|{_PART_EN})\s+(?:yet|already)\b"
+    rf"|\b(?:has|have|is)\s+(?:the\s+)?{_PART_EN}\s+(?:passed|started|begun|come|arrived|over|gone)\b|\bo'?clock\b"
+    r"|\bdate\s+today\b|\bday\s+(?:is\s+it|today)\b|\b(?:hour|minutes?|time|day|date|month|year)\b[^.?!]*\bis\s+it\W*$"
+    r"|^\W*(?:the\s+)?(?:time|date)(?:\s+check)?[\s,]*(?:please)?\W*$",
     re.IGNORECASE,
+)
+_NOT_NOW_EN = re.compile(
+    r"(?i:\b(?:how\s+(?:many|long|much)\b(?!.*\bis\s+it\W*$)|timers?|remind\s+me\s+(?:to|at|in|on|about|tomorrow|tonight)\b|reminders?|alarms?"
+    r"|when\s+(?:was|were|did|is|does|will)|was|were|did|time\s+(?:zone|difference|signature|complexity|dilation))\b)"
+    rf"|\bin\s+(?!{_MONTH_EN.title()}\b|[A-Z][a-z]+day\b)[A-Z][a-z]+",  # another place: "in Tokyo" (case kept)
 )
 
 
-def asks_about_time_en(words: str) -> bool:
-    """Whether English words ask about the date or the time (any words not in English: yes, unchecked)."""
-    if not re.search(r"\b(the|is|it|what|a|an|my|me|you|i|to|of|about|and|for|tell|please|can|do)\b", words, re.I):
-        return True  # not English (or too short to tell): not checked
-    return _TIME_WORDS_EN.search(words) is not None
+def asks_about_time_en(words: str, language: str | None = None) -> bool:
+    """Whether English words ask for the current date or time; words in another ``language`` (or, where it is not
+    known, without a common English word): yes, unchecked."""
+    if language is not None and not language.startswith("en"):
+        return True
+    common = r"\b(the|is|it|what|a|an|my|me|you|i|to|of|about|and|for|tell|please|can|do)\b"
+    if language is None and not re.search(common, words, re.I):
+        return True  # not known to be English (or too short to tell): not checked
+    return _NOW_EN.search(words) is not None and _NOT_NOW_EN.search(words) is None
 
 
 class DueLoop:

@@ -220,6 +220,7 @@ class ReminderSkill:
             due_at = parse_when(arguments.get("when", ""), now, max_ahead=MAX_AHEAD)
             heard = owner.heard()
             if heard and not (words_heard(text, heard, 0.5) and words_heard(arguments["when"], heard)):
+                log.info("set_reminder refused: %r at %r is not in the words heard", text, arguments["when"])
                 return {
                     "error": "not what the user said",
                     "say": "Sorry, I did not catch what to remind you of, or when.",

@@ -95,11 +95,12 @@ class ConversationSkills:
         say: Callable[[str], Awaitable[None]],
         busy: Callable[[], bool],
         heard: Callable[[], str],
+        language: Callable[[], str | None] = lambda: None,
     ) -> None:
-        """``heard()``: the user's last words (an action's arguments must come from them)."""
+        """``heard()``: the user's last words (an action's arguments must come from them), in ``language()``."""
         self._skills = skills
         self._announcements = Announcements(send_json, say, busy)
-        self._owner = SkillOwner(conversation_id, self._announcements.announce, heard)
+        self._owner = SkillOwner(conversation_id, self._announcements.announce, heard, language)
 
     def tools(self) -> tuple[ServerTool, ...]:
         return self._skills.tools(self._owner) if self._skills is not None else ()

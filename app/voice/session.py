@@ -79,7 +79,10 @@ class VoiceSession:
         self.on_turn_metrics: Callable[[protocol.TurnMetrics], None] | None = None
         busy = lambda: self.busy or self._tracker.in_utterance  # noqa: E731
         heard = self._history.last_user_words
-        self._skills = ConversationSkills(skills, self.session_id, send_json, say=self._say, busy=busy, heard=heard)
+        language = lambda: self._state.language  # noqa: E731
+        self._skills = ConversationSkills(
+            skills, self.session_id, send_json, say=self._say, busy=busy, heard=heard, language=language
+        )
         server_tools = load_server_tools(settings.tool_entry_point) + self._skills.tools()
         names = tuple(tool.name for tool in server_tools)
         self._prefs = Preferences(
