@@ -311,6 +311,22 @@ def unit_said_after(number: str, words: str) -> str | None:
     return None
 
 
+def conversion_asked(words: str) -> dict[str, Any] | None:
+    """The conversion ``words`` ask for, done: a number with a unit ("3 kilograms") and one other unit of its kind
+    ("How many pounds is 3 kilograms?"); None where they ask none. For a call whose numbers are not the user's: the
+    default brain passed "3 * 2.2" (its own factor) for that question."""
+    said = alpha2digit(" ".join(words.split()), "en", threshold=0).replace(",", "")
+    for number in re.findall(r"(?<![\d.])\d+(?:\.\d+)?", said)[:MAX_WORDS_SEARCHED]:
+        quantity = unit_said_after(number, said)
+        parsed = _quantity(quantity) if quantity is not None else None
+        target = unit_named(words, parsed[1]) if parsed is not None else None
+        if quantity is not None and target is not None:
+            result = convert_units(quantity, target)
+            if "error" not in result:
+                return result
+    return None
+
+
 def unit_named(words: str, source: pint.Unit) -> str | None:
     """The one unit of ``source``'s kind, other than it, that ``words`` name (a word or two: "kilometers",
     "fluid ounces"), as said; None where they name none or several (of several, those of three letters or more are
@@ -371,7 +387,7 @@ class CalculatorSkill:
         def grounded(text: Any, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
             heard = owner.heard()
             if heard and isinstance(text, str) and not numbers_heard(text, heard):
-                return unasked("the numbers are not the user's")
+                return conversion_asked(heard) or unasked("the numbers are not the user's")
             return run()
 
         return (

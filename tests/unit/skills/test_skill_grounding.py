@@ -77,10 +77,13 @@ def test_arithmetic_and_the_clock_are_done_only_when_the_words_ask_for_them():
     assert numbers_heard("12 * 7", "What is twelve times seven?")
     assert not numbers_heard("3 * 1000", "How many pounds is 3 kilograms?") and not numbers_heard("x", "1 and 2")
     owner, _ = conversation("a")
+    cost = run(CalculatorSkill(), heard_by(owner, "Three apples cost how much?"), "calculate", {"expression": "3*1000"})
+    assert cost["unasked"] is True and "result" not in cost
+    # numbers not the user's, but the words ask a conversion: that is done instead (the 0.5B passed its own factor)
     pounds = run(
-        CalculatorSkill(), heard_by(owner, "How many pounds is 3 kilograms?"), "calculate", {"expression": "3*1000"}
+        CalculatorSkill(), heard_by(owner, "How many pounds is 3 kilograms?"), "calculate", {"expression": "3*2.2"}
     )
-    assert pounds["unasked"] is True and "result" not in pounds
+    assert pounds["say"] == "3 kilograms is about 6.614 pounds"
     assert (
         run(CalculatorSkill(), heard_by(owner, "What is 12 times 7?"), "calculate", {"expression": "12*7"})["result"]
         == 84
