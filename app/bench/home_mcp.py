@@ -4,8 +4,9 @@ Home Assistant's *Model Context Protocol Server* integration (``/api/mcp``) offe
 ``HassTurnOn`` and ``HassTurnOff`` take the device by ``name`` and/or ``area`` (and ``floor``, ``domain``,
 ``device_class``), which is what "turn on the kitchen lights" must reach. This server offers those two tools with
 those parameters on a few made-up lights, matches them as loosely as Home Assistant does (a name or an area,
-any case, "lights" for "light"), fails a request that matches nothing, and writes every light's state to
-``--state`` after each call, so the benchmark reads what really happened, not what the reply says.
+any case, "lights" for "light"), answers as Home Assistant does (an intent response whose ``speech`` Parley says),
+fails a request that matches nothing, and writes every light's state to ``--state`` after each call, so the
+benchmark reads what really happened, not what the reply says.
 
 Like Home Assistant's, it offers a prompt named ``Assist`` (for ``McpServerSpec.prompt``): how to pass a device to
 the tools, and the home's devices with their domain and area, as Home Assistant lists its exposed entities (a YAML
@@ -73,7 +74,7 @@ def make_server(state_path: Path) -> MCPServer:
         tmp = state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, state_path)
-        return f"Turned {to}: " + ", ".join(f"{LIGHTS[e]['name']} ({LIGHTS[e]['area']})" for e in found)
+        return json.dumps(intent_response(to, found))
 
     @server.tool(name="HassTurnOn", description="Turns on/opens/presses a device or entity")
     def turn_on(
@@ -101,6 +102,21 @@ def make_server(state_path: Path) -> MCPServer:
 
     state_path.write_text(json.dumps(state))
     return server
+
+
+def intent_response(to: str, entities: list[str]) -> dict:
+    """What Home Assistant's MCP server returns for a switch: its intent response (``speech``, ``response_type``,
+    ``data``), its words as Home Assistant writes them for lights."""
+    lights = "light" if len(entities) == 1 else "lights"
+    return {
+        "speech": {"plain": {"speech": f"Turned {to} the {lights}", "extra_data": None}},
+        "response_type": "action_done",
+        "data": {
+            "targets": [],
+            "success": [{"name": LIGHTS[e]["name"], "type": "entity", "id": e} for e in entities],
+            "failed": [],
+        },
+    }
 
 
 def home_prompt() -> str:

@@ -546,7 +546,26 @@ class _RemoteTool:
     async def run(self, arguments: dict[str, Any]) -> str | dict[str, str]:
         if not isinstance(arguments, dict):
             raise McpToolError("the arguments must be a JSON object")
-        return result_for_llm(await self.connection.call(self.tool, arguments))
+        output = result_for_llm(await self.connection.call(self.tool, arguments))
+        if isinstance(output, str) and (words := intent_speech(output)) is not None:
+            return {"result": output, "say": words}  # said as it is (``app.voice.tools.spoken_results``)
+        return output
+
+
+def intent_speech(text: str) -> str | None:
+    """The words a Home Assistant intent response says of itself (``{"speech": {"plain": {"speech": "Turned on the
+    light"}}, "response_type": "action_done", ...}``, what its MCP server's ``HassTurnOn`` returns), or None for any
+    other result. Said as the answer: a 0.5B model wrote "Yes" from the response's data."""
+    try:
+        response = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(response, dict) or "response_type" not in response:
+        return None
+    speech = response.get("speech")
+    plain = speech.get("plain") if isinstance(speech, dict) else None
+    words = plain.get("speech") if isinstance(plain, dict) else None
+    return _cut(words.strip(), MAX_ERROR_CHARS) if isinstance(words, str) and words.strip() else None
 
 
 def exposed_tools(offers: Sequence[tuple[_Connection, Sequence[types.Tool]]]) -> tuple[ServerTool, ...]:

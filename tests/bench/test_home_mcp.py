@@ -31,7 +31,8 @@ async def test_the_home_server_switches_lights_through_the_mcp_client(tmp_path):
         assert set(tools) == {"HassTurnOn", "HassTurnOff"}
         assert {"name", "area", "domain"} <= set(tools["HassTurnOn"].parameters["properties"])
         assert tools["HassTurnOn"].parameters["properties"]["domain"]["anyOf"][0]["type"] == "array"
-        assert "Kitchen light" in await tools["HassTurnOn"].run({"area": "kitchen", "domain": "light"})
+        switched = await tools["HassTurnOn"].run({"area": "kitchen", "domain": "light"})
+        assert switched["say"] == "Turned on the light" and "Kitchen light" in switched["result"]
         assert json.loads(state.read_text())["light.kitchen"] == "on"
         failed = await tools["HassTurnOff"].run({"name": "garage door"})
         assert "no device" in failed["error"] and json.loads(state.read_text())["light.kitchen"] == "on"

@@ -482,3 +482,17 @@ def test_results_are_text_for_the_llm_and_bounded():
     assert result_for_llm(failed) == {"error": "no such light"}
     long = types.CallToolResult(content=[types.TextContent(type="text", text="word " * 5_000)])
     assert len(result_for_llm(long)) <= MAX_RESULT_CHARS
+
+
+def test_a_home_assistant_intent_response_says_its_own_words():
+    from app.skills.mcp import intent_speech
+
+    done = {"speech": {"plain": {"speech": "Turned on the light", "extra_data": None}}, "response_type": "action_done"}
+    assert intent_speech(json.dumps(done)) == "Turned on the light"
+    error = {
+        "speech": {"plain": {"speech": "Sorry, I am not aware of any device called garage"}},
+        "response_type": "error",
+    }
+    assert intent_speech(json.dumps(error)).startswith("Sorry, I am not aware")
+    for other in ("Turned on", '{"speech": "hi"}', '{"response_type": "action_done", "speech": {}}', "[1, 2]", ""):
+        assert intent_speech(other) is None, other
