@@ -66,6 +66,10 @@ def test_words_heard_reads_numbers_as_digits_and_lets_small_words_go():
     assert words_heard("at 6 pm", "remind me at six")
     assert words_heard("tomorrow at nine", "call mum tomorrow at 9")
     assert not words_heard("tomorrow", "at six")
+    # a time on the hour as the model writes it is the hour the user said (the 0.5B wrote "09:00" for "nine")
+    assert words_heard("tomorrow at 09:00", "remind me tomorrow at 9.") and words_heard("at 9:00", "at nine")
+    assert not words_heard("tomorrow at 9:30", "remind me tomorrow at 9.")
+    assert not words_heard("tomorrow at 10:00", "remind me tomorrow at 9.")
     assert words_heard("call my mother", "call mum", share=0.5) and not words_heard("call mom", "water plants", 0.5)
 
 
