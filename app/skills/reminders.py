@@ -27,7 +27,14 @@ from typing import Any
 
 from app.skills.base import ServerTool, SkillOwner, WallClock
 from app.skills.clock import DueLoop
-from app.skills.spoken_time import SpokenTimeError, as_digits, describe_moment, parse_when, words_heard
+from app.skills.spoken_time import (
+    SpokenTimeError,
+    as_digits,
+    clock_as_said,
+    describe_moment,
+    parse_when,
+    words_heard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +152,9 @@ def _text(arguments: dict[str, Any]) -> str:
     text = re.sub(r"^(?:remind me\s+)?(?:to\s+)?", "", " ".join(text.split()), flags=re.IGNORECASE).rstrip(" .")
     when = arguments.get("when")
     if isinstance(when, str):  # "call mom tomorrow at nine" with "tomorrow at nine": the time is said apart
-        said_when = {*as_digits(when).split(), "at", "on", "in", "by"}
+        said_when = {*clock_as_said(as_digits(when)).split(), "at", "on", "in", "by"}
         words = text.split()
-        while len(words) > 1 and as_digits(words[-1]).strip(" .,") in said_when:
+        while len(words) > 1 and clock_as_said(as_digits(words[-1]).strip(" .,")) in said_when:
             words.pop()
         text = " ".join(words)
     if text[:1].isupper() and text[1:2].islower() and not text.startswith("I "):

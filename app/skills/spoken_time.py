@@ -124,12 +124,12 @@ def words_heard(argument: str, heard: str, share: float = 1.0) -> bool:
     """Whether at least ``share`` of ``argument``'s words (numbers as digits, small words left out) are among the
     words of ``heard``, the user's sentence: an action's argument must come from what the user said (a small model
     filled a reminder with its description's example, "call mom", when asked to water the plants)."""
-    said = set(_clock_words(_digits(heard[: MAX_TEXT_CHARS * 4])).replace(",", " ").split())
-    words = [w for w in _clock_words(_digits(argument)).replace(",", " ").split() if w not in _FREE_WORDS]
+    said = set(clock_as_said(_digits(heard[: MAX_TEXT_CHARS * 4])).replace(",", " ").split())
+    words = [w for w in clock_as_said(_digits(argument)).replace(",", " ").split() if w not in _FREE_WORDS]
     return not words or sum(w in said for w in words) >= share * len(words)
 
 
-def _clock_words(text: str) -> str:
+def clock_as_said(text: str) -> str:
     """A time on the hour as the hour alone, without a leading zero: "09:00" and "9:00" are the "9" the user said
     (the default brain wrote "tomorrow at 09:00" for "tomorrow at nine", and the reminder was refused)."""
     return re.sub(r"\b0?(\d{1,2}):00\b", r"\1", text)

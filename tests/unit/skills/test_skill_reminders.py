@@ -31,6 +31,9 @@ def test_set_reminder_says_what_it_understood(path: Path) -> None:
         "say": "I will remind you to call mom tomorrow at 09:00.",
     }
     assert set_reminder({"text": "remind me to buy milk.", "when": "in 10 minutes"})["text"] == "buy milk"
+    # the time said in the text too, as the user said it, while the model wrote it on the clock: said once
+    call = set_reminder({"text": "call my mother tomorrow at 9", "when": "tomorrow at 09:00"})
+    assert call["say"] == "I will remind you to call my mother tomorrow at 09:00."
     assert set_reminder({"text": "x", "when": "blorp"}) == {
         "error": "I could not understand the time 'blorp' (say it like 'tomorrow at 9 am')"
     }
@@ -41,7 +44,11 @@ def test_set_reminder_says_what_it_understood(path: Path) -> None:
     assert "too far ahead" in set_reminder({"text": "x", "when": "in two years"})["error"]
     assert "too long" in set_reminder({"text": "x" * 201, "when": "tomorrow"})["error"]
     assert "error" in set_reminder({"text": "", "when": "tomorrow"})
-    assert [r["text"] for r in tool(skill, owner, "list_reminders")({})["reminders"]] == ["buy milk", "call mom"]
+    assert [r["text"] for r in tool(skill, owner, "list_reminders")({})["reminders"]] == [
+        "buy milk",
+        "call mom",
+        "call my mother",
+    ]
 
 
 def test_a_reminder_survives_a_restart_and_is_said_once(path: Path) -> None:
