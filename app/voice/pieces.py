@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.voice import tool_talk
-from app.voice.runaway import SpeechBudget, runaway_at
+from app.voice.runaway import PromptEcho, SpeechBudget, runaway_at
 from app.voice.text import SentenceSplitter, loop_end, words
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ class PieceCutter:
     """Text deltas in, pieces to speak out. ``said``: the reply's pieces so far (every round's), appended to.
     ``budget``: how much the reply may still say (``runaway.SpeechBudget``; shared by its rounds); ``tools``: the
     declared tools' names as found in text (``tool_talk.tool_talk_pattern``; None: none declared); ``opening``: pieces
-    already said (in ``said``) that this text is not to say again if it opens with them (a round written again)."""
+    already said (in ``said``) that this text is not to say again if it opens with them (a round written again);
+    ``echo``: its prompt's instructions, not to be said back (``runaway.PromptEcho``)."""
 
     def __init__(
         self,
@@ -62,12 +63,14 @@ class PieceCutter:
         budget: SpeechBudget | None = None,
         tools: re.Pattern[str] | None = None,
         opening: list[str] | None = None,
+        echo: PromptEcho | None = None,
     ) -> None:
         self._splitter = SentenceSplitter(first_clause_chars=first_clause_chars, first_piece_words=first_piece_words)
         self._said = said
         self._budget = budget or SpeechBudget(None)
         self._tools = tools
         self._opening = list(opening or ())
+        self._echo = echo
         self._written = ""
         self.stop: Guard | None = None  # which guard ended the text (nothing after it is spoken)
         self.tool_named_at: int | None = None  # where the text named a declared tool (muted from there on)
@@ -108,7 +111,7 @@ class PieceCutter:
         if loop_at is not None:
             self.stop = "loop"
             return loop_at
-        runaway = runaway_at(self._written)
+        runaway = runaway_at(self._written, self._echo)
         if runaway is not None:
             self.stop = "runaway"
             log.info("a runaway reply (%s) is cut: %r", runaway.shape, self._written[runaway.at : runaway.at + 60])

@@ -136,8 +136,7 @@ class Reply:
         self._llm, self._tts = wiring.models.llm, wiring.models.tts
         self.playback = ReplyPlayback(self._tts.sample_rate)
         self.metrics = protocol.TurnMetrics()
-        self.released = False
-        self.finished = False  # produced to the end (not cancelled, not failed)
+        self.released, self.finished = False, False  # finished: produced to the end (not cancelled, not failed)
         self.written = ReplyText()
         self.speech_end = 0.0  # wall time the user's speech ended (start of voice-to-voice)
         self.commit = 0.0  # wall time the turn was committed (0 while speculative)
@@ -367,6 +366,7 @@ class Reply:
             budget=budget,
             tools=tool_talk_pattern(spec),
             opening=rounds.take_opening(),
+            echo=rounds.echo,
         )
         if options.script is not None:
             stream = _said(options.script)

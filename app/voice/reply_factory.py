@@ -275,4 +275,5 @@ class ReplyFactory:
             run_blocking=self._wiring.run_blocking,
             client_results=self._client_results,
         )
-        return ReplyTools(spec, runner, self.settings.tool_filler, self.settings.tool_rounds)
+        instructions = "" if tools.client else self._instructions  # (in the system prompt: ``system_prompt``)
+        return ReplyTools(spec, runner, self.settings.tool_filler, self.settings.tool_rounds, instructions)

@@ -17,6 +17,8 @@ list (they hold in any language):
   schema (``, {"name": "set_timer", "arguments": {"type": "object", ...``), and the schema had spaces, few numbers
   and no repetition: it was read aloud; after a failed conversion it wrote its error back as a fenced JSON list.
 
+* echo: ``ECHO_MIN_WORDS`` words in a row of the tools' servers' instructions (``PromptEcho``).
+
 Each gives where the speakable text should end (``runaway_at``): before the run or data, or past the tenth
 number.
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 MAX_UNBROKEN_CHARS = 40
 MAX_NUMBER_RUN = 12
 MAX_COMPRESSION_RATIO = 2.4
+ECHO_MIN_WORDS = 10  # of the system prompt in a row: its instructions said back (the date alone is 5-6 words)
 COMPRESSION_MIN_CHARS = 200
 # Piper's bundled joe voice says 16-19 characters a second (measured on four answers of 14-19 words: 16.9 on
 # average; 3.2 words a second); the budget is counted in characters, steadier than words.
@@ -62,13 +65,39 @@ class Runaway:
     """Where the speakable text ends (``at``, a character offset of the text checked) and which shape ran away."""
 
     at: int
-    shape: str  # "unbroken", "counting", "repetitive" or "data"
+    shape: str  # "unbroken", "counting", "repetitive", "data" or "echo"
 
 
-def runaway_at(text: str) -> Runaway | None:
-    """The first runaway in ``text`` (a reply's text so far), or None while it is still speech."""
-    found = [r for r in (_unbroken(text), _counting(text), _repetitive(text), _data(text)) if r is not None]
+def runaway_at(text: str, echo: PromptEcho | None = None) -> Runaway | None:
+    """The first runaway in ``text`` (a reply's text so far), or None while it is still speech; ``echo``: the
+    prompt's instructions, said back."""
+    checks = (_unbroken(text), _counting(text), _repetitive(text), _data(text), echo.at(text) if echo else None)
+    found = [r for r in checks if r is not None]
     return min(found, key=lambda r: r.at) if found else None
+
+
+_WORD = re.compile(r"\w+(?:'\w+)?")
+
+
+class PromptEcho:
+    """Instructions a reply was written under, to find them said back: a run of ``ECHO_MIN_WORDS`` of their words
+    in a row, which no answer needs. The default brain, its call refused and the reply written without tools, read
+    an MCP server's instructions aloud ("To control the home, call its tools. For a device, pass its name and its
+    domain; ...", 8 s) to a misheard "on the kitchen lights". Only the servers' instructions: a system prompt an
+    operator or a client writes may hold facts that an answer quotes."""
+
+    def __init__(self, instructions: str) -> None:
+        words = [w.lower() for w in _WORD.findall(instructions)]
+        self._runs = {tuple(words[i : i + ECHO_MIN_WORDS]) for i in range(len(words) - ECHO_MIN_WORDS + 1)}
+
+    def at(self, text: str) -> Runaway | None:
+        if not self._runs:
+            return None
+        words = list(_WORD.finditer(text))
+        for i in range(len(words) - ECHO_MIN_WORDS + 1):
+            if tuple(w[0].lower() for w in words[i : i + ECHO_MIN_WORDS]) in self._runs:
+                return Runaway(words[i].start(), "echo")
+        return None
 
 
 def _unbroken(text: str) -> Runaway | None:

@@ -18,7 +18,7 @@ from app.skills.base import CANNOT_DO
 from app.stages.base import Message, ToolCall, ToolSpec
 from app.voice.pieces import Piece
 from app.voice.reply_text import ReplyText
-from app.voice.runaway import SpeechBudget
+from app.voice.runaway import PromptEcho, SpeechBudget
 from app.voice.text import speakable
 from app.voice.tools import (
     MAX_TOOL_ROUNDS,
@@ -39,12 +39,14 @@ FAILED_CALLS_SPEECH_S = 6.0
 
 @dataclass(frozen=True)
 class ReplyTools:
-    """What a reply may call (``spec``), who runs the calls (``runner``), and what fills the wait (``filler``)."""
+    """What a reply may call (``spec``), who runs the calls (``runner``), what fills the wait (``filler``), and
+    what the tools' servers added to the system prompt (``instructions``: never to be said back)."""
 
     spec: ToolSpec
     runner: ToolRunner | None = None  # None: earlier calls are in the prompt, no new one can be made
     filler: str = ""
     rounds: int = MAX_TOOL_ROUNDS  # rounds of calls; the LLM's text after the last one is an answer only
+    instructions: str = ""
 
 
 class CallingReply(Protocol):
@@ -90,6 +92,11 @@ class ToolRounds:
         alone)."""
         self._round_parts, self._round_said = len(self._reply.written.parts), len(self._said)
         return self.made == 0 and not self._rewritten
+
+    @property
+    def echo(self) -> PromptEcho | None:
+        """The tools' instructions, to be found if the reply says them back (``runaway.PromptEcho``)."""
+        return PromptEcho(self._tools.instructions) if self._tools is not None and self._tools.instructions else None
 
     def take_opening(self) -> list[str]:
         """The pieces a round written again without tools already said: not said twice if it opens with them."""

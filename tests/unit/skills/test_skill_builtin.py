@@ -182,3 +182,13 @@ async def test_the_skills_words_join_the_system_prompt_while_their_tools_are_the
     await conv.settle()
     await conv.type("Is it raining?")
     assert _Home().instructions() not in conv.llm.calls[-1][0]["content"]
+
+
+async def test_the_skills_words_said_back_are_cut_and_counted(tmp_path: Path) -> None:
+    said_back = ["Hm. The devices of this home: Kitchen light ", "(light, in the Kitchen). ", "Anything else?"]
+    conv = Conversation(llm=ToolScriptedLLM([said_back]), skills=SkillSet([_Home()]))
+    await conv.type("on the kitchen lights")
+    [done] = conv.of(protocol.TurnDone)
+    # what was said before the run was whole stays said (and is the reply's text); nothing after its tenth word
+    assert done.text.startswith("Hm.") and "Kitchen light" not in done.text and done.metrics.guard_runaway == 1
+    assert "Kitchen light" not in " ".join(text for _, text in conv.session.models.tts.spoken)

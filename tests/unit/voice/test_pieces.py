@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.voice.pieces import PieceCutter
-from app.voice.runaway import SPOKEN_CHARS_PER_S, SpeechBudget, runaway_at, speech_budget_s
+from app.voice.runaway import SPOKEN_CHARS_PER_S, PromptEcho, SpeechBudget, runaway_at, speech_budget_s
 
 
 def cut(
@@ -137,3 +137,14 @@ def test_an_english_request_for_something_long_gets_the_long_budget_and_only_in_
     assert speech_budget_s("How do I make pancakes?", "en", 15, 60) == 15
     assert speech_budget_s("Tell me a story about a dragon.", "de", 15, 60) == 15
     assert speech_budget_s("Tell me a story about a dragon.", None, 15, 60) == 15
+
+
+def test_the_tools_instructions_said_back_are_cut_where_they_begin():
+    instructions = "To control the home, call its tools. For a device, pass its name and its domain."
+    echo = PromptEcho(instructions)
+    said_back = "Sure. To control the home, call its tools. For a device, pass its name"
+    found = runaway_at(said_back, echo)
+    assert found is not None and found.shape == "echo" and said_back[: found.at] == "Sure. "
+    assert runaway_at("To control the home, call its tools. For a lamp,", echo) is None  # nine words in a row
+    assert runaway_at("Turned on the kitchen light; call its tools for a device.", echo) is None
+    assert PromptEcho("too short to echo").at("too short to echo") is None
