@@ -284,10 +284,25 @@ def convert_units(quantity: Any, to: Any, heard: str = "") -> dict[str, Any]:
     }
 
 
+def _in_digits(words: str) -> str:
+    """``words`` with their numbers in digits and no thousands commas ("five thousand miles" -> "5000 miles")."""
+    return alpha2digit(" ".join(words.split()), "en", threshold=0).replace(",", "")
+
+
+def _single_unit(span: str) -> pint.Unit | None:
+    """The one unit a word or two name ("kilometers", "fluid ounces"), or None: not a unit, a product pint reads
+    into two words ("are in": are x inch), or no dimension."""
+    try:
+        with _registry_lock:
+            unit = _unit(span)
+    except CalculationError:
+        return None
+    return None if re.search(r"[*/]", str(unit)) or unit.dimensionless else unit
+
+
 def _number_and_rest(quantity: str) -> re.Match[str] | None:
     """ "five miles" -> ("5", "miles"): a number (in words or digits), then the rest."""
-    number = alpha2digit(" ".join(quantity.split()), "en", threshold=0)
-    number = re.sub(r"^(?:an?)\s+", "1 ", number.replace(",", ""))
+    number = re.sub(r"^(?:an?)\s+", "1 ", _in_digits(quantity))
     return re.fullmatch(r"([-+]?\d+(?:\.\d+)?)\s*([^\d\s.,].*)", number)
 
 
@@ -296,17 +311,10 @@ def unit_said_after(number: str, words: str) -> str | None:
     bare number or they say none."""
     if re.fullmatch(r"[-+]?\d+(?:\.\d+)?", number.strip()) is None:
         return None
-    said = alpha2digit(" ".join(words.split()), "en", threshold=0).replace(",", "")
+    said = _in_digits(words)
     for match in re.finditer(rf"(?<![\d.]){re.escape(number.strip())}\s*([^\W\d_]+)(?:\s+([^\W\d_]+))?", said):
         for span in (f"{match[1]} {match[2]}" if match[2] else None, match[1]):
-            if span is None:
-                continue
-            try:
-                with _registry_lock:
-                    unit = _unit(span)
-            except CalculationError:
-                continue
-            if not re.search(r"[*/]", str(unit)) and not unit.dimensionless:
+            if span is not None and _single_unit(span) is not None:
                 return f"{number.strip()} {span}"
     return None
 
@@ -315,7 +323,7 @@ def conversion_asked(words: str) -> dict[str, Any] | None:
     """The conversion ``words`` ask for, done: a number with a unit ("3 kilograms") and one other unit of its kind
     ("How many pounds is 3 kilograms?"); None where they ask none. For a call whose numbers are not the user's: the
     default brain passed "3 * 2.2" (its own factor) for that question."""
-    said = alpha2digit(" ".join(words.split()), "en", threshold=0).replace(",", "")
+    said = _in_digits(words)
     for number in re.findall(r"(?<![\d.])\d+(?:\.\d+)?", said)[:MAX_WORDS_SEARCHED]:
         quantity = unit_said_after(number, said)
         parsed = _quantity(quantity) if quantity is not None else None
@@ -336,13 +344,8 @@ def unit_named(words: str, source: pint.Unit) -> str | None:
     for size in (2, 1):
         for start in range(len(spoken) - size + 1):
             span = " ".join(spoken[start : start + size])
-            try:
-                with _registry_lock:
-                    unit = _unit(span)
-                    named = not re.search(r"[*/]", str(unit))  # one unit, not a product pint read ("are in")
-                    same_kind = named and unit.dimensionality == source.dimensionality and unit != source
-            except CalculationError:
-                continue
+            unit = _single_unit(span)
+            same_kind = unit is not None and unit.dimensionality == source.dimensionality and unit != source
             if same_kind and not any(span in earlier.split() for earlier in found.values()):
                 found.setdefault(unit, span)
     if len(found) > 1:
@@ -364,9 +367,7 @@ def _quantity(text: str) -> tuple[float, pint.Unit] | None:
 
 
 def _numbers(text: str) -> set[float]:
-    found = re.findall(
-        r"\d+(?:\.\d+)?", alpha2digit(" ".join(text.lower().split()), "en", threshold=0).replace(",", "")
-    )
+    found = re.findall(r"\d+(?:\.\d+)?", _in_digits(text.lower()))
     return {float(n) for n in found}
 
 
