@@ -62,7 +62,7 @@ class AsyncLLMEngine:
         self.restart_window_s = restart_window_s
         self.restart_backoff_s = restart_backoff_s
         self._cond = threading.Condition()
-        self._adds: list[tuple[str, list[int] | str, SamplingParams]] = []
+        self._adds: list[tuple[str, list[int] | str, SamplingParams, str]] = []
         self._aborts: list[str] = []
         self._pauses: list[tuple[str, float, bool]] = []  # (request id, max seconds, yield only); 0 resumes it
         self._streams: dict[str, _Stream] = {}
@@ -111,7 +111,8 @@ class AsyncLLMEngine:
         request's last output has ``finished=True`` (an ``abort`` gives one too). Closing aborts the unfinished.
 
         Why together: added one by one, the loop may step the first alone, and the second's first token comes a
-        step later (a voice reply weighing two prompts waits for both, ``app.stages.llm``)."""
+        step later (a voice reply weighing two prompts waits for both, ``app.stages.llm``). For the same reason
+        they are one group (``Request.group``): a step of theirs alone gets a lone reply's threads."""
         if self._stop:
             raise RuntimeError("engine is shut down")
         if self._error is not None:
@@ -122,9 +123,10 @@ class AsyncLLMEngine:
             taken = [rid for rid in ids if rid in self._streams] + [rid for rid in ids if ids.count(rid) > 1]
             if taken:
                 raise ValueError(f"duplicate request id {taken[0]!r}")
+            group = ids[0] if len(ids) > 1 else ""  # one caller's requests, to choose between (Request.group)
             for rid, (prompt, params, _) in zip(ids, requests, strict=True):
                 self._streams[rid] = stream
-                self._adds.append((rid, prompt, params or SamplingParams()))
+                self._adds.append((rid, prompt, params or SamplingParams(), group))
             self._cond.notify()
         index = {rid: i for i, rid in enumerate(ids)}
         unfinished = set(ids)
@@ -321,9 +323,9 @@ class AsyncLLMEngine:
                     eng.pause(rid, max_s)
                 else:
                     eng.resume(rid)
-            for rid, prompt, params in adds:
+            for rid, prompt, params, group in adds:
                 try:
-                    eng.add_request(rid, prompt, params)
+                    eng.add_request(rid, prompt, params, group)
                 except Exception as e:  # bad input: fail this request only
                     self._deliver(RequestOutput(rid, "", (), True, "error", str(e), error_type="invalid_request"))
             for rid in aborts:

@@ -139,15 +139,18 @@ class LLMEngine:
             return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None) -> str:
-        """Queue a request. A request that can never fit is finished at once with an error output."""
+    def add_request(
+        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None, group: str = ""
+    ) -> str:
+        """Queue a request. A request that can never fit is finished at once with an error output. ``group``:
+        requests one caller adds together to choose between share one (``Request.group``)."""
         params = params or SamplingParams()
         if request_id is None:
             self._next_id += 1
             request_id = f"req-{self._next_id}"
         if request_id in self._states:
             raise ValueError(f"duplicate request id {request_id!r}")
-        req = Request(request_id, self.tokenize(prompt), params, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id, self.tokenize(prompt), params, eos_token_ids=self.eos_token_ids, group=group)
         try:
             grammar = self.state_builder.check(req)  # token ids within the vocabulary, grammars that compile
             if (

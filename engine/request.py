@@ -48,6 +48,13 @@ class Request:
     score_keys: list[int] = field(default_factory=list)
     # hashes of the full blocks of all_token_ids, grown lazily by the KV cache manager
     block_hashes: list[int] = field(default_factory=list)
+    # the requests one caller added together to decide between (a voice reply's prompt with the conversation and
+    # its words alone) share a group: for the CPU threads a step gets they are one request; "": its own
+    group: str = ""
+
+    @property
+    def group_key(self) -> str:
+        return self.group or self.request_id
 
     @property
     def computed_from(self) -> int:

@@ -32,6 +32,7 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool  # the chunk reaches the last known token, so the step yields a new token
     generated: int = 0  # output tokens the request had before this step
+    group: str = ""  # ``Request.group_key``: chunks of one group are one caller's ("": the request's own)
     # positions [a, b) of this chunk whose logits score the prompt's next token (``prompt_logprobs_from``)
     scores: tuple[int, int] = (0, 0)
 
@@ -175,6 +176,7 @@ class Scheduler:
                     block_ids=self.kv.block_ids(req.request_id),
                     sample=start + n == req.num_tokens,
                     generated=len(req.output_token_ids),
+                    group=req.group_key,
                     scores=_scored_positions(req, start, n),
                 )
             )

@@ -182,9 +182,16 @@ def test_an_engine_that_cannot_be_built_fails_its_constructor(monkeypatch):
 
 @pytest.mark.parametrize(
     ("first_tokens", "requests", "lent", "expected"),
-    # the prompt, then one token a step; two requests decode side by side: never urgent;
-    # with a core lent to another model, no step uses it
-    [(0, 1, 0, [2, 1, 1, 1]), (3, 1, 0, [2, 2, 2, 1]), (3, 2, 0, [2, 1, 1, 1]), (3, 1, 1, [1, 1, 1, 1])],
+    # the prompt, then one token a step; two requests decode side by side: never urgent, unless they are one
+    # group (one reply's prompt and its words alone, added together); with a core lent to another model, no step
+    # uses it
+    [
+        (0, 1, 0, [2, 1, 1, 1]),
+        (3, 1, 0, [2, 2, 2, 1]),
+        (3, 2, 0, [2, 1, 1, 1]),
+        (3, "grouped", 0, [2, 2, 2, 1]),
+        (3, 1, 1, [1, 1, 1, 1]),
+    ],
 )
 def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(
     make_engine, prompts, first_tokens, requests, lent, expected
@@ -209,8 +216,9 @@ def test_prefill_steps_use_the_prefill_threads_and_decode_steps_the_others(
             return out
 
         eng.runner.execute = recording
-        for i in range(requests):
-            eng.add_request(f"t{i}", prompts[i], SamplingParams(max_tokens=4, ignore_eos=True))
+        grouped = requests == "grouped"
+        for i in range(2 if grouped else requests):
+            eng.add_request(f"t{i}", prompts[i], SamplingParams(max_tokens=4, ignore_eos=True), "t0" if grouped else "")
         while eng.has_unfinished():
             eng.step()
 
@@ -292,10 +300,13 @@ async def test_requests_added_together_are_stepped_together_and_closing_aborts_t
     one by one, the loop may step the first alone); the outputs are each request's own; closing aborts the rest."""
     requests = [(prompts[i], SamplingParams(max_tokens=8), f"many-{i}") for i in (1, 2)]
     order, tokens = [], {0: [], 1: []}
+    groups = set()
     async for index, out in aengine.generate_many(requests):
         order.append(index)
         tokens[index] += out.token_ids_delta
+        groups |= {r.group_key for r in aengine.engine.scheduler.requests.values() if r.request_id.startswith("many")}
     assert sorted(order[:2]) == [0, 1]
+    assert groups == {"many-1"}, "one group: a step of theirs alone gets a lone reply's threads"
     assert [tokens[0], tokens[1]] == [hf_reference(prompts[1], 8), hf_reference(prompts[2], 8)]
     long = [(prompts[i], SamplingParams(max_tokens=200, ignore_eos=True), f"many-long-{i}") for i in (3, 4)]
     aborted_before = aengine.stats().get("requests_aborted_total", 0)
