@@ -14,6 +14,12 @@ token's latency. So a freed partial block keeps its K/V as a *tail* (its parent
 block's hash and the tokens it holds); a later request continuing the same prefix takes
 the block over and computes only from where the two token sequences part. Taken over,
 not shared: the new owner writes its own tokens into the rest of the block.
+
+A freed *full* block is kept the same way: the words heard so far, prefilled while the user spoke, fill a block
+that the final transcript parts from mid-way ("... fun fact about it" / "... about dogs"), and the whole block was
+computed again. A full block stays cached under its hash for the requests that continue it exactly, so it is
+never taken over: the start that matches is copied into a block of the new request's (``KVCopy``, run by the
+model runner before the step's forward).
 """
 
 from __future__ import annotations
@@ -26,6 +32,15 @@ from engine.request import Request
 
 _ROOT_HASH = -1
 TAILS_PER_PARENT = 8  # kept tails continuing one prefix (a lookup compares each; older ones are forgotten)
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """Copy the K/V of the first ``num_tokens`` slots of block ``src`` into block ``dst`` (every layer)."""
+
+    src: int
+    dst: int
+    num_tokens: int
 
 
 @dataclass(eq=False)
@@ -85,6 +100,12 @@ class BlockPool:
             self._forget_tail(block)  # its new owner writes past the kept tokens
             block.ref_cnt += 1
 
+    def hold(self, block: Block) -> None:
+        """Keep ``block`` from being handed out while it is copied from (it stays cached, and a tail)."""
+        if block.ref_cnt == 0:
+            del self._free[block.block_id]
+        block.ref_cnt += 1
+
     def release(self, blocks: list[Block]) -> None:
         """Drop a reference; blocks reaching zero go to the end of the free list (evicted last)."""
         for block in blocks:
@@ -101,8 +122,10 @@ class BlockPool:
             block.block_hash = block_hash
 
     def cache_tail(self, block: Block, parent: int, tokens: tuple[int, ...]) -> None:
-        """Keep the K/V of ``block`` (about to be freed, holding ``tokens`` after the block hashed ``parent``)."""
-        if not self.enable_caching or not tokens or block.block_hash is not None:
+        """Keep the K/V of ``block`` (about to be freed, holding ``tokens`` after the block hashed ``parent``) for
+        a request whose tokens part from them inside the block (a full block still cached under its hash is then
+        copied from, not taken over)."""
+        if not self.enable_caching or not tokens:
             return
         self._forget_tail(block)
         tails = self._tails.setdefault(parent, OrderedDict())
@@ -154,6 +177,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._tables: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of each table already hashed
+        self._copies: list[KVCopy] = []  # this step's copies of a cached block's start (take_copies)
+        self._copied_from: list[Block] = []  # their sources, held until the step has run (end_copies)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -188,7 +213,8 @@ class KVCacheManager:
             hashes.append(hash((parent, tuple(req.token_at(i * bs, (i + 1) * bs)))))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
-        """Longest cached prefix of ``req``: full blocks, then maybe a kept tail; and its length in tokens.
+        """Longest cached prefix of ``req``: full blocks, then maybe a kept tail (a partial block, taken over, or
+        a full one whose start is copied: ``allocate_slots``); and its length in tokens.
 
         At least one token is left to compute (the last one's logits are needed), and with
         ``prompt_logprobs_from`` every token from the one before it (``Request.computed_from``).
@@ -239,16 +265,24 @@ class KVCacheManager:
             num_hit_tokens = len(computed_blocks) * bs
         num_computed = req.num_computed_tokens + num_hit_tokens
         total = num_computed + num_new_tokens
-        need = -(-total // bs) - len(table) - len(computed_blocks)
+        # a full block still cached under its hash, matched only in part: its start is copied into a new block
+        copied = computed_blocks[-1] if num_hit_tokens % bs and computed_blocks[-1].block_hash is not None else None
+        need = -(-total // bs) - len(table) - len(computed_blocks) + (copied is not None)
         hits_on_free_list = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(need, 0) + reserve > self.pool.num_free - hits_on_free_list:
             if not table:
                 del self._tables[req.request_id]
             return False
+        if copied is not None:
+            computed_blocks = computed_blocks[:-1]
+            self.pool.hold(copied)
+            self._copied_from.append(copied)
         self.pool.touch(computed_blocks)
         table.extend(computed_blocks)
         if need > 0:
             table.extend(self.pool.allocate(need))
+        if copied is not None:
+            self._copies.append(KVCopy(copied.block_id, table[len(computed_blocks)].block_id, num_hit_tokens % bs))
         if self.enable_prefix_caching:
             # Blocks that will be full once this step has run can be shared from now on: the
             # runner writes all K/V of a layer before any attention of that layer reads it.
@@ -260,6 +294,16 @@ class KVCacheManager:
                     self.pool.cache(table[i], req.block_hashes[i])
                 self._num_cached[req.request_id] = num_full
         return True
+
+    def take_copies(self) -> list[KVCopy]:
+        """The copies this step's admissions need, to run before its forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def end_copies(self) -> None:
+        """The last step has run (its copies done): their sources go back to the free list or their owners."""
+        sources, self._copied_from = self._copied_from, []
+        self.pool.release(sources)
 
     def uncache_from(self, request_id: str, first_block: int) -> None:
         """Forget the prefix hashes of ``request_id``'s blocks from ``first_block`` on (a failed step
@@ -291,8 +335,12 @@ class KVCacheManager:
             return
         bs = self.block_size
         full, rest = divmod(req.num_computed_tokens, bs)
-        if keep_tail and self.enable_prefix_caching and rest and full < len(table) and table[full].ref_cnt == 1:
+        if keep_tail and self.enable_prefix_caching:
             self._update_hashes(req, full)
-            parent = req.block_hashes[full - 1] if full else _ROOT_HASH
-            self.pool.cache_tail(table[full], parent, tuple(req.token_at(full * bs, full * bs + rest)))
+            # the blocks it alone holds, full ones too (``BlockPool.cache_tail``), and a partial last one
+            for i in range(min(full + (rest > 0), len(table))):
+                if table[i].ref_cnt == 1:
+                    parent = req.block_hashes[i - 1] if i else _ROOT_HASH
+                    end = (i + 1) * bs if i < full else i * bs + rest
+                    self.pool.cache_tail(table[i], parent, tuple(req.token_at(i * bs, end)))
         self.pool.release(list(reversed(table)))

@@ -192,6 +192,8 @@ class ModelRunner:
         prompt tokens), and the (request id, position) of each scoring row."""
         if self._prefill_threads is not None:
             self._use_threads(sched)
+        for copy in sched.copies:  # a new request's start, from a cached block it parts from mid-way
+            self.kv_cache[:, :, :, copy.dst, : copy.num_tokens] = self.kv_cache[:, :, :, copy.src, : copy.num_tokens]
         if self.graphs is not None:
             out = self.graphs.run(sched.chunks)  # (decode-only steps: they score nothing)
             if out is not None:

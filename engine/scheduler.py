@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheManager, KVCopy
 from engine.request import Request, RequestStatus
 
 
@@ -45,6 +45,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    copies: list[KVCopy] = field(default_factory=list)  # K/V a new request starts from, copied before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +124,7 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """This step's chunks; running requests paused at ``now`` (monotonic seconds) are left out, and
         so are yielding ones while a request that is neither waits or runs."""
+        self.kv.end_copies()  # the last step's copies are done
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -180,6 +182,7 @@ class Scheduler:
                     scores=_scored_positions(req, start, n),
                 )
             )
+        out.copies = self.kv.take_copies()
         return out
 
     def _preempt(self, req: Request) -> None:

@@ -86,22 +86,32 @@ def test_prefix_cache_hits(make_engine, prompts, hf_reference, tokenizer):
     cached = eng.stats()["prefix_cache_hit_rate"]
     assert cached > 0.5
     # the identical prompt hits its full blocks; its last 2 tokens are in a block the earlier runs
-    # filled with their own outputs: shared by hash, never taken over (only a freed partial block is)
-    eng.add_request("again", story, SamplingParams(max_tokens=2))
-    outs = eng.step()  # the uncached tail fits one step: it prefills and gives the first token
+    # filled with their own outputs: shared by hash, never taken over (only a freed partial block is), but the
+    # start it shares is copied into a block of its own
+    eng.add_request("again", story, SamplingParams(max_tokens=N))
+    outs = eng.step()  # the uncached last token fits one step: it prefills and gives the first token
     assert [o.request_id for o in outs] == ["again"], outs
-    assert outs[0].num_cached_tokens == (len(story) - 1) // 16 * 16
+    assert outs[0].num_cached_tokens == len(story) - 1
+    tokens = list(outs[0].token_ids_delta)
+    while eng.has_unfinished():
+        tokens += [t for out in eng.step() for t in out.token_ids_delta]
+    assert tokens == hf_reference(story, N)
+    outs = run(eng, [variants[2]])  # and the block copied from still serves the prompts that continue it
+    check(outs, [variants[2]], hf_reference)
 
 
 def test_a_prompt_continuing_a_finished_one_computes_only_its_new_tokens(make_engine, prompts, hf_reference):
     """The voice loop warms the history, then the turn's prompt continues it: same tokens as without a cache."""
     eng = make_engine(block_size=16)
     history = prompts[5][:37]  # two full blocks and a tail of 5
-    for rid, prompt in (("turn", history + prompts[3]), ("other", history[:-2] + prompts[1])):
+    # a tail taken over, in whole or in part; a full block parted from mid-way, its start copied (the words heard
+    # so far, then the final transcript: "... about it" / "... about dogs")
+    cases = (("turn", history + prompts[3], 37), ("other", history[:-2] + prompts[1], 35))
+    for rid, prompt, cached in (*cases, ("parted", history[:20] + prompts[1], 20)):
         run(eng, [history], n=1)  # the warm-up: its last 5 tokens stay as a tail
         eng.add_request(rid, prompt, SamplingParams(max_tokens=N))
         first = eng.step()
-        assert first[0].num_cached_tokens == (37 if rid == "turn" else 35)
+        assert first[0].num_cached_tokens == cached
         tokens = list(first[0].token_ids_delta)
         while eng.has_unfinished():
             tokens += [t for out in eng.step() for t in out.token_ids_delta]

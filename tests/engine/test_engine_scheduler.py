@@ -197,7 +197,9 @@ def test_full_prompt_hit_still_computes_last_token():
     b = Request("b", list(p), SamplingParams(max_tokens=1), eos_token_ids=(EOS,))
     s.add_request(b)
     out, _ = fake_step(s)
-    assert b.num_cached_tokens == 4 and scheduled(out)["b"] == 4
+    # the first block by its hash, then the second's first 3 tokens copied (only the last token is computed)
+    assert b.num_cached_tokens == 7 and scheduled(out)["b"] == 1
+    assert [(c.src, c.num_tokens) for c in out.copies] == [(s.kv.pool.get_cached(b.block_hashes[1]).block_id, 3)]
     assert b.output_token_ids == [FAKE_TOKEN]
 
 
@@ -221,7 +223,7 @@ def test_a_freed_partial_block_is_taken_over_by_a_request_continuing_its_tokens(
     warm = req("warm", 10, max_tokens=1)  # 2 full blocks, then a tail of 2 tokens (100..109)
     s.add_request(warm)
     run_all(s)
-    tail_block = s.kv.pool.blocks[[b for b in range(64) if s.kv.pool.blocks[b].tail is not None][0]]
+    tail_block = next(b for b in s.kv.pool.blocks if b.tail is not None and len(b.tail[1]) < 4)
     turn = Request("turn", [*range(100, 110), 55, 56, 57], SamplingParams(max_tokens=2), eos_token_ids=(EOS,))
     twin = Request("twin", [*range(100, 110), 55, 66], SamplingParams(max_tokens=2), eos_token_ids=(EOS,))
     s.add_request(turn)
@@ -252,6 +254,32 @@ def test_a_tail_is_reused_up_to_where_the_tokens_part_and_never_after_a_failed_s
     fake_step(s)
     assert d.num_cached_tokens == 8
     assert c.num_computed_tokens == 13
+
+
+def test_a_full_block_parted_from_mid_way_is_copied_from_and_stays_cached():
+    """The words heard so far filled a block the final transcript parts from mid-way: the start they share is
+    copied into a block of the new request's, before its step's forward; the full block keeps its hash."""
+    s = make(block_size=4)
+    warm = req("warm", 10, max_tokens=1)  # blocks 100..103, 104..107, then a tail 108..109
+    s.add_request(warm)
+    run_all(s)
+    source = s.kv.pool.get_cached(warm.block_hashes[1])
+    turn = Request("turn", [*range(100, 106), 55, 56, 57], SamplingParams(max_tokens=2), eos_token_ids=(EOS,))
+    s.add_request(turn)
+    out, _ = fake_step(s)
+    assert turn.num_cached_tokens == 6 and scheduled(out)["turn"] == 3
+    table = s.kv.block_ids("turn")
+    assert source.block_id not in table
+    assert [(c.src, c.dst, c.num_tokens) for c in out.copies] == [(source.block_id, table[1], 2)]
+    assert source.ref_cnt == 1, "held until the step that copies it has run"
+    out, _ = fake_step(s)
+    assert source.ref_cnt == 0 and not out.copies
+    again = req("again", 10, max_tokens=1)  # the warm-up's own tokens: its blocks by hash, then its tail
+    s.add_request(again)
+    fake_step(s)
+    assert again.num_cached_tokens == 9
+    run_all(s)
+    assert s.kv.num_used_blocks == 0
 
 
 def test_lru_eviction_of_cached_free_blocks():
