@@ -61,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
         print("parley: TLS needs both --ssl-certfile and --ssl-keyfile", file=sys.stderr)
         return 2
     print(f"starting parley on {settings.host}:{settings.port} (loading models first)", flush=True)
+    logging.getLogger().setLevel(args.log_level.upper())  # Parley's own logs too, not only the web server's
     uvicorn.run(
         create_app(settings),
         host=settings.host,

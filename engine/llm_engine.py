@@ -225,7 +225,16 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         try:
+            started = time.monotonic()
             sample_ids, logits, score_rows = self.runner.execute(sched)
+            if log.isEnabledFor(logging.DEBUG):  # a turn's timeline, step by step (``--log-level debug``)
+                log.debug(
+                    "step: %.1f ms on %d thread(s), %s%s",
+                    (time.monotonic() - started) * 1000,
+                    torch.get_num_threads(),
+                    ", ".join(f"{c.request_id} {c.start}+{c.num_tokens}" for c in sched.chunks),
+                    f", copied {sum(c.num_tokens for c in sched.copies)} slot(s)" if sched.copies else "",
+                )
             if score_rows:
                 requests = [self.scheduler.requests[rid] for rid, _ in score_rows]
                 score_prompts(requests, score_rows, logits[len(sample_ids) :], self.prompt_scores)

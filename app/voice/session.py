@@ -253,6 +253,7 @@ class VoiceSession:
                 said = self._continued.new_words(event.text)
                 if self.settings.speculative_reply and not self._barge_in.only_backchannel(said):
                     if not is_filler(said) and not looks_unfinished(event.text):
+                        self._warmup.give_way()
                         await self._speculation.start(event)
             case heard.Dropped(turn_id=turn_id, text=text):
                 await self._speculation.cancel()  # a cough or "mm": not a turn, and the reply goes on

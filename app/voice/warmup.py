@@ -28,6 +28,8 @@ WarmPrefix = Callable[..., Awaitable[float | None]]
 score the user's words, for a reply that weighs them: ``ReplyFactory.alone_prompt``, returning their mean
 log-probability a token)."""
 
+WORDS_TASK = "llm-warm-words"  # the task prefilling the words heard so far (``PrefixWarmup.give_way``)
+
 MIN_HEARD_SHARE = Fraction(1, 2)
 """The words heard so far stand for the whole turn's (``PrefixWarmup.heard_gain``) when they are at least this share
 of its words: a turn's first words mostly say whether it follows from the conversation ("And Spain?", "What about").
@@ -134,9 +136,16 @@ class PrefixWarmup:
             self._retry.cancel()  # the words heard come first: that warm-up serves only a refused call's reply
         alone = self._prompts.alone_prompt(text, fitted.messages)
         if alone is None:
-            self._task = asyncio.create_task(self._run(warm, fitted.messages), name="llm-warm-words")
+            self._task = asyncio.create_task(self._run(warm, fitted.messages), name=WORDS_TASK)
         else:
-            self._task = asyncio.create_task(self._weigh(warm, fitted.messages, alone, text), name="llm-warm-words")
+            self._task = asyncio.create_task(self._weigh(warm, fitted.messages, alone, text), name=WORDS_TASK)
+
+    def give_way(self) -> None:
+        """The turn's words are known (its tail is transcribed) and a reply to them starts: a prefill of the words
+        heard before them is cancelled, since the reply's own prompts hold the final words. Left to run, it took the
+        reply's first steps (the words alone prefilled beside its second token: 90 ms where 35 were its own)."""
+        if self._task is not None and self._task.get_name() == WORDS_TASK:
+            self._task.cancel()
 
     def heard_gain(self, text: str, related: list[Message]) -> float | None:
         """How much likelier the conversation made the words heard so far, where they stand for ``text``'s (the
@@ -168,7 +177,10 @@ class PrefixWarmup:
         """Prefill both prompts of the words so far with the words scored (the reply that weighs them finds the
         scores kept, ``engine.prompt_scores``) and keep how much the conversation gained them (``heard_gain``)."""
         try:
-            scores = [await warm(related, score_words=True), await warm(alone, score_words=True)]
+            scores = [await warm(related, score_words=True)]
+            if self._llm_needed():
+                return  # the turn's tail is being transcribed or answered: the cores are the reply's
+            scores.append(await warm(alone, score_words=True))
         except asyncio.CancelledError:
             raise
         except Exception:  # only an optimisation: the reply weighs the words itself

@@ -178,6 +178,34 @@ async def test_no_words_are_warmed_when_the_llm_is_needed_the_prompt_is_cut_or_t
     assert off.warmed == [HISTORY]
 
 
+async def test_a_reply_starting_cancels_the_words_prefill_and_its_second_prompt_never_starts():
+    """Its tail transcribed, the turn is answered from its final words: a prefill of earlier words would take the
+    reply's first steps. The history's warm-up is the reply's own prefix and is left to run."""
+    scene = Scene()
+    scene.alone = [{"role": "system", "content": "Be brief."}]
+    scene.gate = asyncio.Event()
+    scene.warmup.words_so_far("What is two")
+    await scene.settle()
+    scene.llm_needed = True  # the tail is being transcribed: the words alone are not prefilled after these
+    scene.gate.set()
+    await scene.settle()
+    assert scene.warmed == [said("What is two")], "the words alone given up once the cores were needed"
+    scene.llm_needed, scene.gate = False, asyncio.Event()
+    scene.warmup.words_so_far("What is three")
+    await scene.settle()
+    scene.warmup.give_way()
+    scene.gate.set()
+    await scene.settle()
+    assert scene.finished == [said("What is two")], "the running words prefill was cancelled"
+    scene.gate = asyncio.Event()
+    scene.warmup.next_prompt()
+    await scene.settle()
+    scene.warmup.give_way()
+    scene.gate.set()
+    await scene.settle()
+    assert scene.finished[-1] == HISTORY, "the history's warm-up runs on"
+
+
 async def test_without_a_prefix_cache_nothing_is_warmed():
     scene = Scene(warms=False)
     scene.warmup.next_prompt()
