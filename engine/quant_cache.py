@@ -36,6 +36,10 @@ FORMAT_VERSION = 1
 FILE_NAME = "int8.safetensors"
 # a checkpoint smaller than this quantizes in well under a second: not kept (the tests' tiny models)
 MIN_CHECKPOINT_BYTES = 64 << 20
+# safetensors lays tensors end to end after its header, 8-byte aligned at best, and reads them in place; torch's
+# AVX-512 int8pack kernel loads whole 64-byte lines as aligned and died (a segfault) on such rows, on a second
+# start with the fused kernels off. A tensor read off its line is copied into torch's own (64-byte aligned) memory.
+ALIGNMENT = 64
 
 
 class QuantCache:
@@ -83,7 +87,7 @@ class QuantCache:
         q, scale = self._found.get(f"{name}.q"), self._found.get(f"{name}.scale")
         if q is None or scale is None:
             return None
-        return q.to(device), scale.to(device)
+        return _aligned(q.to(device)), _aligned(scale.to(device))
 
     def put(self, name: str, quantized: Quantized) -> None:
         q, scale = quantized
@@ -111,3 +115,10 @@ class QuantCache:
             return
         log.info("kept %d quantized matrices at %s", len(tensors) // 2, self.file)
         self._made.clear()
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it in memory of its own where its data does not start on a 64-byte line (CPU)."""
+    if tensor.device.type != "cpu" or tensor.data_ptr() % ALIGNMENT == 0:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

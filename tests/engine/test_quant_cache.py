@@ -110,3 +110,23 @@ def test_small_checkpoints_and_other_kernels_are_not_kept(tmp_path, monkeypatch)
     monkeypatch.setattr(engine.quant_cache, "MIN_CHECKPOINT_BYTES", 0)
     LlamaModel(path, torch.bfloat16, "cpu", 64, quant=get_quant_method("int4", "cpu"))
     assert _cache_files(tmp_path) == []
+
+
+def test_rows_read_off_a_cache_line_are_copied_onto_one(tmp_path):
+    """safetensors reads tensors in place, 8-byte aligned at best; torch's AVX-512 int8pack kernel died on such
+    rows (a segfault). What the cache hands out starts on a 64-byte line and holds the same numbers."""
+    from safetensors.torch import load_file
+
+    cache = QuantCache(tmp_path / FILE_NAME)
+    made = {f"m{i}": (torch.randint(-127, 128, (i + 1, 40), dtype=torch.int8), torch.rand(i + 1)) for i in range(8)}
+    for name, quantized in made.items():
+        cache.put(name, quantized)
+    cache.save()
+    raw = load_file(str(tmp_path / FILE_NAME))
+    assert any(t.data_ptr() % engine.quant_cache.ALIGNMENT for t in raw.values())  # the case this is about
+    again = QuantCache(tmp_path / FILE_NAME)
+    for name, (q, scale) in made.items():
+        got_q, got_scale = again.get(name, torch.device("cpu"))
+        assert got_q.data_ptr() % engine.quant_cache.ALIGNMENT == 0
+        assert got_scale.data_ptr() % engine.quant_cache.ALIGNMENT == 0
+        assert torch.equal(got_q, q) and torch.equal(got_scale, scale)
