@@ -243,6 +243,10 @@ class LLMEngine:
             log.exception("model forward failed; failing the %d request(s) of this step", len(sched.chunks))
             outputs += self._fail_step(sched, f"model forward failed: {type(e).__name__}: {e}")
             return outputs
+        finally:
+            # the blocks this step copied from go back now (its copies ran before its forward, in stream order on a
+            # GPU), not at the next step: an engine left idle held one, counted as used (a one-step request's end)
+            self.scheduler.kv.end_copies()
         rows = [self._states[i].row for i in sample_ids]
         vocab = self.runner.model.args.vocab_size
         sampled, errors, logprobs = sample_tokens(logits, sample_ids, rows, vocab, self.grammars)

@@ -116,6 +116,11 @@ def test_a_prompt_continuing_a_finished_one_computes_only_its_new_tokens(make_en
         while eng.has_unfinished():
             tokens += [t for out in eng.step() for t in out.token_ids_delta]
         assert tokens == hf_reference(prompt, N)
+    run(eng, [history], n=1)
+    eng.add_request("once", history[:20] + prompts[2], SamplingParams(max_tokens=1))  # done in its one step
+    (out,) = eng.step()
+    assert out.finished and out.num_cached_tokens == 20
+    assert eng.stats()["kv_blocks_used"] == 0  # the block it copied from is not held past that step
 
 
 @pytest.mark.parametrize("block_size", [1, 7])
