@@ -42,6 +42,29 @@ class _Stream:
     queue: asyncio.Queue
 
 
+class RestartPolicy:
+    """When a crashed step loop starts again: after a backoff that doubles with each recent crash (0.5 s, 1 s, 2 s,
+    ... by default), and not at all once more than ``max_restarts`` crashes fall within ``window_s`` seconds."""
+
+    def __init__(self, max_restarts: int, window_s: float, backoff_s: float) -> None:
+        self.max_restarts, self.window_s, self.backoff_s = max_restarts, window_s, backoff_s
+        self._crashes: deque[float] = deque()
+
+    @property
+    def recent(self) -> int:
+        """Crashes in the last ``window_s`` seconds, as of the last one."""
+        return len(self._crashes)
+
+    def after_crash(self, now: float) -> float | None:
+        """Seconds to wait before the loop starts again after a crash at ``now`` (monotonic); None: it stays down."""
+        self._crashes.append(now)
+        while self._crashes and now - self._crashes[0] > self.window_s:
+            self._crashes.popleft()
+        if len(self._crashes) > self.max_restarts:
+            return None
+        return self.backoff_s * 2 ** (len(self._crashes) - 1)
+
+
 class AsyncLLMEngine:
     """Thread-backed async wrapper around LLMEngine (the API the voice app uses)."""
 
@@ -58,9 +81,7 @@ class AsyncLLMEngine:
         self.engine = engine if engine is not None else self._build_on_loop_thread(config or EngineConfig())
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
-        self.max_restarts = max_restarts
-        self.restart_window_s = restart_window_s
-        self.restart_backoff_s = restart_backoff_s
+        self._restarts = RestartPolicy(max_restarts, restart_window_s, restart_backoff_s)
         self._cond = threading.Condition()
         self._adds: list[tuple[str, list[int] | str, SamplingParams, str]] = []
         self._aborts: list[str] = []
@@ -70,7 +91,6 @@ class AsyncLLMEngine:
         self._stop = False
         self._error: BaseException | None = None  # set when the loop is down for good
         self._down: str | None = None  # why the loop is down (restarting, or for good)
-        self._crashes: deque[float] = deque()
         self.restarts_total = 0
         self._stats = self.engine.stats()
         if engine is not None:
@@ -279,17 +299,14 @@ class AsyncLLMEngine:
             log.exception("engine reset failed; the engine stays down")
             self._error = error
             return
-        now = time.monotonic()
-        self._crashes.append(now)
-        while self._crashes and now - self._crashes[0] > self.restart_window_s:
-            self._crashes.popleft()
-        if len(self._crashes) > self.max_restarts:
-            log.error("engine loop crashed %d times in %.0f s: giving up", len(self._crashes), self.restart_window_s)
-            self._down = f"{reason} (gave up after {self.max_restarts} restarts)"
+        policy = self._restarts
+        delay = policy.after_crash(time.monotonic())
+        if delay is None:
+            log.error("engine loop crashed %d times in %.0f s: giving up", policy.recent, policy.window_s)
+            self._down = f"{reason} (gave up after {policy.max_restarts} restarts)"
             self._error = error
             return
-        delay = self.restart_backoff_s * 2 ** (len(self._crashes) - 1)
-        log.warning("restarting the engine loop in %.1f s (restart %d)", delay, len(self._crashes))
+        log.warning("restarting the engine loop in %.1f s (restart %d)", delay, policy.recent)
         with self._cond:
             self._cond.wait_for(lambda: self._stop, timeout=delay)
             if self._stop:

@@ -317,3 +317,15 @@ async def test_requests_added_together_are_stepped_together_and_closing_aborts_t
     assert aengine.stats()["requests_aborted_total"] == aborted_before + 2
     with pytest.raises(ValueError, match="duplicate request id"):
         await anext(aengine.generate_many([(prompts[0], None, "twice"), (prompts[1], None, "twice")]))
+
+
+def test_the_restart_backoff_doubles_and_the_loop_stays_down_after_too_many_recent_crashes():
+    """A fake clock: crashes within the window double the wait; one more than allowed keeps the loop down; crashes
+    that fell out of the window no longer count."""
+    from engine.async_engine import RestartPolicy
+
+    policy = RestartPolicy(max_restarts=3, window_s=300.0, backoff_s=0.5)
+    assert [policy.after_crash(t) for t in (0.0, 10.0, 20.0)] == [0.5, 1.0, 2.0]
+    assert policy.after_crash(30.0) is None and policy.recent == 4
+    assert policy.after_crash(315.0) == 2.0 and policy.recent == 3  # those at 0 and 10 fell out of the window
+    assert policy.after_crash(700.0) == 0.5 and policy.recent == 1
