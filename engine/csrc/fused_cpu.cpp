@@ -6,7 +6,7 @@
 //   add_rms_norm        h += delta; x = rmsnorm(h) * w               (both norms of a layer)
 //   rotary_kv_write     rotate q and k in place, write k and v to their cache slots
 //   paged_decode_attention  one query token per request against its paged K/V, no gather
-//   silu_mul            silu(gate) * up
+//   silu_mul            silu(gate) * up (exp eight floats at a time: exp8)
 //   int8_linear         x @ (int8 w * scale).T, x quantized per block of 32: the int8 linears (AVX2 + FMA, VNNI)
 //   dequantize_rows_into  out = int8 w * scale[:, None], into a buffer kept between calls: a prefill's dense
 //                       product (ATen's to() and mul were two passes into fresh memory, ~20% of a 500-token prefill)
@@ -20,10 +20,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#define PARLEY_INT8_LINEAR 1
+#define PARLEY_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -31,6 +32,59 @@ namespace {
 
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
+
+#ifdef PARLEY_AVX2
+// exp of eight floats (Cephes' expf: 2^n times a degree-6 polynomial of the remainder, within 2 ulp of std::exp).
+// std::exp was most of silu_mul's time and of a decode's softmax (a scalar call per element). A NaN stays NaN
+// (min/max return their second operand on NaN); below -87.3 the result is the smallest normal float, not 0, and
+// above 88.37 it is inf: both far outside what a softmax (inputs <= 0) or silu rounded to 16 bits can tell apart.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-87.3365447505531f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// n values of T as floats: eight at a time for bf16 (a shift) and fp16 (F16C) where AVX2 is built.
+template <typename T>
+inline void to_floats(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef PARLEY_AVX2
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+  }
+#ifdef __F16C__
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+#endif
+  for (; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+// out[i] = exp(x[i]) for n floats (in place allowed): eight at a time where AVX2 is built, std::exp elsewhere.
+inline void exp_floats(const float* x, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef PARLEY_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp8(_mm256_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) out[i] = std::exp(x[i]);
+}
 
 template <typename T>
 void add_rms_norm_kernel(T* h, const T* delta, const T* w, T* out, int64_t rows, int64_t cols, float eps) {
@@ -95,55 +149,113 @@ void rotary_kv_kernel(T* qkv, int64_t row_stride, const T* cos, const T* sin, in
   });
 }
 
+#ifdef PARLEY_AVX2
+// The dots of one query row with four key rows (k: four rows of D floats, D a multiple of 8): four accumulators
+// and one horizontal reduction for the four, where a dot at a time paid a whole reduction each.
+inline __m128 dots_with_four_keys(const float* q, const float* k, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + i), a3);
+  }
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // per 128-bit half: 4 sums
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// acc[0 .. 8 * DV) += sum over the count rows v[o] (contiguous, 8 * DV floats each) of p[o] * v[o], the
+// accumulators kept in registers for the whole block.
+template <int DV>
+inline void weighted_rows(const float* p, const float* v, int64_t count, float* acc) {
+  __m256 a[DV];
+  for (int j = 0; j < DV; ++j) a[j] = _mm256_loadu_ps(acc + 8 * j);
+  for (int64_t o = 0; o < count; ++o) {
+    const __m256 w = _mm256_set1_ps(p[o]);
+    for (int j = 0; j < DV; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + o * 8 * DV + 8 * j), a[j]);
+  }
+  for (int j = 0; j < DV; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+#endif
+
+// Each query row b attends to the first ctx_lens[b] positions of its block table: a decode's one token, or a row
+// of a prefill chunk with its table repeated and its own position + 1 as the length (causal, no mask needed).
 template <typename T>
 void paged_decode_kernel(const T* q, int64_t q_row_stride, const T* cache, const int64_t* tables, int64_t max_blocks,
                          const int64_t* ctx_lens, T* out, int64_t B, int64_t H, int64_t KV, int64_t D,
                          int64_t block_size, int64_t slots_per_head, float scale) {
   const int64_t G = H / KV;
-  // one task per (request, kv head): its K/V rows are read once for the G query heads sharing them
+  // one task per (row, kv head): its K/V rows are read once for the G query heads sharing them
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), kf(D), acc(G * D), scores;
+    std::vector<float> qf(G * D), kf(4 * D), vf(block_size * D), acc(G * D), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KV, kvh = task % KV;
       const int64_t L = ctx_lens[b];
-      scores.assign(G * L, 0.f);
+      scores.resize(G * L);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < D; ++i) qf[g * D + i] = to_f(q[b * q_row_stride + (kvh * G + g) * D + i]) * scale;
       const int64_t* table = tables + b * max_blocks;
       const T* kbase = cache + kvh * slots_per_head * D;
       const T* vbase = cache + (KV + kvh) * slots_per_head * D;
-      for (int64_t t = 0; t < L; ++t) {
-        const T* k = kbase + (table[t / block_size] * block_size + t % block_size) * D;
-        for (int64_t i = 0; i < D; ++i) kf[i] = to_f(k[i]);
-        for (int64_t g = 0; g < G; ++g) {
-          float dot = 0.f;
-          const float* qg = qf.data() + g * D;
+      for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // a block at a time: its rows are contiguous
+        const int64_t count = std::min(block_size, L - t0);
+        const T* kblock = kbase + table[t0 / block_size] * block_size * D;
+        int64_t o = 0;
+#ifdef PARLEY_AVX2
+        if (D % 8 == 0) {
+          for (; o + 4 <= count; o += 4) {
+            to_floats(kblock + o * D, kf.data(), 4 * D);
+            for (int64_t g = 0; g < G; ++g)
+              _mm_storeu_ps(scores.data() + g * L + t0 + o, dots_with_four_keys(qf.data() + g * D, kf.data(), D));
+          }
+        }
+#endif
+        for (; o < count; ++o) {
+          to_floats(kblock + o * D, kf.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            float dot = 0.f;
+            const float* qg = qf.data() + g * D;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < D; ++i) dot += qg[i] * kf[i];
-          scores[g * L + t] = dot;
+            for (int64_t i = 0; i < D; ++i) dot += qg[i] * kf[i];
+            scores[g * L + t0 + o] = dot;
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sc = scores.data() + g * L;
         float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
         for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sc[t]);
+        for (int64_t t = 0; t < L; ++t) sc[t] -= mx;
+        exp_floats(sc, sc, L);
         float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sc[t] = std::exp(sc[t] - mx);
-          sum += sc[t];
-        }
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; ++t) sum += sc[t];
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const T* v = vbase + (table[t / block_size] * block_size + t % block_size) * D;
-        for (int64_t i = 0; i < D; ++i) kf[i] = to_f(v[i]);
+      for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+        const int64_t count = std::min(block_size, L - t0);
+        to_floats(vbase + table[t0 / block_size] * block_size * D, vf.data(), count * D);
         for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
           float* a = acc.data() + g * D;
+          const float* p = scores.data() + g * L + t0;
+#ifdef PARLEY_AVX2
+          if (D == 64) {
+            weighted_rows<8>(p, vf.data(), count, a);
+            continue;
+          }
+          if (D == 128) {
+            weighted_rows<16>(p, vf.data(), count, a);
+            continue;
+          }
+#endif
+          for (int64_t o = 0; o < count; ++o) {
 #pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += p * kf[i];
+            for (int64_t i = 0; i < D; ++i) a[i] += p[o] * vf[o * D + i];
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)
@@ -154,15 +266,21 @@ void paged_decode_kernel(const T* q, int64_t q_row_stride, const T* cache, const
 
 template <typename T>
 void silu_mul_kernel(const T* gu, T* out, int64_t rows, int64_t inter) {
+  constexpr int64_t kChunk = 256;  // floats of the gate converted, exponentiated, then used: one pass each, in L1
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    float x[kChunk], e[kChunk];
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float x = to_f(g[i]);
-        const T act = static_cast<T>(x / (1.f + std::exp(-x)));  // silu rounds to T before the product, as in eager
-        o[i] = static_cast<T>(to_f(act) * to_f(u[i]));
+      for (int64_t c0 = 0; c0 < inter; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, inter - c0);
+        for (int64_t i = 0; i < n; ++i) e[i] = -(x[i] = to_f(g[c0 + i]));
+        exp_floats(e, e, n);
+        for (int64_t i = 0; i < n; ++i) {
+          const T act = static_cast<T>(x[i] / (1.f + e[i]));  // silu rounds to T before the product, as in eager
+          o[c0 + i] = static_cast<T>(to_f(act) * to_f(u[c0 + i]));
+        }
       }
     }
   });
@@ -180,7 +298,7 @@ void dequantize_rows_kernel(const int8_t* w, const float* scale, T* out, int64_t
   });
 }
 
-#ifdef PARLEY_INT8_LINEAR
+#ifdef PARLEY_AVX2
 constexpr int64_t kQBlock = 32;  // activations are quantized per block of 32 inputs, as llama.cpp's Q8_0
 constexpr int64_t kTileRows = 8;  // from this many rows of x, tiles of 2 weight rows (tile_dot)
 
@@ -191,30 +309,52 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Eight int32 sums of four adjacent products |w| * (x signed as w), each in [-4 * 128 * 127, 4 * 128 * 127]. Where the
-// CPU has VNNI, one instruction (vpdpbusd) does it; elsewhere a pair (vpmaddubsw, whose int16 sums of two cannot
-// saturate here: 2 * 128 * 127 < 32767, then vpmaddwd): the same integers, so the same outputs bit for bit.
-inline __m256i dot4(__m256i abs_w, __m256i signed_x, __m256i ones) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define PARLEY_VNNI 1
+// acc + eight int32 sums of four products u * s, u unsigned and s signed bytes: one vpdpbusd.
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  (void)ones;
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), abs_w, signed_x);
-#elif defined(__AVXVNNI__)
-  (void)ones;
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), abs_w, signed_x);
+  return _mm256_dpbusd_epi32(acc, u, s);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, signed_x), ones);
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
 #endif
 }
+#endif
 
 // MR rows of quantized x against NR int8 weight rows (a tile): each block of x is loaded and its scale broadcast
-// once for the NR weight rows, each weight block once for the MR rows. out is [MR][NR].
+// once for the NR weight rows, each weight block once for the MR rows. out is [MR][NR]. Each block's dot is an
+// exact int32, then scaled by the block's scale (one fp32 fma).
+// - With VNNI: the weights as unsigned bytes (w + 128, an xor), one vpdpbusd for 32 products: each block's dot
+//   is then sum w x + 128 sum x, and the rows' 128 sum_b d_b sum x_b (xsum, one number per row of x) is taken off
+//   the total. Where the offset was the vpdpbusd's accumulator instead (exact integers), its load for every dot
+//   made the tiles ~15% slower than the sign instruction; in fp32 the two totals differ by ~1e-6 of the offset.
+// - Without: |w| times x carrying w's sign (vpsignb), vpmaddubsw (whose int16 sums of two cannot saturate here:
+//   2 * 128 * 127 < 32767) then vpmaddwd. vpdpbusd cannot take that pair.
 template <int MR, int NR>
-inline void tile_dot(const int8_t* wr, int64_t w_stride, const int8_t* qx, const float* dx, int64_t K, int64_t B,
-                     float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
+inline void tile_dot(const int8_t* wr, int64_t w_stride, const int8_t* qx, const float* dx, const float* xsum,
+                     int64_t K, int64_t B, float* out) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+#ifdef PARLEY_VNNI
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < B; ++b) {
+    __m256i uw[NR];
+    for (int j = 0; j < NR; ++j)
+      uw[j] = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + j * w_stride + b * kQBlock)), flip);
+    for (int i = 0; i < MR; ++i) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + i * K + b * kQBlock));
+      const __m256 d = _mm256_set1_ps(dx[i * B + b]);
+      for (int j = 0; j < NR; ++j)
+        acc[i][j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dpbusd(_mm256_setzero_si256(), uw[j], qv)), acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = hsum8(acc[i][j]) - xsum[i];
+#else
+  (void)xsum;
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < B; ++b) {
     __m256i qw[NR], abs_w[NR];
     for (int j = 0; j < NR; ++j) {
@@ -225,19 +365,27 @@ inline void tile_dot(const int8_t* wr, int64_t w_stride, const int8_t* qx, const
       const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + i * K + b * kQBlock));
       const __m256 d = _mm256_set1_ps(dx[i * B + b]);
       for (int j = 0; j < NR; ++j) {
-        const __m256i dots = dot4(abs_w[j], _mm256_sign_epi8(qv, qw[j]), ones);
+        const __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w[j], _mm256_sign_epi8(qv, qw[j])), ones);
         acc[i][j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dots), acc[i][j]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) out[i * NR + j] = hsum8(acc[i][j]);
+#endif
 }
+
+// x quantized per block of 32: int8 values, a scale per block, and (for VNNI) each row's 128 sum_b d_b sum x_b.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<float> xsum;
+};
 
 // y = the product, NR weight rows at a time (parallel over those groups), against x in blocks of up to 4 rows.
 template <int NR, typename T>
-void tiled_product(const int8_t* w, const T* scale, T* y, const int8_t* qx, const float* dx, int64_t M, int64_t N,
-                   int64_t K, int64_t B, int64_t grain) {
+void tiled_product(const int8_t* w, const T* scale, T* y, const QuantizedRows& x, int64_t M, int64_t N, int64_t K,
+                   int64_t B, int64_t grain) {
   at::parallel_for(0, N / NR, grain, [&](int64_t begin, int64_t end) {
     float out[4 * NR];
     for (int64_t group = begin; group < end; ++group) {
@@ -245,13 +393,14 @@ void tiled_product(const int8_t* w, const T* scale, T* y, const int8_t* qx, cons
       const int8_t* wr = w + n * K;
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t rows = std::min<int64_t>(4, M - m);
-        const int8_t* q = qx + m * K;
-        const float* d = dx + m * B;
+        const int8_t* q = x.q.data() + m * K;
+        const float* d = x.d.data() + m * B;
+        const float* xsum = x.xsum.data() + m;
         switch (rows) {
-          case 4: tile_dot<4, NR>(wr, K, q, d, K, B, out); break;
-          case 3: tile_dot<3, NR>(wr, K, q, d, K, B, out); break;
-          case 2: tile_dot<2, NR>(wr, K, q, d, K, B, out); break;
-          default: tile_dot<1, NR>(wr, K, q, d, K, B, out);
+          case 4: tile_dot<4, NR>(wr, K, q, d, xsum, K, B, out); break;
+          case 3: tile_dot<3, NR>(wr, K, q, d, xsum, K, B, out); break;
+          case 2: tile_dot<2, NR>(wr, K, q, d, xsum, K, B, out); break;
+          default: tile_dot<1, NR>(wr, K, q, d, xsum, K, B, out);
         }
         for (int j = 0; j < NR; ++j) {
           const float s = to_f(scale[n + j]);
@@ -263,17 +412,22 @@ void tiled_product(const int8_t* w, const T* scale, T* y, const int8_t* qx, cons
 }
 
 // y[m, n] = scale[n] * sum_b d[m, b] * (qx[m, block b] . w[n, block b]): int8 x int8 dots, 32 per
-// instruction pair, one fp32 fma per block. Each weight row is read from memory once for all M
+// instruction (VNNI) or three, one fp32 fma per block. Each weight row is read from memory once for all M
 // rows; decode is bound by that read.
 template <typename T>
 void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64_t M, int64_t N, int64_t K) {
   const int64_t B = K / kQBlock;
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dx(M * B);
+  QuantizedRows xq{std::vector<int8_t>(M * K), std::vector<float>(M * B), {}};
+#ifdef PARLEY_VNNI
+  xq.xsum.assign(M, 0.f);
+#endif
+  int8_t* qx = xq.q.data();
+  float* dx = xq.d.data();
   for (int64_t m = 0; m < M; ++m) {
+    [[maybe_unused]] double row_sum = 0.0;  // sum_b d_b sum x_b (VNNI)
     for (int64_t b = 0; b < B; ++b) {
       const T* src = x + m * K + b * kQBlock;
-      int8_t* dst = qx.data() + m * K + b * kQBlock;
+      int8_t* dst = qx + m * K + b * kQBlock;
       float amax = 0.f;
       bool finite = true;
       for (int64_t i = 0; i < kQBlock; ++i) {
@@ -291,12 +445,20 @@ void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64
       const float inv = zero ? 0.f : 127.f / amax;
       dx[m * B + b] = zero ? 0.f : amax / 127.f;
       for (int64_t i = 0; i < kQBlock; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(to_f(src[i]) * inv));
+#ifdef PARLEY_VNNI
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kQBlock; ++i) sum += dst[i];
+      row_sum += static_cast<double>(dx[m * B + b]) * sum;
+#endif
     }
+#ifdef PARLEY_VNNI
+    xq.xsum[m] = static_cast<float>(128.0 * row_sum);
+#endif
   }
   if (M >= kTileRows && N % 2 == 0) {
-    tiled_product<2>(w, scale, y, qx.data(), dx.data(), M, N, K, B, 8);  // a prefill: 4 rows of x by 2 of w
+    tiled_product<2>(w, scale, y, xq, M, N, K, B, 8);  // a prefill: 4 rows of x by 2 of w
   } else {
-    tiled_product<1>(w, scale, y, qx.data(), dx.data(), M, N, K, B, 16);  // each weight row read once for all M
+    tiled_product<1>(w, scale, y, xq, M, N, K, B, 16);  // each weight row read once for all M
   }
 }
 #endif
@@ -407,7 +569,7 @@ void dequantize_rows_into(at::Tensor w, at::Tensor scale, at::Tensor out) {
 }
 
 bool has_int8_linear() {
-#ifdef PARLEY_INT8_LINEAR
+#ifdef PARLEY_AVX2
   return true;
 #else
   return false;
@@ -421,7 +583,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x must be [M, K] and w [N, K]");
   TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == x.scalar_type() && scale.numel() == w.size(0),
               "w must be int8 and scale [N] in x's dtype");
-#ifdef PARLEY_INT8_LINEAR
+#ifdef PARLEY_AVX2
   TORCH_CHECK(x.size(1) % kQBlock == 0, "in_features must be a multiple of 32");
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
