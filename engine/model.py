@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.families import ACTIVATIONS, SUPPORTED_ARCHITECTURES, Family, describe, text_config
-from engine.layers.attention import AttentionMetadata, attention, fused_decode_attention, write_kv
+from engine.layers.attention import AttentionMetadata, attention, fused_decode_attention, paged_rows, write_kv
 from engine.layers.linear import (
     DenseLinear,
     Linear,
@@ -335,7 +335,7 @@ class LlamaModel:
                 q = qkv[:, : H * D].view(T, H, D)
                 k = qkv[:, H * D : (H + KV) * D].view(T, KV, D)
                 v = qkv[:, (H + KV) * D :].view(T, KV, D)
-                attn = attention(q, k, v, cache, meta, decoded=decoded)
+                attn = attention(q, k, v, cache, meta, decoded=decoded, paged=paged_rows(fk, qkv, cache, H, D))
             delta = layer.o(attn)
             h, x = fk.add_rms_norm(h, delta, layer.mlp_norm.weight, eps)
             delta = layer.down(fk.silu_mul(layer.gate_up(x).contiguous()))

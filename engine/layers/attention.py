@@ -17,7 +17,8 @@ The KV cache of one layer is [2, num_kv_heads, num_blocks, block_size, head_dim]
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,10 @@ class AttentionMetadata:
     decode_ctx_len: int | None = None
     decode_ctx_lens: torch.Tensor | None = None  # [B] context length of each decode (fused kernels)
     decode_ctx_start: int = 0  # with decode_ctx_len: the first cached position attended (a sliding window)
+    # per prefill chunk, aligned with ``prefills``: (block table repeated per row [n, nb], each row's context
+    # length [n]) where the chunk is short enough for the paged kernel row by row (``attention``'s ``paged``),
+    # else None; empty where the step has none (a GPU, a long prefill)
+    prefill_rows: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
 
     def windowed(self, window: int) -> AttentionMetadata:
         """The same step with each query seeing only its last ``window`` keys (itself included), as
@@ -63,7 +68,8 @@ class AttentionMetadata:
             first = (lens - window).view(-1, 1, 1, 1)
             decode_mask = decode_mask & (torch.arange(L, device=decode_mask.device) >= first)
         start = max(0, self.decode_ctx_len - window) if self.decode_ctx_len is not None else 0
-        return replace(self, prefills=prefills, decode_mask=decode_mask, decode_ctx_start=start)
+        # the paged rows see every key before them: a window is the masks' alone
+        return replace(self, prefills=prefills, decode_mask=decode_mask, decode_ctx_start=start, prefill_rows=[])
 
 
 @dataclass(frozen=True)
@@ -89,10 +95,12 @@ def attention(
     meta: AttentionMetadata,
     decoded: torch.Tensor | None = None,
     spec: AttentionSpec = AttentionSpec(),
+    paged: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention output [T, H * D] of a packed step; the step's K/V are already in ``cache``.
 
-    ``decoded``: the decode rows' attention when already computed (by the fused kernel).
+    ``decoded``: the decode rows' attention when already computed (by the fused kernel). ``paged``: the
+    fused paged kernel for the rows start..end of a chunk given its ``meta.prefill_rows`` (table, lengths).
     """
     T, H, D = q.shape
     B = meta.num_decodes
@@ -101,8 +109,12 @@ def attention(
     out = q.new_empty(T, H * D)
     if B:
         out[:B] = (decoded if decoded is not None else decode_attention(q[:B], cache, meta, spec)).reshape(B, H * D)
-    for start, end, block_ids, mask in meta.prefills:
+    for i, (start, end, block_ids, mask) in enumerate(meta.prefills):
         n = end - start
+        rows = meta.prefill_rows[i] if paged is not None and meta.prefill_rows else None
+        if rows is not None:
+            out[start:end] = paged(start, end, *rows).reshape(n, H * D)
+            continue
         qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if block_ids is None:  # no cached context: attend within the chunk only (causal, or the given mask)
             kp = k[start:end].transpose(0, 1).unsqueeze(0)
@@ -176,3 +188,15 @@ def fused_decode_attention(
     return fk.paged_decode_attention(
         qkv, cache, meta.decode_block_tables, meta.decode_ctx_lens, num_heads, head_dim, head_dim**-0.5
     )
+
+
+def paged_rows(
+    fk, qkv: torch.Tensor, cache: torch.Tensor, num_heads: int, head_dim: int
+) -> Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``attention``'s ``paged``: rows start..end of ``qkv`` by the fused paged kernel, each as a decode over
+    the chunk's block table up to its own position (``AttentionMetadata.prefill_rows``)."""
+
+    def attend(start: int, end: int, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        return fk.paged_decode_attention(qkv[start:end], cache, tables, lens, num_heads, head_dim, head_dim**-0.5)
+
+    return attend

@@ -98,6 +98,59 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_blocks():
         fk.paged_decode_attention(qkv, cache, tables + 10, lens, H, D, D**-0.5)
 
 
+def test_paged_rows_of_a_prefill_chunk_match_causal_sdpa():
+    # a chunk of 5 rows after 37 cached tokens: each row a decode over the chunk's table up to its own position
+    torch.manual_seed(4)
+    H, KV, D, bs, pool, start, n = 14, 2, 64, 16, 12, 37, 5
+    cache = torch.randn(2, KV, pool, bs, D, dtype=BF16)
+    blocks = torch.tensor([9, 4, 0])  # 42 tokens: three blocks
+    qkv = torch.randn(n, (H + 2 * KV) * D, dtype=BF16)
+    positions = torch.arange(start, start + n)
+    got = fk.paged_decode_attention(qkv, cache, blocks.expand(n, 3).contiguous(), positions + 1, H, D, D**-0.5)
+    kv = cache[:, :, blocks].flatten(2, 3).float()  # [2, KV, 48, D]
+    q = qkv[:, : H * D].view(n, KV, H // KV, D).permute(1, 2, 0, 3).float()  # [KV, G, n, D]
+    mask = torch.arange(48)[None, :] <= positions[:, None]  # causal, offset by the cached context
+    ref = F.scaled_dot_product_attention(q, kv[0][:, None], kv[1][:, None], attn_mask=mask)  # [KV, G, n, D]
+    assert close(got, ref.permute(2, 0, 1, 3).reshape(n, H, D))
+
+
+def test_short_prefill_chunks_take_the_paged_rows_and_score_as_aten_does(bf16_pair, prompts):
+    """A prompt continuing a cached one: its tail is a chunk of a few rows over cached blocks (the voice turn's
+    case), attended by the paged kernel row by row; its tokens' log-probabilities match the ATen forward's."""
+    fused, plain = bf16_pair
+    calls = []
+
+    class Counting:
+        def __init__(self, kernels):
+            self._kernels = kernels
+
+        def __getattr__(self, name):
+            if name == "paged_decode_attention":
+                return lambda qkv, *a: calls.append(qkv.shape[0]) or self._kernels.paged_decode_attention(qkv, *a)
+            return getattr(self._kernels, name)
+
+    prefix = prompts[-1] + prompts[-2] + prompts[-3]
+    tail = prompts[1][1:9]
+    prompt = prefix + tail
+    params = SamplingParams(max_tokens=1, prompt_logprobs_from=len(prefix), prompt_logprobs_to=len(prompt))
+    scores = []
+    for eng in (fused, plain):
+        eng.generate([prefix], SamplingParams(max_tokens=1))  # cached, as the words heard so far are
+        kernels = eng.model.fused
+        eng.model.fused = Counting(kernels) if kernels is not None else None
+        try:
+            rid = eng.add_request(None, prompt, params)
+            outputs = {}
+            while eng.has_unfinished():
+                for out in eng.step():
+                    outputs[out.request_id] = out
+            scores.append(torch.tensor(outputs[rid].prompt_logprobs))
+        finally:
+            eng.model.fused = kernels
+    assert 1 < max(calls) <= 16, calls  # the tail's rows went through the kernel together (no decode is > 1 row)
+    assert len(scores[0]) == len(tail) and (scores[0] - scores[1]).abs().max() < 0.2, scores
+
+
 def test_silu_mul_matches_eager():
     gu = torch.randn(3, 2 * 1536, dtype=BF16)
     g, u = gu.chunk(2, dim=-1)

@@ -84,7 +84,12 @@ def test_greedy_answers_mostly_agree(quant_engine, engine, prompts):
     agree = sum(a[:4] == b[:4] for a, b in zip(ref, got, strict=True))
     first = sum(a[0] == b[0] for a, b in zip(ref, got, strict=True))
     assert 2 * agree >= len(prompts) and 4 * first >= 3 * len(prompts), (
-        quant_engine.config.quantization, agree, first, len(prompts), ref, got
+        quant_engine.config.quantization,
+        agree,
+        first,
+        len(prompts),
+        ref,
+        got,
     )
 
 
