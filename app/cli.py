@@ -115,6 +115,10 @@ def _bench(args: argparse.Namespace) -> int:
         from engine.benchmarks.throughput import main as bench_engine
 
         return bench_engine(args.rest)
+    if args.what == "kernels":
+        from engine.benchmarks.kernels import main as bench_kernels  # the fused CPU kernels, build against build
+
+        return bench_kernels(args.rest)
     if args.what == "turn-end":
         from app.bench.turn_end import main as bench_turn_end
 
@@ -172,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_engine)
 
     bench = commands.add_parser(
-        "bench", help="benchmarks: `parley bench engine|voice|load|soak|quality|turn-end|wyoming --help`"
+        "bench", help="benchmarks: `parley bench engine|kernels|voice|load|soak|quality|turn-end|wyoming --help`"
     )
-    bench.add_argument("what", choices=["engine", "voice", "load", "soak", "quality", "turn-end", "wyoming"])
+    bench.add_argument("what", choices=["engine", "kernels", "voice", "load", "soak", "quality", "turn-end", "wyoming"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 
