@@ -45,9 +45,8 @@ def fused_kernels():
 
 
 def _build_and_load():
-    from torch.utils.cpp_extension import _get_build_directory, load
+    from torch.utils.cpp_extension import _get_build_directory
 
-    _put_ninja_on_path()
     log.info("loading fused CPU kernels (first build takes about a minute)")
     source = _SOURCE.read_bytes()
     name = build_name(source, cpu_features(), torch_root())
@@ -61,13 +60,22 @@ def _build_and_load():
         if stale.exists():
             log.warning("removing the build lock of an interrupted fused-kernel build: %s", stale)
             stale.unlink(missing_ok=True)
-        return load(
-            name=name,
-            sources=[str(_stable_copy(source, build_dir))],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return compile_source(name, _stable_copy(source, build_dir))
+
+
+def compile_source(name: str, path: Path):
+    """A kernel source compiled for this CPU and loaded as module ``name`` (also ``parley bench kernels``'s
+    other build)."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    return load(
+        name=name,
+        sources=[str(path)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
 
 
 def build_name(source: bytes, cpu: str, torch_root: str = "") -> str:

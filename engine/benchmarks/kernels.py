@@ -27,19 +27,9 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
 
 def load_build(source: Path):
     """Another ``fused_cpu.cpp`` compiled for this CPU, under a name of its own (its hash)."""
-    from torch.utils.cpp_extension import load
+    from engine.fused import compile_source
 
-    from engine.fused import _put_ninja_on_path
-
-    _put_ninja_on_path()
-    name = "parley_bench_kernels_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    return load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    return compile_source("parley_bench_kernels_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12], source)
 
 
 def cases(args: argparse.Namespace) -> dict[str, Callable]:

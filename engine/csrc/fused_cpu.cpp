@@ -5,7 +5,8 @@
 // ~165 us, mostly per-op dispatch. Each function here replaces one such group by one call:
 //   add_rms_norm        h += delta; x = rmsnorm(h) * w               (both norms of a layer)
 //   rotary_kv_write     rotate q and k in place, write k and v to their cache slots
-//   paged_decode_attention  one query token per request against its paged K/V, no gather
+//   paged_decode_attention  one query row against its paged K/V up to its length, no gather (decodes,
+//                       and a short prefill chunk's rows with its table repeated)
 //   silu_mul            silu(gate) * up (exp eight floats at a time: exp8)
 //   int8_linear         x @ (int8 w * scale).T, x quantized per block of 32: the int8 linears (AVX2 + FMA, VNNI)
 //   dequantize_rows_into  out = int8 w * scale[:, None], into a buffer kept between calls: a prefill's dense
@@ -417,10 +418,7 @@ void tiled_product(const int8_t* w, const T* scale, T* y, const QuantizedRows& x
 template <typename T>
 void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64_t M, int64_t N, int64_t K) {
   const int64_t B = K / kQBlock;
-  QuantizedRows xq{std::vector<int8_t>(M * K), std::vector<float>(M * B), {}};
-#ifdef PARLEY_VNNI
-  xq.xsum.assign(M, 0.f);
-#endif
+  QuantizedRows xq{std::vector<int8_t>(M * K), std::vector<float>(M * B), std::vector<float>(M, 0.f)};
   int8_t* qx = xq.q.data();
   float* dx = xq.d.data();
   for (int64_t m = 0; m < M; ++m) {
