@@ -28,25 +28,36 @@ def settings_from_args(args: argparse.Namespace):
     return load_settings(**{name: getattr(args, name) for name in Settings.model_fields})
 
 
-def let_idle_threads_sleep() -> None:
-    """Idle OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``), unless the user set a policy.
+# How long an idle OpenMP thread spins before it sleeps, in libgomp's spins (a ``pause`` each: ~26 ns on the 2-core
+# EPYC, ~45 ns on a Skylake-or-later Xeon): ~0.8-1.4 ms, where the runtime's default is 300000 (~8-14 ms).
+OPENMP_SPINS = 30000
 
-    The LLM (torch) and Whisper (CTranslate2) each bring their own OpenMP runtime, whose threads by default
-    spin for a while after each parallel region, waiting for the next. In the voice server the stages take
+
+def bound_idle_spinning() -> None:
+    """Idle OpenMP threads spin ``OPENMP_SPINS`` before they sleep (``GOMP_SPINCOUNT``), unless the user set a
+    policy or a count.
+
+    The LLM (torch) and Whisper (CTranslate2) each bring their own OpenMP runtime (libgomp both), whose threads by
+    default spin for ~8 ms after each parallel region, waiting for the next. In the voice server the stages take
     turns on the same few cores, so that spinning took the cores from the next stage: on the 2-core VM the
     first piece's synthesis (Piper alone: ~100 ms for 4 words) took 150-570 ms in the server, beside two
-    spinning threads at 100-270 ms of CPU each; with the policy, Piper's first audio p50 was 136 and 112 ms
-    in two `bench voice` runs against 173 and 200 (app/bench/results/turn_taking.md). Set
-    before either library loads (the runtime reads it once); the engine's own
-    server (``parley engine serve``, one library on its cores) keeps the default, where spinning is faster.
+    spinning threads at 100-270 ms of CPU each (app/bench/results/turn_taking.md). Not spinning at all
+    (``OMP_WAIT_POLICY=PASSIVE``, the policy until 2026-12-07) cost the engine instead: a decode step is ~150
+    parallel regions a few tens of microseconds apart, and a worker put to sleep after each one is woken again
+    for the next. The default brain's decode step at 975 cached tokens, 2 threads, in process: 26-29 ms passive
+    against 20-21 spinning for 30000 or 300000 spins (22.8 at 3000). A thread still sleeps ~1 ms after the
+    engine's last region, so a stage that runs after a step, or between two, gets its core
+    (app/bench/results/default_brain.md, "eighth session"). Set before either library loads (the runtime reads it
+    once); the engine's own server (``parley engine serve``, one library on its cores) keeps the default.
     """
     import os
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPINS))
 
 
 def _serve(args: argparse.Namespace) -> int:
-    let_idle_threads_sleep()
+    bound_idle_spinning()
     import uvicorn
     from pydantic import ValidationError
 

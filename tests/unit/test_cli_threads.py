@@ -1,4 +1,4 @@
-"""`parley serve` lets idle OpenMP threads sleep before the models (and their OpenMP runtimes) load."""
+"""`parley serve` bounds how long idle OpenMP threads spin before the models (and their OpenMP runtimes) load."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import app.cli as cli
 
 @pytest.fixture
 def serve_without_running(monkeypatch):
-    """``main(["serve"])`` up to building the app: records the wait policy the app (and its models) start under."""
+    """``main(["serve"])`` up to building the app: records the wait policy and spin count the app (and its models)
+    start under."""
     import uvicorn
 
     import app.server.app as server_app
@@ -20,6 +21,7 @@ def serve_without_running(monkeypatch):
         import os
 
         seen["policy"] = os.environ.get("OMP_WAIT_POLICY")
+        seen["spins"] = os.environ.get("GOMP_SPINCOUNT")
         return object()
 
     monkeypatch.setattr(server_app, "create_app", create_app)
@@ -27,17 +29,31 @@ def serve_without_running(monkeypatch):
     return seen
 
 
-def test_serve_sets_the_passive_wait_policy_before_the_app_loads(monkeypatch, serve_without_running):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "recorded")  # so that monkeypatch restores it (unset) afterwards
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    assert cli.main(["serve"]) == 0
-    assert serve_without_running["policy"] == "PASSIVE"
+def unset(monkeypatch, *names: str) -> None:
+    for name in names:
+        monkeypatch.setenv(name, "recorded")  # so that monkeypatch restores it (unset) afterwards
+        monkeypatch.delenv(name)
 
 
-def test_a_policy_the_user_set_is_kept(monkeypatch, serve_without_running):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+def test_serve_bounds_the_spinning_before_the_app_loads(monkeypatch, serve_without_running):
+    unset(monkeypatch, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
     assert cli.main(["serve"]) == 0
-    assert serve_without_running["policy"] == "ACTIVE"
+    assert serve_without_running == {"policy": None, "spins": str(cli.OPENMP_SPINS)}
+
+
+def test_a_policy_the_user_set_is_kept_without_a_count(monkeypatch, serve_without_running):
+    """A policy alone says how long to spin (PASSIVE: not at all); a count set beside it would override it."""
+    unset(monkeypatch, "GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert cli.main(["serve"]) == 0
+    assert serve_without_running == {"policy": "PASSIVE", "spins": None}
+
+
+def test_a_count_the_user_set_is_kept(monkeypatch, serve_without_running):
+    unset(monkeypatch, "OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert cli.main(["serve"]) == 0
+    assert serve_without_running == {"policy": None, "spins": "0"}
 
 
 def test_nothing_with_an_openmp_runtime_loads_before_serve_sets_the_policy():
