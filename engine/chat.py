@@ -48,10 +48,16 @@ import json
 import logging
 import re
 import secrets
+import threading
+from collections import OrderedDict
 
 log = logging.getLogger(__name__)
 
 _warned: set[str] = set()
+# The placeholders' nonce: one per process, never shown outside it, so a message cannot spell one; one compiled
+# pattern finds them all (a nonce per call compiled a new pattern each time: ~1 ms of a ~5 ms prompt with tools).
+_NONCE = secrets.token_hex(8)
+_MARKS = re.compile(f"PARLEYCONTENT{_NONCE}N[0-9]+E")
 
 
 def _ids(encoding) -> list[int]:
@@ -90,15 +96,59 @@ def chat_token_ids(
     """
     contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
     added = added_token_texts(tokenizer)
+    rendered = render(tokenizer, messages, add_generation_prompt, tools)
     if not any(t in c for c in contents for t in added):
-        normal = _ids(tokenizer(render(tokenizer, messages, add_generation_prompt, tools), add_special_tokens=False))
+        normal = _ids(tokenizer(rendered, add_special_tokens=False))
         template_only = sanitized_chat_token_ids(
-            tokenizer, messages, add_generation_prompt, tools, _template_ids_only=True
+            tokenizer, messages, add_generation_prompt, tools, _template_ids_only=True, _normal=rendered
         )
         added_ids = set(added.values())
         if sorted(i for i in normal if i in added_ids) == sorted(template_only):
             return normal
-    return sanitized_chat_token_ids(tokenizer, messages, add_generation_prompt, tools)
+    return sanitized_chat_token_ids(tokenizer, messages, add_generation_prompt, tools, _normal=rendered)
+
+
+class ChatIdsCache:
+    """The token ids of the last chats rendered (``chat_token_ids``), by their messages, tools and generation prompt.
+
+    Why: a voice turn renders the same prompt more than once before its first step (its verdict's position is
+    read from the reply's prompt, which the reply then renders again), and a prompt with the default brain's tools
+    costs ~5 ms of the event loop to render (three template renderings and two tokenizations of ~1000 tokens).
+    Keyed by the JSON of what is rendered, in its own key order (a template prints keys as they come): a chat
+    that cannot be written as JSON is rendered each time. Thread-safe; a hit returns a copy."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    @staticmethod
+    def key(messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str | None:
+        try:
+            return json.dumps([messages, add_generation_prompt, tools], ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            return None
+
+    def ids(
+        self, tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """``chat_token_ids`` of the chat, from this cache where it was rendered lately."""
+        key = self.key(messages, add_generation_prompt, tools)
+        if key is not None:
+            with self._lock:
+                found = self._ids.get(key)
+                if found is not None:
+                    self._ids.move_to_end(key)
+                    self.hits += 1
+                    return list(found)
+        ids = chat_token_ids(tokenizer, messages, add_generation_prompt, tools)
+        if key is not None:
+            with self._lock:
+                self._ids[key] = list(ids)
+                while len(self._ids) > self.capacity:
+                    self._ids.popitem(last=False)
+        return ids
 
 
 def added_token_texts(tokenizer) -> dict[str, int]:
@@ -114,6 +164,7 @@ def sanitized_chat_token_ids(
     tools: list[dict] | None = None,
     *,
     _template_ids_only: bool = False,
+    _normal: str | None = None,
 ) -> list[int]:
     """The template rendered around placeholders; template pieces tokenized normally, contents as plain text.
 
@@ -121,26 +172,24 @@ def sanitized_chat_token_ids(
     would have put it in the whole string (a whitespace run is one piece but for its last
     character, which starts the next word), so for ordinary messages the ids equal the
     normal tokenization on the Llama-family (byte-level) tokenizers. Whitespace cannot spell
-    a marker, so moving it across a seam filters nothing less.
+    a marker, so moving it across a seam filters nothing less. ``_normal``: the template's own rendering of
+    ``messages``, where the caller has it.
     """
-    nonce = secrets.token_hex(8)
     marks: dict[str, str] = {}
     shadow: list[dict] = []
     for i, m in enumerate(messages):
         content = m.get("content")
         m2 = dict(m)
         if isinstance(content, str) and content:  # empty content: nothing to sanitize, and templates test it
-            mark = f"PARLEYCONTENT{nonce}N{i}E"
+            mark = f"PARLEYCONTENT{_NONCE}N{i}E"
             marks[mark] = content
             m2["content"] = mark
         shadow.append(m2)
     rendered = render(tokenizer, shadow, add_generation_prompt, tools)
     if marks:
-        pattern = re.compile("|".join(re.escape(k) for k in marks))
-        parts = pattern.split(rendered)
-        contents = _as_template_prints(
-            tokenizer, messages, add_generation_prompt, tools, parts, [marks[k] for k in pattern.findall(rendered)]
-        )
+        parts = _MARKS.split(rendered)
+        normal = _normal if _normal is not None else render(tokenizer, messages, add_generation_prompt, tools)
+        contents = _as_template_prints(tokenizer, normal, parts, [marks[k] for k in _MARKS.findall(rendered)])
     else:
         parts, contents = [rendered], []
     if _template_ids_only:
@@ -176,17 +225,9 @@ def _fix_seams(parts: list[str], contents: list[str]) -> list[tuple[str, bool]]:
     return out
 
 
-def _as_template_prints(
-    tokenizer,
-    messages: list[dict],
-    add_generation_prompt: bool,
-    tools: list[dict] | None,
-    parts: list[str],
-    contents: list[str],
-) -> list[str]:
-    """The contents as the template prints them, each as sent, stripped (``| trim``), JSON-escaped (``| tojson``)
-    or both; else all as sent, with a warning."""
-    normal = render(tokenizer, messages, add_generation_prompt, tools)
+def _as_template_prints(tokenizer, normal: str, parts: list[str], contents: list[str]) -> list[str]:
+    """The contents as the template prints them (``normal``: its rendering of the messages), each as sent, stripped
+    (``| trim``), JSON-escaped (``| tojson``) or both; else all as sent, with a warning."""
     printed: list[str] = []
     at = 0
     for i, content in enumerate(contents):

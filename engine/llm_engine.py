@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine.chat import chat_token_ids, check_split_special_tokens
+from engine.chat import ChatIdsCache, check_split_special_tokens
 from engine.config import EngineConfig
 from engine.engine_stats import EngineCounters, model_info
 from engine.kv_cache import KVCacheManager
@@ -66,6 +66,7 @@ class LLMEngine:
         self.model_path = path
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         check_split_special_tokens(self.tokenizer)  # chat contents are tokenized as plain text (engine/chat.py)
+        self.chat_ids = ChatIdsCache()  # the last chats rendered (a voice turn renders its prompt more than once)
         self.runner = ModelRunner(config, path, model)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.prompt_scores = PromptScoreCache()  # prompt log-probabilities computed, beside the prefix cache
@@ -127,7 +128,7 @@ class LLMEngine:
         """Token ids of a chat in the model's own template, each message's content tokenized as plain
         text (special-token text in a message never becomes a special token; see engine/chat.py).
         ``tools``: OpenAI tool definitions, for a template that renders them."""
-        return chat_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
+        return self.chat_ids.ids(self.tokenizer, messages, add_generation_prompt, tools)
 
     def check_grammar(self, grammar: str) -> None:
         """Compile ``grammar`` now (it is cached for the requests that use it); ValueError says what is wrong.

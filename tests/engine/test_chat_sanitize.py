@@ -96,3 +96,49 @@ def test_a_trimming_template_keeps_its_trim(tokenizer):
     text = tokenizer.decode(ids, skip_special_tokens=False)
     assert "user\npadded <|im_start|><|im_end|>" in text
     assert [i for i in ids if i in set(tokenizer.all_special_ids)].count(1) == 2  # user + assistant turn only
+
+
+def test_the_cache_gives_what_a_fresh_render_gives_and_its_own_copy(tokenizer):
+    from engine.chat import ChatIdsCache
+
+    cache = ChatIdsCache(capacity=2)
+    chat = CHATS[1]
+    first = cache.ids(tokenizer, chat)
+    again = cache.ids(tokenizer, [dict(m) for m in chat])  # equal messages, other objects: a hit
+    assert cache.hits == 1 and again == first == chat_token_ids(tokenizer, chat)
+    again.append(-1)  # a caller's list is its own
+    assert cache.ids(tokenizer, chat) == first
+    # what changes the rendering is in the key: the generation prompt, a content, a message's key order
+    assert cache.ids(tokenizer, chat, add_generation_prompt=False) == chat_token_ids(tokenizer, chat, False)
+    changed = [*chat[:-1], {"role": "user", "content": "Tell me a joke about 43 cats."}]
+    assert cache.ids(tokenizer, changed) == chat_token_ids(tokenizer, changed)
+    assert cache.hits == 2
+    reordered = [{"content": m["content"], "role": m["role"]} for m in chat]
+    assert ChatIdsCache.key(reordered, True, None) != ChatIdsCache.key(chat, True, None)
+
+
+def test_the_cache_is_bounded_and_renders_what_json_cannot_key(tokenizer):
+    from engine.chat import ChatIdsCache
+
+    cache = ChatIdsCache(capacity=2)
+    for chat in CHATS[:4]:
+        cache.ids(tokenizer, chat)
+    assert len(cache._ids) == 2
+    cache.ids(tokenizer, CHATS[0])  # dropped: rendered again
+    assert cache.hits == 0
+    odd = [{"role": "user", "content": "hi", "extra": object()}]
+    assert ChatIdsCache.key(odd, True, None) is None
+    assert cache.ids(tokenizer, odd) == cache.ids(tokenizer, odd) and cache.hits == 0
+
+
+def test_forged_markers_stay_text_through_the_cache(tokenizer):
+    from engine.chat import ChatIdsCache
+
+    cache = ChatIdsCache()
+    special = set(tokenizer.all_special_ids)
+    for forged in FORGED:
+        chat = [{"role": "user", "content": forged}]
+        template_special = [i for i in chat_token_ids(tokenizer, [{"role": "user", "content": "x"}]) if i in special]
+        for _ in range(2):
+            ids = cache.ids(tokenizer, chat)
+            assert [i for i in ids if i in special] == template_special
