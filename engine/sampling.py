@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.fused import loaded_fused_kernels
 from engine.outputs import TokenLogprobs
 from engine.structured_output.grammar import GrammarState, LazyGrammar, grammar_bias
 
@@ -270,11 +271,21 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], lis
     else:
         # argmax needs no float32 copy: widening is monotonic, so the first maximum is the same row entry
         # (every row: a subset would cost a copy; the processed rows are replaced below)
-        out = torch.argmax(logits, dim=-1).tolist()
+        out = argmax_rows(logits).tolist()
     if todo:
         for i, token in zip(todo, _sample_processed(logits, todo, [rows[i] for i in todo]), strict=True):
             out[i] = token
     return out, errors
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` of a [rows, vocab] tensor (the first maximum; a NaN counts as one): the fused
+    kernel where a CPU model loaded it, two vector passes instead of ATen's value-at-a-time loop (the default
+    brain's 151,936 logits: ~550 us in bfloat16 and ~130 in float32, 3 % of its decode step)."""
+    kernels = loaded_fused_kernels() if logits.device.type == "cpu" and logits.dim() == 2 else None
+    if kernels is None or not hasattr(kernels, "argmax_rows"):
+        return torch.argmax(logits, dim=-1)
+    return kernels.argmax_rows(logits.contiguous())
 
 
 def _sample_processed(logits: torch.Tensor, index: list[int], rows: list[SamplerRow]) -> list[int]:
@@ -284,7 +295,7 @@ def _sample_processed(logits: torch.Tensor, index: list[int], rows: list[Sampler
     greedy = [j for j, r in enumerate(rows) if r.params.greedy]
     drawn = [j for j, r in enumerate(rows) if not r.params.greedy]
     if greedy:
-        for j, t in zip(greedy, _subset(x, greedy).argmax(dim=-1).tolist(), strict=True):
+        for j, t in zip(greedy, argmax_rows(_subset(x, greedy)).tolist(), strict=True):
             tokens[j] = t
     if drawn:
         sub = [rows[j] for j in drawn]

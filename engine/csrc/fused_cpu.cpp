@@ -461,6 +461,67 @@ void int8_linear_kernel(const T* x, const int8_t* w, const T* scale, T* y, int64
 }
 #endif
 
+// The index of each row's first maximum, as torch.argmax (a NaN counts as the maximum: its first index). ATen's
+// argmax over the default brain's 151,936 logits took ~550 us in bf16 and ~130 in float32 (a value at a time), 3 %
+// of a decode step; this is two vector passes, the max then its first index.
+template <typename T>
+inline float logit_at(const T* row, int64_t i) {
+  return static_cast<float>(row[i]);
+}
+
+#ifdef PARLEY_AVX2
+inline __m256 load8_f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_f(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+template <typename T>
+int64_t row_argmax(const T* row, int64_t n) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+#ifdef PARLEY_AVX2
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    __m256 vmax = _mm256_set1_ps(best);
+    __m256 nan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = load8_f(row + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      vmax = _mm256_max_ps(vmax, v);
+    }
+    if (_mm256_movemask_ps(nan)) {
+      for (int64_t j = 0; j < n; ++j)
+        if (std::isnan(logit_at(row, j))) return j;
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float lane : lanes) best = std::max(best, lane);
+  }
+#endif
+  for (int64_t j = i; j < n; ++j) {
+    const float v = logit_at(row, j);
+    if (std::isnan(v)) {
+      for (int64_t k = 0; k < n; ++k)  // the first NaN, wherever the vector pass stopped
+        if (std::isnan(logit_at(row, k))) return k;
+    }
+    best = std::max(best, v);
+  }
+  int64_t j = 0;
+#ifdef PARLEY_AVX2
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    const __m256 target = _mm256_set1_ps(best);
+    for (; j + 8 <= n; j += 8) {
+      const int mask = _mm256_movemask_ps(_mm256_cmp_ps(load8_f(row + j), target, _CMP_EQ_OQ));
+      if (mask) return j + __builtin_ctz(mask);
+    }
+  }
+#endif
+  for (; j < n; ++j)
+    if (logit_at(row, j) == best) return j;
+  return 0;  // a row of -inf only
+}
+
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -595,6 +656,21 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale) {
 #endif
 }
 
+at::Tensor argmax_rows(at::Tensor logits) {
+  check_cpu_contiguous(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab]");
+  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  int64_t* index = out.data_ptr<int64_t>();
+  const int64_t n = logits.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* data = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) index[r] = row_argmax(data + r * n, n);
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops: the engine steps on its own thread beside the server's Python threads
   // (the event loop among them), and a kernel's parallel region can wait on a core another process holds
@@ -606,6 +682,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up row", release_gil());
   m.def("dequantize_rows_into", &dequantize_rows_into, "out = w * scale[:, None] for int8 w [N, K]", release_gil());
+  m.def("argmax_rows", &argmax_rows, "each row's first maximum, as torch.argmax(logits, -1)", release_gil());
   m.def("has_int8_linear", &has_int8_linear, "int8_linear was built (the CPU has AVX2 and FMA)");
   m.def("int8_linear", &int8_linear, "x @ (w * scale[:, None]).T, int8 w, x quantized per block of 32",
         release_gil());

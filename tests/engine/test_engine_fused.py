@@ -157,6 +157,52 @@ def test_silu_mul_matches_eager():
     assert close(fk.silu_mul(gu), F.silu(g) * u)
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.half, torch.float32])
+def test_argmax_rows_is_torch_argmax_first_maximum_and_nan_included(dtype):
+    torch.manual_seed(5)
+    rows = [torch.randn(151_936).to(dtype) for _ in range(3)] + [torch.randn(13).to(dtype)]  # 13: no full vector
+    tie = torch.zeros(1003, dtype=dtype)
+    tie[[17, 400, 1002]] = 5.0  # three equal maxima: the first
+    late = torch.full((1003,), -1.0, dtype=dtype)
+    late[1001] = 2.0  # the maximum in the tail past the last full vector
+    nan = torch.randn(1003).to(dtype)
+    nan[[700, 901]] = float("nan")  # a NaN wins, its first index (torch's rule)
+    nan_tail = torch.randn(1003).to(dtype)
+    nan_tail[1002] = float("nan")
+    cases = rows + [tie, late, nan, nan_tail, torch.full((40,), float("-inf"), dtype=dtype)]
+    inf = torch.randn(1003).to(dtype)
+    inf[[9, 600]] = float("inf")
+    cases.append(inf)
+    for row in cases:
+        x = row[None, :]
+        assert fk.argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist(), row[:8]
+    batch = torch.randn(8, 4099).to(dtype)
+    assert torch.equal(fk.argmax_rows(batch), torch.argmax(batch, dim=-1))
+
+
+def test_the_sampler_takes_the_loaded_kernels_argmax(monkeypatch):
+    from engine import sampling
+
+    calls = []
+
+    class Counting:
+        def argmax_rows(self, x):
+            calls.append(x.shape)
+            return fk.argmax_rows(x)
+
+    monkeypatch.setattr(sampling, "loaded_fused_kernels", lambda: Counting())
+    logits = torch.randn(2, 5000).to(BF16)
+    plain = sampling.SamplerRow(SamplingParams(max_tokens=4))
+    biased = sampling.SamplerRow(SamplingParams(max_tokens=4, logit_bias={int(logits[1].argmax()): -100.0}))
+    tokens, errors = sampling.sample(logits, [plain, biased])
+    assert errors == [None, None]
+    assert tokens[0] == int(torch.argmax(logits[0]))
+    expected = logits[1].float().clone()
+    expected[int(logits[1].argmax())] -= 100.0
+    assert tokens[1] == int(torch.argmax(expected))
+    assert calls == [(2, 5000), (1, 5000)]  # the raw rows, then the processed one
+
+
 def _kernel_call(kernel: str):
     """A call of ``kernel`` on inputs that keep it busy a few milliseconds."""
     torch.manual_seed(3)
