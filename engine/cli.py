@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="token budget of one step (default: 128 on the CPU, 512 on CUDA)",
+        help="token budget of one step (default: 128 on a CPU that emulates bfloat16, 256 on one that computes it, 512 on CUDA)",
     )
     serve.add_argument(
         "--kv-cache-mb",

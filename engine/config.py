@@ -10,7 +10,8 @@ Int8Method = Literal[
     "auto", "int8pack", "ao", "bitsandbytes", "weight_only", "w8a8", "torchao_weight_only", "torchao_w8a8"
 ]
 INT8_METHODS = ("auto", "int8pack", "ao", "bitsandbytes", "weight_only", "w8a8", "torchao_weight_only", "torchao_w8a8")
-CPU_STEP_TOKENS = 128  # ``EngineConfig.step_tokens``
+CPU_STEP_TOKENS = 128  # ``EngineConfig.step_tokens`` where the CPU emulates bfloat16
+CPU_BF16_STEP_TOKENS = 256  # ... and where it computes bfloat16 (AVX512-BF16, AMX)
 CUDA_STEP_TOKENS = 512
 
 
@@ -24,11 +25,16 @@ def resolve_dtype(setting: str, device: str) -> str:
         return setting
     if device.startswith("cuda"):
         return "bfloat16"
+    return "bfloat16" if cpu_computes_bf16() else "float32"
+
+
+def cpu_computes_bf16() -> bool:
+    """oneDNN computes bfloat16 on this CPU (AVX512-BF16, AMX) instead of emulating it."""
     import torch
 
     from engine.layers.linear import onednn_packing_available
 
-    return "bfloat16" if onednn_packing_available(torch.bfloat16, "cpu") else "float32"
+    return onednn_packing_available(torch.bfloat16, "cpu")
 
 
 def resolve_quantization(setting: str, device: str) -> str | None:
@@ -131,15 +137,22 @@ class EngineConfig:
     def step_tokens(self) -> int:
         """The most tokens one step computes (``max_num_batched_tokens``, or the device's default).
 
-        On the CPU 128: a prompt is prefilled in chunks the int8 x int8 kernel takes (it beats the dense product
-        there), and a step of one user's long prompt holds the others' replies for ~1 s instead of ~4. The default
-        brain (int8, 2 AVX2 cores, the two alternated in one process): a 500-token prefill 4.37 s against 5.10 at
-        512, eight chat requests at once 15.5 against 14.4 tok/s with the median first token at 3.9 against 4.6 s;
-        SmolLM2 the same within noise (1.71 against 1.62 s, 43 against 42 tok/s). On CUDA 512: a GPU wants wide
-        steps."""
+        On a CPU that emulates bfloat16, 128: a prompt is prefilled in chunks the int8 x int8 kernel takes (it beats
+        the dense float32 product there), and a step of one user's long prompt holds the others' replies for ~1 s
+        instead of ~4. The default brain (int8, 2 AVX2 cores, the two alternated in one process): a 500-token
+        prefill 4.37 s against 5.10 at 512, eight chat requests at once 15.5 against 14.4 tok/s with the median
+        first token at 3.9 against 4.6 s; SmolLM2 the same within noise (1.71 against 1.62 s, 43 against 42 tok/s).
+        Where the CPU computes bfloat16, 256: a chunk over 32 rows is a dense bfloat16 product there
+        (``engine.quant.INT8PACK_MAX_M``), whose weights are dequantized once a step, so wider steps pay; a step of
+        256 rows is ~0.55 s. The default brain on a 2-core AVX512-BF16 EPYC (in one process, alternated, 2 each):
+        a 500-token prefill 1.27-1.43 s at 128, 1.15-1.21 at 256, 1.12-1.16 at 512; eight requests of 64-384
+        tokens with 64-token replies 68-77 tok/s (first token p50 2.9 s) at 128, 78-80 (2.6 s) at 256, 80-81
+        (2.7 s) at 512. On CUDA 512: a GPU wants wide steps."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return CUDA_STEP_TOKENS if self.resolved_device() == "cuda" else CPU_STEP_TOKENS
+        if self.resolved_device() == "cuda":
+            return CUDA_STEP_TOKENS
+        return CPU_BF16_STEP_TOKENS if cpu_computes_bf16() else CPU_STEP_TOKENS
 
     def resolved_device(self) -> str:
         """``auto`` means CUDA when a GPU is visible, else CPU."""

@@ -109,12 +109,17 @@ def test_cpu_runner_has_no_graphs_and_says_so(engine):
     assert engine.model_info()["cuda_graphs"] == "off (CPU)"
 
 
-def test_a_step_s_token_budget_follows_the_device_unless_set():
-    """128 tokens a step on the CPU (prompts in chunks the int8 kernel takes; ``EngineConfig.step_tokens``), 512 on
-    CUDA; a value given wins on either; the scheduler takes the resolved one."""
-    from engine.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS
+def test_a_step_s_token_budget_follows_the_device_unless_set(monkeypatch):
+    """128 tokens a step on a CPU that emulates bfloat16 (prompts in chunks the int8 kernel takes), 256 on one that
+    computes it (the dense bfloat16 product over 32 rows; ``EngineConfig.step_tokens``), 512 on CUDA; a value given
+    wins on each; the scheduler takes the resolved one."""
+    import engine.config
+    from engine.config import CPU_BF16_STEP_TOKENS, CPU_STEP_TOKENS, CUDA_STEP_TOKENS
 
+    monkeypatch.setattr(engine.config, "cpu_computes_bf16", lambda: False)
     assert EngineConfig(device="cpu").step_tokens() == CPU_STEP_TOKENS == 128
+    monkeypatch.setattr(engine.config, "cpu_computes_bf16", lambda: True)
+    assert EngineConfig(device="cpu").step_tokens() == CPU_BF16_STEP_TOKENS == 256
     assert EngineConfig(device="cuda").step_tokens() == CUDA_STEP_TOKENS == 512
     assert EngineConfig(device="cpu", max_num_batched_tokens=40).step_tokens() == 40
     assert EngineConfig(device="cuda", max_num_batched_tokens=40).step_tokens() == 40
