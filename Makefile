@@ -57,11 +57,21 @@ test-vllm: setup system-deps $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=2 PARLEY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 	  $(VENV)/bin/python -m pytest -q -ra --durations=15 tests/server/test_vllm.py tests/server/test_scale.py
 
-# `parley bench engine --peer llama-cpp`: llama-cpp-python built from source for any x86-64 CPU with AVX2. Instruction
-# sets named, not the native build: a native build on one Xeon (AMX) died with SIGILL on its first token.
+# `parley bench engine --peer llama-cpp`: llama-cpp-python built from source for any x86-64 CPU with AVX2, and with
+# AVX-512 (F/CD/VL/DQ/BW, then VNNI, VBMI, BF16 each where listed) where this CPU has it: the comparison is against
+# llama.cpp at its best here. Instruction sets named, not the native build: a native build on one Xeon (AMX) died with
+# SIGILL on its first token. No wheel cache: one built for another CPU's sets is not reused.
+LLAMA_ISA = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF
 bench-deps: setup
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF" \
-	  $(VENV)/bin/pip install --no-binary llama-cpp-python "llama-cpp-python>=0.3.2"
+	isa="$(LLAMA_ISA)"; has() { grep -qw "$$1" /proc/cpuinfo 2>/dev/null; }; \
+	if has avx512f && has avx512cd && has avx512vl && has avx512dq && has avx512bw; then \
+	  isa="$$isa -DGGML_AVX512=ON"; \
+	  if has avx512_vnni; then isa="$$isa -DGGML_AVX512_VNNI=ON"; fi; \
+	  if has avx512vbmi; then isa="$$isa -DGGML_AVX512_VBMI=ON"; fi; \
+	  if has avx512_bf16; then isa="$$isa -DGGML_AVX512_BF16=ON"; fi; \
+	fi; \
+	echo "building llama.cpp with: $$isa"; \
+	CMAKE_ARGS="$$isa" $(VENV)/bin/pip install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python>=0.3.2"
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -21,7 +21,8 @@ workload, for both sides:
 
 A peer that dies (llama.cpp built for instructions this CPU lacks dies on its first token with
 SIGILL) stops the run with its reason, never a wait on a dead worker. ``make bench-deps`` builds
-llama-cpp-python for any x86-64 CPU with AVX2 (explicit instruction sets, not the native build).
+llama-cpp-python for AVX2, and AVX-512 where this CPU lists it (explicit instruction sets, not the native build);
+the report names the sets the peer was built for.
 
 Ratios (``--json``): ``peer_decode_bs1_ratio`` (ours/peer tokens/s, target >= 1),
 ``peer_concurrent8_throughput_ratio`` (ours/peer, target >= 2),
@@ -238,7 +239,7 @@ class _LlamaCppWorker:
 def _worker_main(conn, gguf: str, threads: int) -> None:
     try:
         worker = _LlamaCppWorker(gguf, threads)
-        conn.send(("ok", None))
+        conn.send(("ok", _instruction_sets()))
     except BaseException as e:  # report and exit
         conn.send(("error", repr(e)))
         return
@@ -251,6 +252,17 @@ def _worker_main(conn, gguf: str, threads: int) -> None:
             conn.send(("ok", getattr(worker, name)(*args)))
         except BaseException as e:
             conn.send(("error", repr(e)))
+
+
+def _instruction_sets() -> str:
+    """What this llama.cpp was built to use ("AVX2 FMA ..."): a build for AVX2 alone, `make bench-deps`'s, leaves an
+    AVX-512 CPU's wider instructions unused, and the comparison should say so."""
+    import re
+
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    return " ".join(name for name, on in re.findall(r"(\w+) = (\d)", info) if on == "1")
 
 
 def died_of(exitcode: int | None) -> str:
@@ -281,8 +293,8 @@ class LlamaCppPeer:
         if worker is None:
             if importlib.util.find_spec("llama_cpp") is None:
                 raise RuntimeError(
-                    "llama-cpp-python is not installed: `make bench-deps` (it builds llama.cpp from source for any "
-                    "AVX2 CPU, ~10 minutes on 2 cores), or give a llama-server URL with --peer-url"
+                    "llama-cpp-python is not installed: `make bench-deps` (it builds llama.cpp from source for this "
+                    "CPU's AVX2 or AVX-512 sets, ~6 minutes on 2 cores), or give a llama-server URL with --peer-url"
                 )
             from importlib.metadata import version
 
@@ -293,7 +305,9 @@ class LlamaCppPeer:
         self._proc = ctx.Process(target=worker, args=(child, str(gguf), threads), daemon=True)
         self._proc.start()
         child.close()  # the child's end lives in the child alone: its death is then an end of file here
-        self._recv()
+        built_for = self._recv()
+        if built_for:
+            self.name += f" (built for {built_for})"
 
     def _recv(self):
         """The worker's answer; its death (a signal, an exit) is an error with its cause, never a wait."""

@@ -87,3 +87,18 @@ def test_a_peer_that_dies_stops_the_run_with_its_cause(tmp_path):
     with pytest.raises(RuntimeError, match="signal 4 .*illegal instruction.*make bench-deps"):
         bench_peer.LlamaCppPeer(tmp_path / "model.gguf", 1, worker=_dies_on_its_first_token)
     assert time.monotonic() - t0 < 30
+
+
+def _ready_built_for_avx2(conn, gguf, threads):
+    """A worker that is ready and says what its llama.cpp was built for, then ends when asked to."""
+    conn.send(("ok", "AVX AVX2 FMA"))
+    conn.recv()
+
+
+def test_the_report_names_what_the_peer_was_built_for(tmp_path):
+    """A build for AVX2 alone on an AVX-512 CPU is llama.cpp below its best: the peer's name says which sets it uses."""
+    peer = bench_peer.LlamaCppPeer(tmp_path / "model.gguf", 1, worker=_ready_built_for_avx2)
+    try:
+        assert peer.name.endswith("(built for AVX AVX2 FMA)")
+    finally:
+        peer.close()
