@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
         print("parley: TLS needs both --ssl-certfile and --ssl-keyfile", file=sys.stderr)
         return 2
     print(f"starting parley on {settings.host}:{settings.port} (loading models first)", flush=True)
-    logging.getLogger().setLevel(args.log_level.upper())  # Parley's own logs too, not only the web server's
+    set_log_levels(args.log_level, args.debug_log)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -83,6 +83,15 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_keyfile=settings.ssl_keyfile,
     )
     return 0
+
+
+def set_log_levels(level: str, debug_loggers: list[str]) -> None:
+    """``level`` for Parley's own logs too (not only the web server's), and debug for the loggers named (and those
+    under them): ``--log-level debug`` logs every WebSocket frame, which busies the event loop enough to move the
+    timings it is asked to show; ``--debug-log engine.llm_engine`` gives the engine's steps alone."""
+    logging.getLogger().setLevel(level.upper())
+    for name in debug_loggers:
+        logging.getLogger(name).setLevel(logging.DEBUG)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -180,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the voice server (web page at /, WebSocket at /ws)")
     add_settings_flags(serve)
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--debug-log",
+        action="append",
+        default=[],
+        metavar="LOGGER",
+        help="this logger (and those under it) at debug whatever --log-level says, e.g. engine.llm_engine: each "
+        "engine step's rows and time (repeat for more)",
+    )
     serve.set_defaults(func=_serve)
 
     engine = commands.add_parser("engine", help="the LLM engine alone: `parley engine serve --help`", add_help=False)

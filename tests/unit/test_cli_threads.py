@@ -67,3 +67,16 @@ def test_nothing_with_an_openmp_runtime_loads_before_serve_sets_the_policy():
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", check], check=True, timeout=60)
+
+
+def test_debug_log_names_loggers_at_debug_under_a_quieter_level(monkeypatch, serve_without_running):
+    """``--debug-log engine.llm_engine``: the engine's steps at debug, the rest (every WebSocket frame) at warning."""
+    import logging
+
+    for name in ("", "engine.llm_engine", "engine", "app.server"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)  # restored after
+    assert cli.main(["serve", "--debug-log", "engine.llm_engine"]) == 0
+    assert logging.getLogger().level == logging.WARNING
+    assert logging.getLogger("engine.llm_engine").isEnabledFor(logging.DEBUG)
+    assert not logging.getLogger("engine").isEnabledFor(logging.DEBUG)
+    assert not logging.getLogger("app.server").isEnabledFor(logging.DEBUG)
