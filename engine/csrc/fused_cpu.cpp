@@ -499,12 +499,9 @@ int64_t row_argmax(const T* row, int64_t n) {
     for (float lane : lanes) best = std::max(best, lane);
   }
 #endif
-  for (int64_t j = i; j < n; ++j) {
+  for (int64_t j = i; j < n; ++j) {  // the vector pass, where it ran, had no NaN: one here is the first
     const float v = logit_at(row, j);
-    if (std::isnan(v)) {
-      for (int64_t k = 0; k < n; ++k)  // the first NaN, wherever the vector pass stopped
-        if (std::isnan(logit_at(row, k))) return k;
-    }
+    if (std::isnan(v)) return j;
     best = std::max(best, v);
   }
   int64_t j = 0;
